@@ -210,3 +210,487 @@ class Mixer(nn.Module):
 
     def forward(self, x):
         return self.hook_out(self.mix(self.hook_in(x)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The state mixer of TransformerBlocks (ARCHITECTURES.md §2.5).
+# ----------------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    """GELU(x W1^T + b1) W2^T + b2 with hidden width 4d; both biases always present (§2.5)."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)  # "fc2.weight" is down-scaled by the init pass
+        self.hook_in = HookPoint()    # mlp input, after the block's second norm
+        self.hook_out = HookPoint()   # mlp output, before the residual add
+
+    def forward(self, x):
+        x = self.hook_in(x)
+        return self.hook_out(self.fc2(F.gelu(self.fc1(x))))  # exact erf GELU: (b,l,d)->(b,l,4d)->(b,l,d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mixers. Each takes (d_model, layer_idx, n_layers, reference=False, **options) and ignores the
+# options it does not use (build_model passes the same options to every layer).
+# ----------------------------------------------------------------------------------------------
+
+class Attention(Mixer):
+    """Causal multi-head softmax attention (zoology MHA, ARCHITECTURES.md §3.1).
+
+    The pattern is computed explicitly (not with scaled_dot_product_attention) so that it is a
+    patchable site: z uses whatever hook_pattern returns.
+    """
+
+    INTERNAL_SITES = ["hook_pattern", "hook_z"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
+        super().__init__(reference)
+        if d_model % n_heads:
+            raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
+        self.n_heads = n_heads
+        self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False hits only this
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
+        self.hook_pattern = HookPoint(seq_dim=2)  # (b,h,l,l): rows are query positions
+        self.hook_z = HookPoint()                 # (b,l,h,k) per-head context before out_proj
+
+    def mix(self, x):
+        b, l, d = x.shape
+        h = self.n_heads
+        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # three blocks of d, head outer: (b,l,h,k) each
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
+        # Upstream adds -1e4 above the diagonal; -inf gives exactly zero weight (difference ~e^-1e4).
+        future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
+        pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
+        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))      # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
+        return self.out_proj(z.reshape(b, l, d))
+
+
+class BaseConv(Mixer):
+    """BaseConv (zoology, ARCHITECTURES.md §3.2): y = c * p + u with p a linear projection and c a
+    causal convolution of the input u: a short depthwise conv (kernel_size K >= 1) or, for
+    kernel_size=-1, an implicit long conv LC(u; kappa) + u whose filter kappa is a small ReLU MLP of
+    fixed positional features Z.
+    """
+
+    INTERNAL_SITES = ["hook_conv", "hook_gated"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
+                 **options):
+        super().__init__(reference)
+        self.kernel_size = kernel_size
+        self.projection = nn.Linear(d_model, d_model)
+        self.hook_proj = HookPoint()    # p (b,l,d): the multiplicative branch
+        self.hook_conv = HookPoint()    # c (b,l,d)
+        self.hook_gated = HookPoint()   # c * p (b,l,d), before the internal + u
+        if kernel_size == -1:
+            # Z[n] = (n/(P-1), cos(2pi 1e-4 n/P), -sin(2pi 1e-4 n/P)): Hyena's features with one band.
+            # Kept as a frozen nn.Parameter (not a buffer) so the parameter count matches the
+            # reported model sizes (ARCHITECTURES.md §4, §7.4): 3P counted, never trained.
+            n = torch.arange(n_positions, dtype=torch.float32)
+            angle = 2 * math.pi * 1e-4 * n / n_positions
+            features = torch.stack([n / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=-1)
+            self.Z = nn.Parameter(features, requires_grad=False)  # (P, 3)
+            self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
+            self.hook_filter = HookPoint(seq_dim=None)  # kappa (l,d): a weight-side site
+            self.hook_longconv = HookPoint()            # LC(u; kappa) (b,l,d), before its + u
+        else:
+            self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, padding=kernel_size - 1)
+
+    def mix(self, u):
+        b, l, d = u.shape
+        p = self.hook_proj(self.projection(u))
+        if self.kernel_size == -1:
+            kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
+            c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # note the built-in identity
+        else:
+            conv = short_conv_reference if self.reference else short_conv
+            c = conv(u, self.conv.weight, self.conv.bias)                  # (b,l,d)
+        c = self.hook_conv(c)
+        return self.hook_gated(c * p) + u
+
+
+def taylor_features(a):
+    """Based's 2nd-order Taylor feature map (§3.3): phi(a) = [1, a / f^(1/4), vec(a a^T) / (sqrt2 sqrt f)].
+
+    a: (..., f) -> (..., 1 + f + f^2). All f^2 ordered products are kept (row-major), so that
+    phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(f): the Taylor expansion of exp(s).
+    """
+    f = a.shape[-1]
+    outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
+    ones = torch.ones_like(a[..., :1])
+    return torch.cat([ones, a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
+
+
+class BasedAttention(Mixer):
+    """Based linear attention with the Taylor feature map (ARCHITECTURES.md §3.3).
+
+    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), out = y W_o^T.
+    `mix` uses the quadratic view (what the paper trained); `step` is the recurrent view with state
+    S_t = sum phi(k_s) v_s^T and normaliser z_t = sum phi(k_s). No biases anywhere.
+    """
+
+    INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, eps=1e-12,
+                 **options):
+        super().__init__(reference)
+        if d_model % n_heads:
+            raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
+        self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, eps
+        self.proj_q = nn.Linear(d_model, feature_dim * n_heads, bias=False)
+        self.proj_k = nn.Linear(d_model, feature_dim * n_heads, bias=False)
+        self.proj_v = nn.Linear(d_model, d_model, bias=False)
+        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # named as upstream: NOT down-scaled at init
+        self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
+        self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
+        self.hook_v = HookPoint()                                        # (b,l,h,k)
+        self.hook_pattern = HookPoint(seq_dim=2)  # (b,h,l,l): causal, unnormalised phi(q).phi(k)
+        self.hook_y = HookPoint()                 # (b,l,d) before proj_o
+
+    def _features(self, x):
+        """q, k, v for x (b, l, d): phi-mapped queries and keys (b,l,h,F) and values (b,l,h,k)."""
+        b, l, d = x.shape
+        h, f = self.n_heads, self.feature_dim
+        q = self.hook_q(self.proj_q(x).view(b, l, h, f))
+        k = self.hook_k(self.proj_k(x).view(b, l, h, f))
+        v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
+        return self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k)), v
+
+    def mix(self, x):
+        b, l, d = x.shape
+        phi_q, phi_k, v = self._features(x)
+        kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,F) x (b,l,h,F) -> (b,h,l,l)
+        causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
+        pattern = self.hook_pattern(kernel * causal)
+        num = torch.einsum("bhts,bshk->bthk", pattern, v)       # (b,l,h,k)
+        den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
+        y = self.hook_y((num / (den + self.eps)).reshape(b, l, d))
+        return self.proj_o(y)
+
+    def init_state(self, batch, device=None, dtype=None):
+        h, d = self.n_heads, self.proj_v.out_features
+        n_features = 1 + self.feature_dim + self.feature_dim ** 2
+        S = torch.zeros(batch, h, n_features, d // h, device=device, dtype=dtype)  # sum phi(k) v^T
+        z = torch.zeros(batch, h, n_features, device=device, dtype=dtype)          # sum phi(k)
+        return S, z
+
+    def step(self, x_t, state):
+        """One token of the recurrent view: x_t (b, d) -> (y_t (b, d), state). No hooks here."""
+        b, d = x_t.shape
+        S, z = state
+        h, f = self.n_heads, self.feature_dim
+        phi_q = taylor_features(self.proj_q(x_t).view(b, h, f))     # (b,h,F)
+        phi_k = taylor_features(self.proj_k(x_t).view(b, h, f))
+        v = self.proj_v(x_t).view(b, h, d // h)                     # (b,h,k)
+        S = S + phi_k[..., None] * v[..., None, :]                  # (b,h,F,k)
+        z = z + phi_k
+        num = torch.einsum("bhf,bhfk->bhk", phi_q, S)
+        den = (phi_q * z).sum(-1, keepdim=True)                     # (b,h,1)
+        return self.proj_o((num / (den + self.eps)).reshape(b, d)), (S, z)
+
+
+class Mamba(Mixer):
+    """Mamba selective SSM (mamba-ssm 2.2.4 Mamba, ARCHITECTURES.md §3.6), same parameter names and shapes.
+
+    [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
+    h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T.
+    d_conv=0 removes the short conv (u = SiLU(xi)); its parameters stay registered (kernel 4), unused.
+    """
+
+    INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2,
+                 dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4, **options):
+        super().__init__(reference)
+        d_conv = 4 if d_conv is None else d_conv
+        e, n = expand * d_model, d_state
+        self.d_conv, self.d_state = d_conv, d_state
+        self.dt_rank = math.ceil(d_model / 16)
+        self.in_proj = nn.Linear(d_model, 2 * e, bias=False)
+        kernel = d_conv if d_conv > 0 else 4
+        self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # used through short_conv
+        self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, e)
+        # Delta init: W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^{-1}(Delta_0), Delta_0 log-uniform in
+        # [dt_min, dt_max], so that the step sizes start spread over two decades.
+        nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
+        dt = torch.exp(torch.empty(e).uniform_(math.log(dt_min), math.log(dt_max))).clamp(min=dt_floor)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # (e,n), S4D-real
+        self.D = nn.Parameter(torch.ones(e))
+        self.out_proj = nn.Linear(e, d_model, bias=False)
+        for name in ["x", "z", "conv_out", "u", "delta", "B", "C", "ssm_out", "gate", "y"]:
+            setattr(self, "hook_" + name, HookPoint())
+
+    def _conv(self, xi):
+        """The short conv SC_K on (b, l, e), or the identity when d_conv = 0."""
+        if self.d_conv == 0:
+            return xi
+        conv = short_conv_reference if self.reference else short_conv
+        return conv(xi, self.conv1d.weight, self.conv1d.bias)
+
+    def _selection(self, u):
+        """Delta (..., e), B (..., n), C (..., n) from u (..., e)."""
+        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        return F.softplus(self.dt_proj(dt)), B, C
+
+    def mix(self, x):
+        b, l, d = x.shape
+        xi, z = self.in_proj(x).chunk(2, dim=-1)                  # (b,l,e) each
+        xi, z = self.hook_x(xi), self.hook_z(z)
+        u = self.hook_u(F.silu(self.hook_conv_out(self._conv(xi))))
+        delta, B, C = self._selection(u)                          # (b,l,e), (b,l,n), (b,l,n)
+        delta, B, C = self.hook_delta(delta), self.hook_B(B), self.hook_C(C)
+        # The recurrence runs in float32 at least (as the reference does), whatever the model dtype.
+        work = torch.promote_types(x.dtype, torch.float32)
+        delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
+        A = -torch.exp(self.A_log.to(work))                       # (e,n)
+        decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n): exp(Delta A), zero-order hold
+        drive = torch.einsum("ble,bln,ble->blen", delta, B, u_w)  # (b,l,e,n): Delta B u (Euler)
+        states = scan(decay, drive, reference=self.reference)     # h_t = decay_t h_{t-1} + drive_t
+        ssm_out = self.hook_ssm_out(torch.einsum("blen,bln->ble", states, C).to(x.dtype))  # (b,l,e)
+        y = ssm_out + self.D * u
+        y = self.hook_y(y * self.hook_gate(F.silu(z)))
+        return self.out_proj(y)                                   # (b,l,e) -> (b,l,d)
+
+    def init_state(self, batch, device=None, dtype=None):
+        e = self.D.shape[0]
+        conv_buffer = torch.zeros(batch, e, max(self.d_conv - 1, 0), device=device, dtype=dtype)  # last K-1 xi
+        ssm_state = torch.zeros(batch, e, self.d_state, device=device,
+                                dtype=torch.promote_types(dtype or torch.float32, torch.float32))
+        return conv_buffer, ssm_state
+
+    def step(self, x_t, state):
+        """One token: x_t (b, d) -> (y_t (b, d), state); equals mix() run over the whole sequence."""
+        conv_buffer, h = state
+        xi, z = self.in_proj(x_t).chunk(2, dim=-1)                # (b,e)
+        if self.d_conv > 0:
+            window = torch.cat([conv_buffer, xi[..., None]], dim=-1)  # (b,e,K): oldest first, current last
+            conv_out = (window * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias
+            conv_buffer = window[..., 1:]
+        else:
+            conv_out = xi
+        u = F.silu(conv_out)
+        delta, B, C = self._selection(u)
+        work = h.dtype
+        A = -torch.exp(self.A_log.to(work))
+        delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
+        h = torch.exp(delta[..., None] * A) * h + delta[..., None] * B[:, None, :] * u_w[..., None]  # (b,e,n)
+        y = (h * C[:, None, :]).sum(-1).to(x_t.dtype) + self.D * u
+        return self.out_proj(y * F.silu(z)), (conv_buffer, h)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks and the language model (ARCHITECTURES.md §2).
+# ----------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean_c x_c^2 + eps) * g, no bias (MambaBlock's norm, §2.3)."""
+
+    def __init__(self, d_model, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))  # g
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))  (§2.2)."""
+
+    def __init__(self, d_model, mixer):
+        super().__init__()
+        self.hook_resid_pre = HookPoint()   # block input
+        self.ln1 = nn.LayerNorm(d_model)
+        self.mixer = mixer
+        self.hook_resid_mid = HookPoint()   # after the mixer's residual add
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+        self.hook_resid_post = HookPoint()  # block output
+
+    def forward(self, r):
+        r = self.hook_resid_pre(r)
+        r = self.hook_resid_mid(r + self.mixer(self.ln1(r)))
+        return self.hook_resid_post(r + self.mlp(self.ln2(r)))
+
+
+class MambaBlock(nn.Module):
+    """r += Mamba(RMSNorm(r)); no MLP (§2.3)."""
+
+    def __init__(self, d_model, mixer):
+        super().__init__()
+        self.hook_resid_pre = HookPoint()
+        self.norm = RMSNorm(d_model)
+        self.mixer = mixer
+        self.mlp = None
+        self.hook_resid_post = HookPoint()
+
+    def forward(self, r):
+        r = self.hook_resid_pre(r)
+        return self.hook_resid_post(r + self.mixer(self.norm(r)))
+
+
+class LM(nn.Module):
+    """Token (+ optional learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
+
+    def __init__(self, vocab_size, d_model, blocks, pos_emb=False, n_positions=1024):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(n_positions, d_model) if pos_emb else None
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.build_args = {}  # filled by build_model, enough to rebuild this model
+
+    def hidden(self, tokens):
+        """The final residual stream (b, l, d), before ln_f."""
+        b, l = tokens.shape
+        r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
+        if self.pos_emb is not None:
+            if l > self.pos_emb.num_embeddings:
+                raise ValueError(f"sequence length {l} exceeds n_positions={self.pos_emb.num_embeddings}.")
+            r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
+        for block in self.blocks:
+            r = block(r)
+        return r
+
+    def forward(self, tokens, readout=None):
+        """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only."""
+        r = self.hidden(tokens)
+        if readout is not None:
+            r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
+        return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
+
+
+def count_parameters(model, trainable_only=False):
+    """Number of distinct parameters (the tied head counted once; frozen ones included unless asked)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def init_weights(model, n_layers, mamba_blocks):
+    """The global initialisation pass of ARCHITECTURES.md §2.6, applied by name/type to any mixer.
+
+    TransformerBlock models: every Linear weight N(0, 0.02^2) and bias 0 (this overrides mixer-internal
+    inits, filter MLPs included), every Embedding N(0, 0.02^2), then any "out_proj.weight" or
+    "fc2.weight" redrawn N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2's residual-branch scaling).
+    MambaBlock models: Linear weights keep their own init, Linear biases are zeroed except those
+    marked _no_reinit (Mamba's dt bias), Embeddings N(0, 0.02^2), out_proj.weight redrawn
+    torch-default / sqrt(n_layers). Conv weights and raw parameters keep their own init in both cases.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            if not mamba_blocks:
+                nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None and not getattr(module.bias, "_no_reinit", False):
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+    for name, p in model.named_parameters():
+        if mamba_blocks and name.endswith("out_proj.weight"):
+            nn.init.kaiming_uniform_(p, a=math.sqrt(5))  # torch-default Linear: U(+-1/sqrt(fan_in))
+            with torch.no_grad():
+                p.div_(math.sqrt(n_layers))
+        elif not mamba_blocks and ("out_proj.weight" in name or "fc2.weight" in name):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry and build_model.
+# ----------------------------------------------------------------------------------------------
+
+ARCHS = {
+    "attention": "causal softmax multi-head attention (zoology MHA) + MLP",
+    "base_conv": "BaseConv: projection gated by a causal conv, short (K=3) and implicit long conv alternating + MLP",
+    "based": "Based: BaseConv short-conv layers alternating with Taylor-feature linear attention + MLP",
+    "hyena": "Hyena: short filter, gated implicit long convolution (sine-MLP filter with decay window) + MLP",
+    "h3": "H3: shift SSM on keys, key-value outer products through a diagonal S4D SSM, query readout + MLP",
+    "mamba": "Mamba: short conv + input-dependent selective SSM scan with SiLU gate, no MLP",
+    "deltanet": "DeltaNet: linear attention with the delta-rule state update, short convs on q/k/v + MLP",
+}
+
+
+def _base_conv_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
+    """base_conv: kernel sizes [3, -1] alternate by layer (-1 = implicit long conv); d_conv sets every
+    layer's short kernel, long_only makes every layer long."""
+    kernel = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
+    return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
+
+
+def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
+    """based: even layers are BaseConv (short K=3, or d_conv, or long with long_only), odd layers linear attention."""
+    if layer_idx % 2 == 0:
+        kernel = -1 if long_only else d_conv if d_conv is not None else 3
+        return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
+    return BasedAttention(d_model, layer_idx, n_layers, reference, **options)
+
+
+# arch name -> function (d_model, layer_idx, n_layers, reference, **options) -> Mixer.
+# mixers_b.py adds hyena, h3 and deltanet with MIXER_CLASSES.update(...) until it is merged here.
+MIXER_CLASSES = {
+    "attention": Attention,
+    "base_conv": _base_conv_layer,
+    "based": _based_layer,
+    "mamba": Mamba,
+}
+MAMBA_BLOCK_ARCHS = {"mamba"}  # archs built from MambaBlocks (no MLP, RMSNorm, Mamba init rules)
+
+
+def _check(condition, message):
+    if not condition:
+        raise ValueError(message)
+
+
+def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
+                d_conv=None, long_only=False, kernels="fast", seed=None, **options):
+    """Build the language model for `arch` with the paper's defaults (ARCHITECTURES.md §2-3).
+
+    pos_emb: learned absolute positions; None means on for attention only. d_conv: Mamba's short-conv
+    size (0..4, 0 removes it) or the short-conv size of based/base_conv. long_only: based/base_conv
+    use implicit long convs instead of short ones. kernels: "fast" or "reference" (slow loop scan and
+    direct convolutions). seed: seeds the initialisation without touching the global RNG.
+    """
+    if arch in ARCHS and arch not in MIXER_CLASSES:
+        try:
+            import mixers_b  # noqa: F401  registers hyena, h3, deltanet until merged into this file
+        except ImportError:
+            pass
+    _check(arch in MIXER_CLASSES, f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
+    _check(isinstance(vocab_size, int) and vocab_size >= 1, f"vocab_size must be a positive int; got {vocab_size!r}.")
+    _check(isinstance(d_model, int) and d_model >= 1, f"d_model must be a positive int; got {d_model!r}.")
+    _check(isinstance(n_layers, int) and n_layers >= 1, f"n_layers must be an int >= 1; got {n_layers!r}.")
+    _check(isinstance(n_heads, int) and n_heads >= 1 and d_model % n_heads == 0,
+           f"n_heads must be a positive int dividing d_model={d_model}; got {n_heads!r}.")
+    _check(isinstance(n_positions, int) and n_positions >= 2, f"n_positions must be an int >= 2; got {n_positions!r}.")
+    _check(kernels in ("fast", "reference"), f"kernels must be 'fast' or 'reference'; got {kernels!r}.")
+    if arch == "mamba":
+        _check(d_conv is None or d_conv in range(5), f"d_conv must be an int in 0..4 for mamba (0 removes the conv); got {d_conv!r}.")
+    if arch in ("based", "base_conv"):
+        _check(d_conv is None or (isinstance(d_conv, int) and d_conv >= 1),
+               f"d_conv must be an int >= 1 for {arch} (the short-conv kernel size); got {d_conv!r}.")
+        _check(not (long_only and d_conv is not None), "d_conv and long_only cannot both be set: long_only removes the short conv.")
+    if pos_emb is None:
+        pos_emb = arch == "attention"
+
+    build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
+                      n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
+                      kernels=kernels, seed=seed, **options)
+    mamba_blocks = arch in MAMBA_BLOCK_ARCHS
+    Block = MambaBlock if mamba_blocks else TransformerBlock
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        make_mixer = MIXER_CLASSES[arch]
+        blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
+                                            d_conv=d_conv, long_only=long_only, n_positions=n_positions,
+                                            **options))
+                  for i in range(n_layers)]
+        model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
+        init_weights(model, n_layers, mamba_blocks)
+    model.build_args = build_args
+    return model
