@@ -114,6 +114,87 @@ def scan(a, b, reference=False):
     return parallel_scan(a, b)
 
 
+def selective_scan_reference(u, delta, A, B, C):
+    """Mamba's selective scan, materialised and left to autograd (the oracle and the benchmark baseline).
+
+    u, delta: (b, l, e); A: (e, n); B, C: (b, l, n). Returns y (b, l, e) with
+    h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t  (zero-order hold for A, Euler for B),
+    y_t = sum_n C_t[n] h_t[:, n]  (Mamba eqs. 2a, 2b, 4).
+    """
+    decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
+    drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
+    states = sequential_scan(decay, drive)                    # (b,l,e,n)
+    return torch.einsum("blen,bln->ble", states, C)
+
+
+class _SelectiveScanLoopFn(torch.autograd.Function):
+    """selective_scan_reference as one loop over time with a hand-written backward (the CPU path).
+
+    The reference materialises four (b, l, e, n) tensors (decay, drive, states and their
+    gradients), megabytes each, and every elementwise pass over them streams through memory. Here
+    each step touches only (b, e, n) tensors that stay in cache: decay_t and drive_t are rebuilt
+    from delta_t, u_t, B_t when needed, and only the states are kept for the backward, which is the
+    reverse-time loop of the chain rule:
+      g_t = C_t dy_t + decay_{t+1} g_{t+1}          (gradient reaching h_t)
+      dL/d(delta_t A) = g_t * h_{t-1} * decay_t     dL/d(delta_t u_t B_t) = g_t
+    """
+
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C):
+        b, l, e = u.shape
+        h = torch.zeros(b, e, A.shape[1], dtype=u.dtype, device=u.device)      # (b,e,n)
+        states, y = [], []
+        for u_t, d_t, B_t, C_t in zip(u.unbind(1), delta.unbind(1), B.unbind(1), C.unbind(1)):
+            decay = torch.exp(d_t[..., None] * A)                             # (b,e,n)
+            h = torch.addcmul(decay * h, (d_t * u_t)[..., None], B_t[:, None, :])
+            states.append(h)
+            y.append(torch.bmm(h, C_t[..., None])[..., 0])                    # (b,e,n)@(b,n,1) -> (b,e)
+        ctx.save_for_backward(u, delta, A, B, C, torch.stack(states, 1))
+        return torch.stack(y, 1)                                              # (b,l,e)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        u, delta, A, B, C, states = ctx.saved_tensors
+        b, l, e = u.shape
+        grad_u, grad_delta, grad_B, grad_C = [None] * l, [None] * l, [None] * l, [None] * l
+        grad_A = torch.zeros_like(A)
+        g = torch.zeros_like(states[:, 0])                                    # (b,e,n)
+        next_decay = None
+        for t in range(l - 1, -1, -1):
+            d_t, u_t, B_t, dy_t, h_t = delta[:, t], u[:, t], B[:, t], grad_y[:, t], states[:, t]
+            g = dy_t[..., None] * C[:, t, None, :] + (next_decay * g if next_decay is not None else 0)
+            grad_C[t] = torch.bmm(dy_t[:, None, :], h_t)[:, 0]                # (b,1,e)@(b,e,n) -> (b,n)
+            decay = torch.exp(d_t[..., None] * A)
+            if t > 0:
+                g_decay = g * states[:, t - 1] * decay                        # dL/d(delta_t A)
+                grad_A += (g_decay * d_t[..., None]).sum(0)
+                g_delta_a = (g_decay * A).sum(-1)                             # (b,e)
+            else:
+                g_delta_a = 0
+            g_drive = torch.bmm(g, B_t[..., None])[..., 0]                    # sum_n g B -> (b,e)
+            grad_delta[t] = g_delta_a + g_drive * u_t
+            grad_u[t] = g_drive * d_t
+            grad_B[t] = torch.bmm((d_t * u_t)[:, None, :], g)[:, 0]           # (b,n)
+            next_decay = decay
+        return (torch.stack(grad_u, 1), torch.stack(grad_delta, 1), grad_A,
+                torch.stack(grad_B, 1), torch.stack(grad_C, 1))
+
+
+def selective_scan(u, delta, A, B, C, reference=False):
+    """Mamba's selective scan as the model runs it.
+
+    CPU: the fused loop above. Other devices: the same maths materialised and run through
+    parallel_scan under autograd (log2(l) launches instead of l). reference=True: the oracle.
+    """
+    if reference:
+        return selective_scan_reference(u, delta, A, B, C)
+    if u.device.type == "cpu":
+        return _SelectiveScanLoopFn.apply(u, delta, A, B, C)
+    decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
+    drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
+    return torch.einsum("blen,bln->ble", parallel_scan(decay, drive), C)
+
+
 def direct_conv(u, k):
     """Reference causal long convolution y_t = sum_{s<=t} k_{t-s} * u_s, per channel.
 
@@ -135,8 +216,9 @@ def fft_conv(u, k):
     """
     length = u.shape[1]
     n = 2 * length
-    u_f = torch.fft.rfft(u, n=n, dim=1)                  # (b, l+1, d) complex
-    k_f = torch.fft.rfft(k, n=n, dim=0)                  # (l+1, d) complex
+    work = torch.promote_types(u.dtype, torch.float32)   # no half-precision FFT on CPU: cast up, then back
+    u_f = torch.fft.rfft(u.to(work), n=n, dim=1)         # (b, l+1, d) complex
+    k_f = torch.fft.rfft(k.to(work), n=n, dim=0)         # (l+1, d) complex
     return torch.fft.irfft(u_f * k_f, n=n, dim=1)[:, :length].to(u.dtype)  # (b, l, d)
 
 
@@ -451,10 +533,9 @@ class Mamba(Mixer):
         work = torch.promote_types(x.dtype, torch.float32)
         delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
         A = -torch.exp(self.A_log.to(work))                       # (e,n)
-        decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n): exp(Delta A), zero-order hold
-        drive = torch.einsum("ble,bln,ble->blen", delta, B, u_w)  # (b,l,e,n): Delta B u (Euler)
-        states = scan(decay, drive, reference=self.reference)     # h_t = decay_t h_{t-1} + drive_t
-        ssm_out = self.hook_ssm_out(torch.einsum("blen,bln->ble", states, C).to(x.dtype))  # (b,l,e)
+        # h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  ssm_out_t = sum_n C_t h_t   (b,l,e)
+        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)
+        ssm_out = self.hook_ssm_out(ssm_out.to(x.dtype))
         y = ssm_out + self.D * u
         y = self.hook_y(y * self.hook_gate(F.silu(z)))
         return self.out_proj(y)                                   # (b,l,e) -> (b,l,d)
@@ -630,8 +711,10 @@ def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, lon
     return BasedAttention(d_model, layer_idx, n_layers, reference, **options)
 
 
-# arch name -> function (d_model, layer_idx, n_layers, reference, **options) -> Mixer.
-# mixers_b.py adds hyena, h3 and deltanet with MIXER_CLASSES.update(...) until it is merged here.
+# arch name -> function (d_model, layer_idx, n_layers, reference, **options) -> Mixer. build_model calls it
+# once per layer with the keywords n_heads, d_conv, long_only, n_positions plus any extra build options,
+# so every factory must accept (and may ignore) those. mixers_b.py adds hyena, h3 and deltanet with
+# MIXER_CLASSES.update(...) until it is merged here.
 MIXER_CLASSES = {
     "attention": Attention,
     "base_conv": _base_conv_layer,
