@@ -1,0 +1,441 @@
+"""tasks.py: the two synthetic retrieval tasks, Associative Recall (AR) and Associative Treecall (ATR).
+
+Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
+arXiv 2505.15105), Sec. 3 and 5, as specified in PROTOCOL.md:
+  [1] PROTOCOL.md §1    token ids (PAD 0, BOS 1, EOS 2) and the named positions
+  [2] PROTOCOL.md §2    AR documents, and the held-out-pair split of §2.3
+  [3] PROTOCOL.md §3    ATR: the PCFG (§3.1), right-headed sentences (§3.2), rejection (§3.3),
+                        parent queries (§3.4) and the (parent, child) label-pair split (§3.5)
+  [4] PROTOCOL.md §4    fixed pre-generated sets;  §10.2 and §10.6 are fixed here (see comments)
+
+Every document is  BOS <context> EOS <query> <answer> EOS , right-padded with PAD. The model reads its
+prediction at positions["query"] (= answer position - 1) and is scored against `answers`.
+
+AR worked example (2 pairs instead of 16; k = key ids, v = value ids):
+    BOS k5 v9 k2 v7 EOS k2 v7 EOS
+    positions: key 3, value 4, next_key 5 (= the divider, since the queried pair is last),
+    divider 5, query 6, answer 7. The logits at position 6 must put their argmax on v7.
+ATR worked example (the root X -> (a, Y) with head h, Y -> (b, c) with head g):
+    sentence  a b c g h   parents a->h, b->g, c->g, g->h, h is the root
+    query "parent of b":  BOS a b c g h EOS b g EOS
+    positions: key 2 (b), value 4 (g), next_key 5, divider 6, query 7, answer 8.
+
+Shape letters: n documents, l padded document length (T in the contract), m AR pairs per document,
+K number of keys, V number of values, S number of terminals |Σ|.
+"""
+
+import bisect
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+PAD, BOS, EOS = 0, 1, 2
+FIRST = 3                      # first content id: AR keys, ATR terminals
+MAX_TERMINALS = 1024           # PROTOCOL §3.3: sentences over 1024 terminals are rejected
+MAX_TRIES = 1000               # consecutive rejections before we call a setting impossible
+SPLITS = {None: 0, "train": 1, "dev": 2, "test": 3}
+_DOCS, _HELDOUT = 0, 1         # RNG stream tags: documents vs the held-out-pair matrix
+
+
+def _seed(*parts):
+    """A 63-bit seed derived from integers; different tuples give independent streams."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
+
+
+def _check(ok, name, allowed):
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}")
+
+
+def _check_common(n, split, holdout, seed):
+    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
+    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
+    _check(0.0 <= holdout < 1.0, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(holdout == 0 or split is not None, "split",
+           "'train', 'dev' or 'test' when holdout > 0 (None has no held-out pairs to respect)")
+    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dataset: one container for both tasks.
+# ----------------------------------------------------------------------------------------------
+
+ROLES = ("key", "value", "next_key", "divider", "query", "answer")
+
+
+@dataclass
+class Dataset:
+    task: str                        # "ar" | "atr"
+    tokens: torch.Tensor             # (n, l) long, right-padded with PAD
+    answers: torch.Tensor            # (n,) the token the model must predict at positions["query"]
+    positions: dict                  # role -> (n,) long; roles in ROLES
+    vocab_size: int
+    classes: dict                    # role -> [lo, hi) id range a corruption of that role draws from
+    lengths: torch.Tensor            # (n,) true length before padding
+    meta: dict = field(default_factory=dict)   # settings; meta["per_doc"] holds per-document lists
+
+    def __len__(self):
+        return self.tokens.shape[0]
+
+    def subset(self, idx):
+        """Documents idx (slice or index tensor/list), padding trimmed to the longest one kept."""
+        if not isinstance(idx, slice):
+            idx = torch.as_tensor(idx, dtype=torch.long)
+        lengths = self.lengths[idx]
+        width = int(lengths.max()) if len(lengths) else 0
+        meta = dict(self.meta)
+        if "per_doc" in meta:
+            pick = (lambda lst: lst[idx]) if isinstance(idx, slice) else (lambda lst: [lst[i] for i in idx.tolist()])
+            meta["per_doc"] = {k: pick(v) for k, v in meta["per_doc"].items()}
+        return replace(self, tokens=self.tokens[idx, :width], answers=self.answers[idx], lengths=lengths,
+                       positions={k: v[idx] for k, v in self.positions.items()}, meta=meta)
+
+    def to(self, device):
+        return replace(self, tokens=self.tokens.to(device), answers=self.answers.to(device),
+                       lengths=self.lengths.to(device),
+                       positions={k: v.to(device) for k, v in self.positions.items()})
+
+    def token_name(self, tok):
+        if tok in (PAD, BOS, EOS):
+            return ("<pad>", "<bos>", "<eos>")[tok]
+        (klo, khi), (vlo, vhi) = self.classes["key"], self.classes["value"]
+        if self.task == "ar":
+            return f"k{tok - klo}" if tok < khi else f"v{tok - vlo}"
+        return f"t{tok - klo}" if tok < khi else f"q{tok - khi}"   # q*: the unused query-type ids
+
+    def describe(self, i):
+        """Document i as text: the queried key in [brackets], its value in {braces}, then the query.
+
+        e.g. '<bos> k5 v9 [k2] {v7} <eos> | k2 -> v7'
+        """
+        toks = self.tokens[i, : int(self.lengths[i])].tolist()
+        key, value = int(self.positions["key"][i]), int(self.positions["value"][i])
+        words = [self.token_name(t) for t in toks[: int(self.positions["divider"][i]) + 1]]
+        words[key], words[value] = f"[{words[key]}]", f"{{{words[value]}}}"
+        q, a = toks[int(self.positions["query"][i])], int(self.answers[i])
+        return " ".join(words) + f" | {self.token_name(q)} -> {self.token_name(a)}"
+
+
+# ----------------------------------------------------------------------------------------------
+# AR (PROTOCOL §2): fully vectorised over documents.
+# ----------------------------------------------------------------------------------------------
+
+def sample_distinct_slow(n, m, size, gen):
+    """Reference: each row is the first m entries of a fresh random permutation of range(size)."""
+    return torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(n)]) if n else \
+        torch.zeros(0, m, dtype=torch.long)
+
+
+def sample_distinct(n, m, size, gen):
+    """(n, m) long: per row, m distinct ints from range(size) in uniformly random order.
+
+    Floyd's algorithm run on all rows at once: at step j (j = size-m .. size-1) draw t in [0, j];
+    take t unless this row already has it, then take j. That gives a uniform m-subset in m vectorised
+    steps, O(n m^2) work and no (n, size) tensor; a random argsort of the m columns then gives a
+    uniform order. Equal in distribution to sample_distinct_slow (test_tasks_part.py checks it).
+    """
+    out = torch.empty(n, m, dtype=torch.long)
+    for step, j in enumerate(range(size - m, size)):
+        t = torch.randint(0, j + 1, (n,), generator=gen)
+        taken = (out[:, :step] == t[:, None]).any(dim=1)
+        out[:, step] = torch.where(taken, torch.full_like(t, j), t)
+    order = torch.rand(n, m, generator=gen).argsort(dim=1)
+    return out.gather(1, order)  # (n, m)
+
+
+def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=None, holdout=0.0):
+    """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each).
+
+    Keys are ids 3 .. 3+K-1 and values the next V ids; inside a document keys are distinct and so are
+    values, and pair i is (keys[i], values[i]). The query is a uniformly chosen pair.
+    Splits: the split name is mixed into the document seed, so split='train'/'dev'/'test' with the same
+    seed give different documents. Use the SAME seed for the three splits: the held-out matrix depends
+    only on (seed, K, V, holdout), never on the split (one uniform matrix thresholded at holdout, so a
+    larger holdout holds out a superset). With holdout > 0, each (key, value) pair is held
+    out with probability `holdout`; train/dev query only pairs not held out and test only held-out
+    ones, resampling documents that have no eligible pair. (The reference ignores the split and
+    excludes held-out pairs everywhere, so its "test" tests nothing new: PROTOCOL §10.2. Fixed here.)
+    """
+    _check_common(n, split, holdout, seed)
+    _check(num_keys >= 1 and num_values >= 1, "num_keys/num_values", "positive ints")
+    _check(1 <= num_pairs <= min(num_keys, num_values), "num_pairs",
+           f"in [1, min(num_keys, num_values)] = [1, {min(num_keys, num_values)}], got {num_pairs}")
+    K, V, m = num_keys, num_values, num_pairs
+    gen = torch.Generator().manual_seed(_seed(seed, _DOCS, SPLITS[split]))
+    heldout = None
+    if holdout > 0:
+        hgen = torch.Generator().manual_seed(_seed(seed, _HELDOUT, K, V))
+        heldout = torch.rand(K, V, generator=hgen) < holdout  # (K, V) bool; same for every split
+
+    keys, values = torch.empty(n, m, dtype=torch.long), torch.empty(n, m, dtype=torch.long)
+    q = torch.empty(n, dtype=torch.long)
+    todo = torch.arange(n)
+    for _ in range(MAX_TRIES):
+        k, v = sample_distinct(len(todo), m, K, gen), sample_distinct(len(todo), m, V, gen)  # (r, m)
+        score = torch.rand(len(todo), m, generator=gen)  # argmax over eligible = uniform choice
+        if heldout is not None:
+            eligible = heldout[k, v] == (split == "test")   # (r, m)
+            score = score.masked_fill(~eligible, -1.0)
+            ok = eligible.any(dim=1)
+        else:
+            ok = torch.ones(len(todo), dtype=torch.bool)
+        keys[todo[ok]], values[todo[ok]], q[todo[ok]] = k[ok], v[ok], score[ok].argmax(dim=1)
+        todo = todo[~ok]
+        if len(todo) == 0:
+            break
+    else:
+        raise ValueError(f"holdout={holdout}: no document with an eligible query pair for split={split!r} "
+                         f"after {MAX_TRIES} rounds; use holdout in (0, 1) large enough for test")
+
+    key_ids, value_ids = keys + FIRST, values + FIRST + K
+    ctx = torch.stack([key_ids, value_ids], dim=2).reshape(n, 2 * m)  # (n, m, 2) -> (n, 2m)
+    rows = torch.arange(n)
+    answers = value_ids[rows, q]
+    col = lambda x: torch.full((n, 1), x, dtype=torch.long)
+    tokens = torch.cat([col(BOS), ctx, col(EOS), key_ids[rows, q][:, None], answers[:, None], col(EOS)], 1)
+    divider = torch.full((n,), 2 * m + 1)
+    positions = dict(key=2 * q + 1, value=2 * q + 2, next_key=2 * q + 3,  # next_key of the last pair = divider
+                     divider=divider, query=divider + 1, answer=divider + 2)
+    # vocab_size counts the ids in use (8195 by default); the reference reports 8196 (PROTOCOL §10.8).
+    return Dataset("ar", tokens, answers, positions, FIRST + K + V,
+                   {"key": (FIRST, FIRST + K), "value": (FIRST + K, FIRST + K + V)},
+                   torch.full((n,), 2 * m + 5), dict(split=split, holdout=holdout, seed=seed, num_keys=K,
+                                                     num_values=V, num_pairs=m, heldout=heldout))
+
+
+# ----------------------------------------------------------------------------------------------
+# ATR (PROTOCOL §3): the grammar, one sentence, one query, then the dataset.
+# ----------------------------------------------------------------------------------------------
+
+class Uniforms:
+    """A stream of U[0,1) floats from a numpy Generator, drawn in blocks because per-call rng is slow."""
+
+    def __init__(self, rng, block=1 << 16):
+        self.rng, self.block, self.buf, self.i = rng, block, [], 0
+
+    def __call__(self):
+        if self.i == len(self.buf):
+            self.buf, self.i = self.rng.random(self.block).tolist(), 0
+        self.i += 1
+        return self.buf[self.i - 1]
+
+
+def _pick(cum, u):
+    """Index drawn from cumulative probabilities `cum` (last entry exactly 1.0) with uniform u."""
+    return bisect.bisect_right(cum, u)
+
+
+class PCFG:
+    """The random grammar of PROTOCOL §3.1. Symbols: nonterminal A is int A in [0, N); terminal t is
+    int N + t. `rules[A]` lists RHS tuples of non-head symbols; the head is drawn at generation time."""
+
+    def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5, max_depth=10,
+                 terminal_weight=20, head="right", seed=0):
+        _check(num_terminals >= 1, "num_terminals", f">= 1, got {num_terminals}")
+        _check(num_nonterminals >= 1, "num_nonterminals", f">= 1, got {num_nonterminals}")
+        _check(max_rhs_len >= 2, "max_rhs_len", f">= 2 (head + at least one dependent), got {max_rhs_len}")
+        _check(max_rules >= 1, "max_rules", f">= 1, got {max_rules}")
+        _check(max_depth >= 1, "max_depth", f">= 1, got {max_depth}")
+        _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
+        _check(head == "right", "head", f"'right' (the only head position the paper uses), got {head!r}")
+        _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+        self.params = dict(num_terminals=num_terminals, num_nonterminals=num_nonterminals,
+                           max_rhs_len=max_rhs_len, max_rules=max_rules, max_depth=max_depth,
+                           terminal_weight=terminal_weight, head=head, seed=seed)
+        self.num_terminals, self.num_nonterminals, self.seed = num_terminals, num_nonterminals, seed
+        N, S, slot = num_nonterminals, num_terminals, -1   # slot: TERMINAL placeholder
+        rng = np.random.default_rng(seed)
+        # 1. depth scores in {1..d_max}; children must score strictly higher -> acyclic, depth <= d_max
+        self.depth = rng.integers(1, max_depth + 1, size=N).tolist()
+        # 2. rules: 1..R_max per nonterminal, each with 1..L_max-1 non-head symbols (so 2..L_max
+        #    children with the head, PROTOCOL §10.3), drawn from the deeper nonterminals (weight 1
+        #    each) and one TERMINAL placeholder of weight r_Σ (the explicit scheme of §10.5).
+        self.rules = []
+        for a in range(N):
+            deeper = [b for b in range(N) if self.depth[b] > self.depth[a]]
+            p = np.array([1.0] * len(deeper) + [terminal_weight])
+            options, p = deeper + [slot], p / p.sum()
+            self.rules.append([[options[i] for i in rng.choice(len(options), size=rng.integers(1, max_rhs_len), p=p)]
+                               for _ in range(rng.integers(1, max_rules + 1))])
+        # 3. fill placeholders in a second pass, so the choice of terminals does not shift the
+        #    stream that fixed the rule structure above.
+        self.rules = [[tuple(N + int(rng.integers(S)) if s == slot else s for s in rhs) for rhs in rules]
+                      for rules in self.rules]
+        # 4-5. Dirichlet(1,..,1) over each nonterminal's rules, and over the terminals for its head.
+        cum = lambda p: np.concatenate([np.cumsum(p)[:-1], [1.0]]).tolist()
+        self.rule_cum = [cum(rng.dirichlet(np.ones(len(r)))) for r in self.rules]
+        self.head_cum = [cum(rng.dirichlet(np.ones(S))) for _ in range(N)]
+        # 6. each sentence starts from a uniformly random nonterminal (no dedicated S).
+        self.start_cum = cum(np.full(N, 1.0 / N))
+
+    def __repr__(self):
+        return "PCFG(" + ", ".join(f"{k}={v!r}" for k, v in self.params.items()) + ")"
+
+    def _open(self, a, draw):
+        """A stack frame for one expansion of nonterminal a: [rhs, next index, head terminal, dependents]."""
+        rhs = self.rules[a][_pick(self.rule_cum[a], draw())]
+        return [rhs, 0, _pick(self.head_cum[a], draw()), []]
+
+    def sample_sentence(self, draw, max_terminals=MAX_TERMINALS):
+        """One right-headed sentence (PROTOCOL §3.2) -> (labels, parents, depth), or None if it grew past
+        max_terminals. labels: terminal indices; parents: position of each terminal's parent (-1 for the
+        root head); depth: dependency-tree depth (= deepest stack). Iterative, emits depth-first,
+        left to right, each constituent's head after its dependents so parents stand to the right."""
+        N = self.num_nonterminals
+        labels, parents = [], []
+        stack = [self._open(_pick(self.start_cum, draw()), draw)]
+        depth = 1
+        while stack:
+            frame = stack[-1]
+            rhs, i = frame[0], frame[1]
+            if i < len(rhs):
+                frame[1] = i + 1
+                if rhs[i] >= N:            # terminal dependent: its parent is this frame's head
+                    frame[3].append(len(labels))
+                    labels.append(rhs[i] - N)
+                    parents.append(-1)
+                else:
+                    stack.append(self._open(rhs[i], draw))
+                    depth = max(depth, len(stack))
+            else:                          # all dependents emitted: emit the head, point them at it
+                stack.pop()
+                head_pos = len(labels)
+                for c in frame[3]:
+                    parents[c] = head_pos
+                labels.append(frame[2])
+                parents.append(-1)
+                if stack:
+                    stack[-1][3].append(head_pos)
+            if len(labels) > max_terminals:
+                return None
+        return labels, parents, depth
+
+    def sample_sentence_slow(self, draw):
+        """Recursive twin of sample_sentence, literally the pseudocode of PROTOCOL §3.2 (ids, then ids ->
+        positions). Consumes `draw` in the same order, so it returns the same sentence."""
+        emitted = []                                   # (label, own id or None, parent id)
+
+        def expand(a, parent_id):
+            h_id = object()
+            rhs = self.rules[a][_pick(self.rule_cum[a], draw())]
+            head = _pick(self.head_cum[a], draw())
+            for sym in rhs:
+                if sym >= self.num_nonterminals:
+                    emitted.append((sym - self.num_nonterminals, None, h_id))
+                else:
+                    expand(sym, h_id)
+            emitted.append((head, h_id, parent_id))
+
+        expand(_pick(self.start_cum, draw()), None)
+        where = {own: pos for pos, (_, own, _) in enumerate(emitted) if own is not None}
+        return [lab for lab, _, _ in emitted], [where.get(par, -1) for _, _, par in emitted]
+
+
+def eligible_queries(labels, parents, allowed=None):
+    """PROTOCOL §3.4: {parent position: [child positions]} over children that are the rightmost
+    instance of their label, have a parent, and (if given) pass allowed[parent label][child label]."""
+    rightmost = {lab: pos for pos, lab in enumerate(labels)}
+    groups = {}
+    for c in sorted(rightmost.values()):
+        p = parents[c]
+        if p >= 0 and (allowed is None or allowed[labels[p]][labels[c]]):
+            groups.setdefault(p, []).append(c)
+    return groups
+
+
+def sample_query(groups, draw):
+    """(child, parent): a parent position uniformly among those with an eligible child, then one of
+    its eligible children uniformly, so P(c, p) = 1 / (#parents * #eligible children of p)."""
+    ps = sorted(groups)
+    p = ps[min(int(draw() * len(ps)), len(ps) - 1)]
+    cs = groups[p]
+    return cs[min(int(draw() * len(cs)), len(cs) - 1)], p
+
+
+def atr_document(labels, child, parent):
+    """BOS t_1 .. t_s EOS child parent EOS as token ids (terminal t -> id t + 3)."""
+    return [BOS, *(x + FIRST for x in labels), EOS, labels[child] + FIRST, labels[parent] + FIRST, EOS]
+
+
+def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_TERMINALS):
+    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar` (PROTOCOL §3.2-§3.5).
+
+    Rejects sentences over max_terminals or under 3 terminals, and those without an eligible query.
+    Split: the (parent label, child label) matrix of held-out pairs (P = holdout) comes from its own
+    RNG stream seeded by grammar.seed alone, so it is a property of the language (the same for every
+    split and document seed), and the grammar is the same with or without a split. (The reference
+    draws it before the grammar, so its split language is a different PCFG: PROTOCOL §10.6. Fixed
+    here.) train/dev query only allowed pairs, test only held-out ones; contexts may contain anything.
+    As in make_ar the split name is mixed into the document seed, so use the same seed for all splits.
+    """
+    _check_common(n, split, holdout, seed)
+    _check(max_terminals >= 3, "max_terminals",
+           f">= 3 (shorter sentences are rejected), got {max_terminals}")
+    S = grammar.num_terminals
+    heldout, allowed = None, None
+    if holdout > 0:
+        hrng = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S))
+        heldout = hrng.random((S, S)) < holdout                  # (S, S): [parent label, child label]
+        allowed = (heldout if split == "test" else ~heldout).tolist()
+        heldout = torch.from_numpy(heldout)
+    draw = Uniforms(np.random.default_rng(_seed(seed, _DOCS, SPLITS[split])))
+    docs, per_doc = [], dict(parents=[], depth=[], eligible=[])
+    misses = 0
+    while len(docs) < n:
+        sent = grammar.sample_sentence(draw, max_terminals)
+        groups = eligible_queries(*sent[:2], allowed) if sent is not None and len(sent[0]) >= 3 else None
+        if not groups:
+            misses += 1
+            if misses >= MAX_TRIES:
+                raise ValueError(f"grammar/holdout: {MAX_TRIES} sentences in a row had no eligible query "
+                                 f"(split={split!r}, holdout={holdout}); need a grammar with >= 2 "
+                                 f"terminal labels and holdout in (0, 1) that leaves pairs to query")
+            continue
+        misses = 0
+        labels, parents, depth = sent
+        docs.append((labels, *sample_query(groups, draw)))
+        per_doc["parents"].append(parents)
+        per_doc["depth"].append(depth)
+        per_doc["eligible"].append(sum(len(cs) for cs in groups.values()))
+
+    lengths = np.array([len(lab) + 5 for lab, _, _ in docs])
+    tokens = np.zeros((n, lengths.max()), dtype=np.int64)        # (n, l) PAD-filled
+    child, parent = np.array([d[1] for d in docs]), np.array([d[2] for d in docs])
+    for i, (labels, c, p) in enumerate(docs):
+        tokens[i, : len(labels) + 5] = atr_document(labels, c, p)
+    t = lambda x: torch.as_tensor(x, dtype=torch.long)
+    s = t(lengths - 5)
+    positions = dict(key=t(child + 1), value=t(parent + 1), next_key=t(parent + 2),
+                     divider=s + 1, query=s + 2, answer=s + 3)
+    tokens = torch.from_numpy(tokens)
+    answers = tokens[torch.arange(n), positions["answer"]]
+    # vocab: PAD, BOS, EOS, S terminals and the reference's 3 unused query-type ids (PROTOCOL §3.6).
+    return Dataset("atr", tokens, answers, positions, S + 6, {"key": (FIRST, FIRST + S), "value": (FIRST, FIRST + S)},
+                   t(lengths), dict(split=split, holdout=holdout, seed=seed, max_terminals=max_terminals,
+                                    grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary statistics (compare with PROTOCOL §3.3 / §3.2).
+# ----------------------------------------------------------------------------------------------
+
+def _summary(x):
+    x = np.asarray(x, dtype=np.float64)
+    return dict(mean=float(x.mean()), median=float(np.median(x)), min=float(x.min()), max=float(x.max()))
+
+
+def stats(dataset):
+    """Length, key-value distance and (ATR) tree shape of a dataset, as nested dicts of
+    mean/median/min/max. ATR lengths are also given in terminals (tokens - 5), the unit of §3.3."""
+    lengths = dataset.lengths.cpu().numpy()
+    dist = (dataset.positions["value"] - dataset.positions["key"]).cpu().numpy()
+    out = dict(n=len(dataset), length_tokens=_summary(lengths), kv_distance=_summary(dist),
+               adjacent_fraction=float((dist == 1).mean()), distinct_answers=int(dataset.answers.unique().numel()))
+    if dataset.task == "atr":
+        per_doc = dataset.meta["per_doc"]
+        heads = [len(set(p) - {-1}) for p in per_doc["parents"]]      # constituents = terminals with dependents
+        out.update(length_terminals=_summary(lengths - 5), depth=_summary(per_doc["depth"]),
+                   branching=_summary([(len(p) - 1) / h for p, h in zip(per_doc["parents"], heads)]),
+                   eligible_per_doc=_summary(per_doc["eligible"]))
+    return out
