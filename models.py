@@ -44,23 +44,30 @@ def _shift_right(x, s, fill):
 
 
 def parallel_scan(a, b):
-    """The same recurrence as sequential_scan with no Python loop over the length (Hillis-Steele).
+    """The same recurrence as sequential_scan with no Python loop over the length (odd-even reduction).
 
-    Each step t is the affine map h -> a_t*h + b_t; composing two such maps is again affine, so the
-    recurrence is a prefix "sum" under an associative operator. After the sweep with offset s, the pair
-    (A_t, B_t) is the composition of steps t-2s+1 .. t; log2(l) sweeps over shifted views cover every
-    prefix. Each sweep is a few elementwise ops over the whole (b, l, ...) tensor, which is where the
-    parallelism comes from: on a GPU that is log2(l) kernel launches instead of l. It does O(l log l)
-    work, so on a CPU the loop in `scan` is faster (see `python run.py bench`).
+    Each step t is the affine map h -> a_t*h + b_t, and composing two such maps is again one:
+    step 2k followed by step 2k+1 is h -> (a_{2k+1} a_{2k}) h + (a_{2k+1} b_{2k} + b_{2k+1}).
+    So: pair up neighbours, solve the half-length problem for the odd positions (recursively),
+    then fill in each even position from its left neighbour, h_2k = a_2k h_{2k-1} + b_2k.
+    Every level is a few elementwise ops over whole (b, l/2^level, ...) tensors, which is where the
+    parallelism comes from: on a GPU that is ~log2(l) levels of kernel launches instead of l steps,
+    and the total work stays O(l) because each level halves the length (Blelloch-style, unlike the
+    O(l log l) Hillis-Steele doubling). On a CPU the loop in `scan` is still faster (`run.py bench`).
     """
     length = a.shape[1]
-    A, B = a, b
-    s = 1
-    while s < length:
-        B = B + A * _shift_right(B, s, 0.0)  # B_t <- A_t * B_{t-s} + B_t  (nothing before step 0)
-        A = A * _shift_right(A, s, 1.0)      # A_t <- A_t * A_{t-s}
-        s *= 2
-    return B
+    if length == 1:
+        return b
+    if length % 2:  # pad with an identity step (a = 1, b = 0), dropped at the end
+        a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
+        b = torch.cat([b, torch.zeros_like(b[:, :1])], dim=1)
+    a_even, a_odd = a[:, 0::2], a[:, 1::2]                        # steps 0, 2, 4, ... and 1, 3, 5, ...
+    b_even, b_odd = b[:, 0::2], b[:, 1::2]
+    h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
+    h_before_even = torch.cat([torch.zeros_like(h_odd[:, :1]), h_odd[:, :-1]], dim=1)  # h_{-1}=0, h_1, h_3, ...
+    h_even = torch.addcmul(b_even, a_even, h_before_even)          # h_0, h_2, h_4, ...
+    h = torch.stack([h_even, h_odd], dim=2).flatten(1, 2)         # interleave -> (b, l (+1), ...)
+    return h[:, :length]
 
 
 class _LoopScanFn(torch.autograd.Function):
