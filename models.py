@@ -187,6 +187,18 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
                 torch.stack(grad_B, 1), torch.stack(grad_C, 1))
 
 
+def _selective_scan_inference(u, delta, A, B, C):
+    """The forward loop of _SelectiveScanLoopFn without keeping the states (no gradient needed)."""
+    b, l, e = u.shape
+    h = torch.zeros(b, e, A.shape[1], dtype=u.dtype, device=u.device)          # (b,e,n)
+    y = torch.empty(b, l, e, dtype=u.dtype, device=u.device)
+    for t in range(l):
+        decay = torch.exp(delta[:, t, :, None] * A)
+        h = torch.addcmul(decay * h, (delta[:, t] * u[:, t])[..., None], B[:, t, None, :])
+        y[:, t] = torch.bmm(h, C[:, t, :, None])[..., 0]
+    return y
+
+
 def selective_scan(u, delta, A, B, C, reference=False):
     """Mamba's selective scan as the model runs it.
 
@@ -196,7 +208,9 @@ def selective_scan(u, delta, A, B, C, reference=False):
     if reference:
         return selective_scan_reference(u, delta, A, B, C)
     if u.device.type == "cpu":
-        return _SelectiveScanLoopFn.apply(u, delta, A, B, C)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (u, delta, A, B, C)):
+            return _SelectiveScanLoopFn.apply(u, delta, A, B, C)
+        return _selective_scan_inference(u, delta, A, B, C)
     decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
     drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
     return torch.einsum("blen,bln->ble", parallel_scan(decay, drive), C)

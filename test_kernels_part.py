@@ -86,3 +86,13 @@ def test_short_conv_matches_its_definition_and_is_causal(kernel):
     torch.testing.assert_close(models.short_conv(x2, w, bias)[:, :6], y[:, :6])
     # the last tap multiplies the current token
     assert torch.allclose(models.short_conv(x, torch.zeros_like(w).index_fill_(2, torch.tensor([kernel - 1]), 1.0)), x)
+
+
+def test_selective_scan_inference_path_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    u, delta = torch.randn(2, 11, 5, generator=gen), torch.rand(2, 11, 5, generator=gen)
+    A = -torch.rand(5, 3, generator=gen) * 2
+    B, C = torch.randn(2, 11, 3, generator=gen), torch.randn(2, 11, 3, generator=gen)
+    with torch.no_grad():
+        fast = models.selective_scan(u, delta, A, B, C)
+    torch.testing.assert_close(fast, models.selective_scan_reference(u, delta, A, B, C), rtol=1e-5, atol=1e-6)
