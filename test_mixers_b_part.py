@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import models
-import mixers_b
-from mixers_b import H3, DeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
+import models as mixers_b
+from models import H3, DeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import models
 
-ARCH_UNDER_TEST = ["attention", "base_conv", "based", "mamba"]  # the lead extends this to all seven
+ARCH_UNDER_TEST = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet"]
 
 # ARCHITECTURES.md §4: totals at v=8195, P=1024, 2 layers, pos_emb on, tied head counted once.
 PARAM_COUNTS = {  # d_model: {arch: count}
