@@ -73,35 +73,31 @@ def parallel_scan(a, b):
 class _LoopScanFn(torch.autograd.Function):
     """Sequential scan with a hand-written backward: no autograd graph of l small ops.
 
-    Forward: the loop of sequential_scan, writing into one preallocated tensor.
+    Forward: the loop of sequential_scan, each step written in place into one preallocated output.
     Backward: with g = dLoss/dh, the gradient flowing into h_t is  c_t = g_t + a_{t+1} * c_{t+1}
     (a reverse scan), and then dLoss/db_t = c_t and dLoss/da_t = c_t * h_{t-1}.
     """
 
     @staticmethod
     def forward(ctx, a, b):
-        a_t = a.transpose(0, 1).contiguous()  # (l, b, ...) so that each step reads contiguous memory
-        b_t = b.transpose(0, 1).contiguous()
-        h = torch.empty_like(b_t)
-        prev = torch.zeros_like(b_t[0])
-        for t in range(h.shape[0]):
-            prev = torch.addcmul(b_t[t], a_t[t], prev)
-            h[t] = prev
-        ctx.save_for_backward(a_t, h)
-        return h.transpose(0, 1)
+        h = torch.empty_like(b)
+        h[:, 0] = b[:, 0]
+        for t in range(1, h.shape[1]):
+            torch.addcmul(b[:, t], a[:, t], h[:, t - 1], out=h[:, t])      # h_t = a_t h_{t-1} + b_t
+        ctx.save_for_backward(a, h)
+        return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        a_t, h = ctx.saved_tensors
-        g = grad_h.transpose(0, 1).contiguous()
-        grad_b = torch.empty_like(g)
-        carry = torch.zeros_like(g[0])
-        for t in range(g.shape[0] - 1, -1, -1):
-            carry = g[t] if t == g.shape[0] - 1 else torch.addcmul(g[t], a_t[t + 1], carry)
-            grad_b[t] = carry
-        h_prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]], dim=0)  # h_{t-1}, zero before step 0
-        grad_a = grad_b * h_prev
-        return grad_a.transpose(0, 1), grad_b.transpose(0, 1)
+        a, h = ctx.saved_tensors
+        grad_b = torch.empty_like(h)
+        grad_b[:, -1] = grad_h[:, -1]
+        for t in range(h.shape[1] - 2, -1, -1):
+            torch.addcmul(grad_h[:, t], a[:, t + 1], grad_b[:, t + 1], out=grad_b[:, t])  # c_t = g_t + a_{t+1} c_{t+1}
+        grad_a = torch.empty_like(h)
+        grad_a[:, 0] = 0
+        torch.mul(grad_b[:, 1:], h[:, :-1], out=grad_a[:, 1:])             # dL/da_t = c_t h_{t-1}
+        return grad_a, grad_b
 
 
 def loop_scan(a, b):
@@ -233,14 +229,16 @@ def fft_conv(u, k):
     """The same convolution as direct_conv by real FFT, O(l log l).
 
     Both signals are zero-padded to 2l so that the circular convolution the FFT computes has no
-    wrap-around: the first l outputs are exactly the causal linear convolution.
+    wrap-around: the first l outputs are exactly the causal linear convolution. The length goes on
+    the last (contiguous) axis, where the FFT runs fastest.
     """
     length = u.shape[1]
     n = 2 * length
-    work = torch.promote_types(u.dtype, torch.float32)   # no half-precision FFT on CPU: cast up, then back
-    u_f = torch.fft.rfft(u.to(work), n=n, dim=1)         # (b, l+1, d) complex
-    k_f = torch.fft.rfft(k.to(work), n=n, dim=0)         # (l+1, d) complex
-    return torch.fft.irfft(u_f * k_f, n=n, dim=1)[:, :length].to(u.dtype)  # (b, l, d)
+    work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU: cast up, then back
+    u_f = torch.fft.rfft(u.to(work).transpose(1, 2), n=n)  # (b, d, l+1) complex
+    k_f = torch.fft.rfft(k.to(work).t(), n=n)              # (d, l+1) complex
+    y = torch.fft.irfft(u_f * k_f, n=n)[..., :length]      # (b, d, l)
+    return y.transpose(1, 2).to(u.dtype)                   # (b, l, d)
 
 
 def long_conv(u, k, reference=False):
