@@ -7,12 +7,12 @@ finite positive number, every kernel agrees with its float64 reference, and the 
 import json
 import math
 
-import bench_part
+import run as run_cli
 
 
 def test_bench_tiny_runs_and_reports_finite_numbers():
     lines = []
-    result = bench_part.bench(device="cpu", size="tiny", print_fn=lines.append)
+    result = run_cli.bench(device="cpu", size="tiny", print_fn=lines.append)
     json.dumps(result)  # the whole result must be JSON-serialisable
     assert result["env"]["device"] == "cpu" and lines
 
