@@ -512,15 +512,17 @@ def load(path, device="cpu"):
 # Sweeps: a grid of runs, one JSON line per finished run, resumable.
 # ----------------------------------------------------------------------------------------------
 
-def grid_configs(base_cfg, archs, widths, lrs, seeds):
-    """The configs of the grid, in order arch -> width -> lr -> seed. lrs: list, or dict arch -> list."""
+def grid_configs(base_cfg, archs, widths, lrs, seeds, per_arch=None):
+    """The configs of the grid, in order arch -> width -> lr -> seed. lrs: list, or dict arch -> list.
+    per_arch: optional dict arch -> Config overrides for that architecture (e.g. its step count)."""
     configs = []
     for arch in archs:
         arch_lrs = lrs[arch] if isinstance(lrs, dict) else lrs
+        arch_cfg = replace(base_cfg, **(per_arch or {}).get(arch, {}))
         for width in widths:
             for lr in arch_lrs:
                 for seed in seeds:
-                    configs.append(replace(base_cfg, arch=arch, d_model=width, lr=float(lr), seed=seed))
+                    configs.append(replace(arch_cfg, arch=arch, d_model=width, lr=float(lr), seed=seed))
     return configs
 
 
@@ -578,7 +580,7 @@ def _worker_init():
     torch.set_num_threads(1)
 
 
-def sweep(base_cfg, archs, widths, lrs, seeds, *, results_path, jobs=1, after=None, log=None):
+def sweep(base_cfg, archs, widths, lrs, seeds, *, results_path, jobs=1, after=None, log=None, per_arch=None):
     """Train every (arch, width, lr, seed) of the grid not already in results_path; return the grid's
     records (old and new) in grid order.
 
@@ -590,7 +592,7 @@ def sweep(base_cfg, archs, widths, lrs, seeds, *, results_path, jobs=1, after=No
     module-level function so that it can be sent to a worker.
     """
     log = log or stderr_log()
-    configs = grid_configs(base_cfg, archs, widths, lrs, seeds)
+    configs = grid_configs(base_cfg, archs, widths, lrs, seeds, per_arch)
     for cfg in configs:                        # bad input fails here, before any training
         cfg.check()
     for key in {_data_key(c) for c in configs}:

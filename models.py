@@ -886,17 +886,25 @@ class H3(Mixer):
         return (1 + half) / (1 - half), C * B * dt / (1 - half)
 
     def ssm_kernel(self, length):
-        """K^d (l, h) = 2 Re sum_n W A_bar^lag, with A_bar^lag = exp(lag log A_bar) (a Vandermonde product).
+        """K^d (l, h) = 2 Re sum_n W A_bar^lag (a Vandermonde product over the n/2 modes).
 
-        The reference path takes the powers as a running product instead (same numbers, no log).
+        The reference path takes the complex powers as a running product; the fast path writes the
+        same sum in real arithmetic (same numbers to rounding).
         """
         A_bar, W = self.diag_modes()                                                # (h, n/2) each
         if self.reference:
             powers = torch.cumprod(A_bar[..., None].expand(*A_bar.shape, length), dim=-1) / A_bar[..., None]
-        else:
-            lags = torch.arange(length, device=A_bar.device, dtype=A_bar.real.dtype)
-            powers = torch.exp(torch.log(A_bar)[..., None] * lags)                  # (h, n/2, l)
-        return (2 * torch.einsum("hn,hnl->lh", W, powers).real).to(self.log_dt.dtype)  # (l, h)
+            return (2 * torch.einsum("hn,hnl->lh", W, powers).real).to(self.log_dt.dtype)  # (l, h)
+        # Fast path in real arithmetic (half the time of a complex exp and its backward on a CPU):
+        # A_bar^lag = |A_bar|^lag (cos(lag arg A_bar) + i sin(lag arg A_bar)), so
+        # 2 Re sum_n W A_bar^lag = 2 sum_n |A_bar|^lag (Re W cos(lag arg A_bar) - Im W sin(lag arg A_bar)).
+        lags = torch.arange(length, device=A_bar.device, dtype=A_bar.real.dtype)
+        log_A = torch.log(A_bar)                                                    # log|A_bar| + i arg A_bar
+        decay = torch.exp(log_A.real[..., None] * lags)                             # (h, n/2, l)
+        angle = log_A.imag[..., None] * lags                                        # (h, n/2, l)
+        kernel = (torch.einsum("hn,hnl->lh", W.real, decay * torch.cos(angle))
+                  - torch.einsum("hn,hnl->lh", W.imag, decay * torch.sin(angle)))   # (l, h)
+        return (2 * kernel).to(self.log_dt.dtype)
 
     def mix(self, x):
         b, l, d = x.shape

@@ -299,7 +299,14 @@ def run(argv=None):
     if isinstance(lrs, dict):              # per-arch learning rates: an arch the preset lacks gets 1e-3
         lrs = {arch: lrs.get(arch, [1e-3]) for arch in archs}
     seeds = args.seeds or grid["seeds"]
-    configs = mechsm.grid_configs(base, archs, widths, lrs, seeds)
+    # per-arch settings of the preset (e.g. step counts) give way to anything set on the command line;
+    # the length of training (steps, epochs, train_size) is overridden as a whole
+    given = {rename.get(name, name) for name, value in overrides.items() if value is not None and name != "task"}
+    if given & {"steps", "epochs", "train_size"}:
+        given |= {"steps", "epochs", "train_size"}
+    per_arch = {arch: {k: v for k, v in over.items() if k not in given}
+                for arch, over in grid.get("per_arch", {}).items()}
+    configs = mechsm.grid_configs(base, archs, widths, lrs, seeds, per_arch)
     for cfg in configs:                    # one "error: ..." line for bad input, before anything runs
         cfg.check()
 
@@ -325,7 +332,8 @@ def run(argv=None):
     # -- train (every finished run lands in results.jsonl at once) -------------------------------
     results_path = os.path.join(args.out, "results.jsonl")
     after = mechsm.run_interventions if use_interventions else None
-    records = mechsm.sweep(base, archs, widths, lrs, seeds, results_path=results_path, jobs=jobs, after=after)
+    records = mechsm.sweep(base, archs, widths, lrs, seeds, results_path=results_path, jobs=jobs, after=after,
+                           per_arch=per_arch)
     errors = [r for r in records if r["status"] == "error"]
     for r in errors:
         print(f"error in run {r['name']}: {r['error']} (not recorded; a rerun retries it)", file=sys.stderr)
