@@ -1,0 +1,1506 @@
+"""test_all.py: the whole test suite of mechsm, CPU only, a few minutes on 2 cores.
+
+Every test checks a real property: two computations that must agree (fast kernel vs slow twin,
+parallel vs recurrent form, batched vs one-at-a-time patching), a law of the task or the model
+(causality, parameter counts, the answer is the queried key's value), or a behaviour (a tiny model
+learns, a rerun trains nothing, bad input exits with one line). Run: pytest -q test_all.py
+"""
+
+from dataclasses import replace
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models import H3, DeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
+from tasks import BOS, EOS, PAD, PCFG, Dataset, Uniforms, make_ar, make_atr, stats
+import interventions as iv
+import mechsm
+import models
+import run as run_cli
+import tasks
+
+
+# ==================================================================================================
+# tasks.py: AR and ATR generators
+# ==================================================================================================
+
+def check_common_layout(ds):
+    """Properties every document of either task must have (PROTOCOL §1)."""
+    n, rows = len(ds), torch.arange(len(ds))
+    pos = ds.positions
+    assert set(pos) >= set(tasks.ROLES)
+    assert (ds.tokens[:, 0] == BOS).all()
+    assert (ds.tokens[rows, pos["divider"]] == EOS).all()
+    assert (ds.tokens[rows, ds.lengths - 1] == EOS).all()
+    assert (pos["query"] == pos["divider"] + 1).all() and (pos["answer"] == pos["query"] + 1).all()
+    assert (pos["answer"] == ds.lengths - 2).all()
+    assert (pos["next_key"] == pos["value"] + 1).all()
+    assert (pos["key"] >= 1).all() and (pos["value"] < pos["divider"]).all()
+    assert (ds.answers == ds.tokens[rows, pos["answer"]]).all()
+    assert (ds.answers == ds.tokens[rows, pos["value"]]).all()
+    assert (ds.tokens[rows, pos["query"]] == ds.tokens[rows, pos["key"]]).all()
+    col = torch.arange(ds.tokens.shape[1])
+    assert (ds.tokens[col[None, :] >= ds.lengths[:, None]] == PAD).all()
+    assert (ds.tokens[col[None, :] < ds.lengths[:, None]] != PAD).all()
+    assert int(ds.tokens.max()) < ds.vocab_size and n == ds.answers.shape[0]
+
+
+# ------------------------------------------------------------------------------------------ AR
+
+def test_ar_layout():
+    K, V, m = 30, 40, 5
+    ds = make_ar(400, num_keys=K, num_values=V, num_pairs=m, seed=1)
+    check_common_layout(ds)
+    assert ds.tokens.shape == (400, 2 * m + 5) and (ds.lengths == 2 * m + 5).all()
+    assert ds.vocab_size == 3 + K + V
+    assert ds.classes == {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)}
+    keys, values = ds.tokens[:, 1:2 * m + 1:2], ds.tokens[:, 2:2 * m + 2:2]
+    assert ((keys >= 3) & (keys < 3 + K)).all() and ((values >= 3 + K) & (values < 3 + K + V)).all()
+    for row in torch.cat([keys, values], 1).tolist():      # without replacement inside a document
+        assert len(set(row)) == 2 * m
+    assert (ds.positions["divider"] == 2 * m + 1).all()
+    assert (ds.positions["key"] % 2 == 1).all() and (ds.positions["value"] == ds.positions["key"] + 1).all()
+    # the queried pair index is roughly uniform over the m pairs
+    counts = torch.bincount((ds.positions["key"] - 1) // 2, minlength=m).float()
+    assert counts.min() > 400 / m * 0.6
+    assert stats(ds)["kv_distance"]["max"] == 1
+
+
+def test_ar_docstring_example_and_describe():
+    # BOS k5 v9 k2 v7 EOS k2 v7 EOS, 2 pairs, query the second (module docstring, PROTOCOL §2.2)
+    K = V = 10
+    k, v = lambda j: 3 + j, lambda j: 3 + K + j
+    toks = torch.tensor([[BOS, k(5), v(9), k(2), v(7), EOS, k(2), v(7), EOS]])
+    t = lambda x: torch.tensor([x])
+    ds = Dataset("ar", toks, t(v(7)), dict(key=t(3), value=t(4), next_key=t(5), divider=t(5), query=t(6),
+                                           answer=t(7)), 3 + K + V, {"key": (3, 3 + K), "value": (3 + K, 3 + K + V)},
+                 t(9))
+    check_common_layout(ds)
+    assert ds.describe(0) == "<bos> k5 v9 [k2] {v7} <eos> | k2 -> v7"
+    real = make_ar(3, num_keys=K, num_values=V, num_pairs=2, seed=0)
+    text = real.describe(1)
+    assert text.startswith("<bos> ") and "[k" in text and "{v" in text and " -> v" in text
+
+
+def test_ar_determinism_and_splits():
+    a, b = make_ar(64, seed=3), make_ar(64, seed=3)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.answers, b.answers)
+    assert all(torch.equal(a.positions[r], b.positions[r]) for r in tasks.ROLES)
+    assert not torch.equal(a.tokens, make_ar(64, seed=4).tokens)
+    assert not torch.equal(make_ar(64, seed=3, split="train").tokens, make_ar(64, seed=3, split="test").tokens)
+
+
+def _chi2_ordered_tuples(sample, m, size):
+    """Chi-square statistic of the ordered m-tuples in sample (n, m) against the uniform law."""
+    counts = collections.Counter(map(tuple, sample.tolist()))
+    cells = 1
+    for j in range(m):
+        cells *= size - j
+    assert len(counts) == cells and all(len(set(t)) == m for t in counts)
+    expected = len(sample) / cells
+    return sum((c - expected) ** 2 / expected for c in counts.values())
+
+
+def test_sample_distinct_matches_slow_twin():
+    # both draw ordered distinct 3-tuples from range(6): 120 equally likely cells; df = 119, the
+    # 99.9% chi-square quantile is ~170. A biased fast sampler (e.g. sorted output) fails hard.
+    g = torch.Generator().manual_seed(0)
+    fast = tasks.sample_distinct(12000, 3, 6, g)
+    slow = tasks.sample_distinct_slow(3000, 3, 6, g)
+    assert _chi2_ordered_tuples(fast, 3, 6) < 170
+    assert _chi2_ordered_tuples(slow, 3, 6) < 170
+    full = tasks.sample_distinct(50, 6, 6, g)                  # m == size: a permutation per row
+    assert (full.sort(dim=1).values == torch.arange(6)).all()
+
+
+def test_ar_holdout_split():
+    K = V = 16
+    kw = dict(num_keys=K, num_values=V, num_pairs=4, seed=5, holdout=0.3)
+    train, dev, test = (make_ar(1500, split=s, **kw) for s in ("train", "dev", "test"))
+    held = train.meta["heldout"]
+    assert held.shape == (K, V) and torch.equal(held, test.meta["heldout"]) and torch.equal(held, dev.meta["heldout"])
+    assert 0.15 < held.float().mean() < 0.45
+
+    def queried(ds):
+        rows = torch.arange(len(ds))
+        return ds.tokens[rows, ds.positions["key"]] - 3, ds.answers - 3 - K
+
+    for ds, want in ((train, False), (dev, False), (test, True)):
+        check_common_layout(ds)
+        kq, vq = queried(ds)
+        assert (held[kq, vq] == want).all()
+    pairs = lambda ds: set(zip(*[x.tolist() for x in queried(ds)]))
+    assert not pairs(train) & pairs(test)
+    assert len(pairs(test)) > 0.8 * int(held.sum())       # test covers most held-out pairs
+    # contexts are not filtered: train documents do contain held-out pairs in context
+    ctx_k, ctx_v = train.tokens[:, 1:9:2] - 3, train.tokens[:, 2:10:2] - 3 - K
+    assert held[ctx_k, ctx_v].any()
+
+
+def test_ar_bad_input():
+    for kwargs, name in [(dict(n=10, num_pairs=5, num_keys=4), "num_pairs"),
+                         (dict(n=10, num_pairs=5, num_values=3), "num_pairs"),
+                         (dict(n=0), "n"), (dict(n=-3), "n"), (dict(n=5, split="val"), "split"),
+                         (dict(n=5, split="test", holdout=1.0), "holdout"),
+                         (dict(n=5, split="test", holdout=-0.1), "holdout"),
+                         (dict(n=5, holdout=0.2), "split"), (dict(n=5, seed=-1), "seed")]:
+        n = kwargs.pop("n")
+        with pytest.raises(ValueError, match=name):
+            make_ar(n, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ ATR
+
+def tree_depth(parents):
+    """Max number of parent hops from a terminal to the root head."""
+    best = 0
+    for c in range(len(parents)):
+        d, p = 0, parents[c]
+        while p >= 0:
+            d, p = d + 1, parents[p]
+        best = max(best, d)
+    return best
+
+
+def test_pcfg_structure():
+    g = PCFG(max_rhs_len=5, max_rules=5, max_depth=10, seed=3)
+    N, S = g.num_nonterminals, g.num_terminals
+    assert all(1 <= d <= 10 for d in g.depth) and len(g.depth) == N
+    for a, rules in enumerate(g.rules):
+        assert 1 <= len(rules) <= 5 and len(g.rule_cum[a]) == len(rules) and g.rule_cum[a][-1] == 1.0
+        for rhs in rules:
+            assert 1 <= len(rhs) <= 4                          # + the head = 2..L_max children
+            for sym in rhs:
+                assert 0 <= sym < N + S
+                assert sym >= N or g.depth[sym] > g.depth[a]  # strictly deeper nonterminals only
+        assert len(g.head_cum[a]) == S and g.head_cum[a][-1] == 1.0
+    terms = sum(sym >= N for rules in g.rules for rhs in rules for sym in rhs)
+    assert terms > 0 and len({sym for rules in g.rules for rhs in rules for sym in rhs if sym >= N}) > S // 2
+    assert PCFG(seed=3).rules == PCFG(seed=3).rules and PCFG(seed=3).rules != PCFG(seed=4).rules
+
+
+def test_sentence_matches_recursive_twin():
+    g = PCFG(max_rhs_len=10, seed=1)
+    fast, slow = Uniforms(np.random.default_rng(7)), Uniforms(np.random.default_rng(7))
+    for _ in range(200):
+        labels, parents, depth = g.sample_sentence(fast, max_terminals=10 ** 9)
+        assert (labels, parents) == g.sample_sentence_slow(slow)
+        assert depth == tree_depth(parents)
+        assert parents[-1] == -1 and sum(p == -1 for p in parents) == 1           # one root: the last head
+        assert all(p > c for c, p in enumerate(parents[:-1]))                      # heads are to the right
+
+
+def test_atr_worked_example():
+    # a b c g h with a->h, b->g, c->g, g->h (module docstring, PROTOCOL §3.2); labels a..h = 0..4
+    labels, parents = [0, 1, 2, 3, 4], [4, 3, 3, 4, -1]
+    assert tasks.eligible_queries(labels, parents) == {3: [1, 2], 4: [0, 3]}
+    assert tasks.atr_document(labels, 1, 3) == [BOS, 3, 4, 5, 6, 7, EOS, 4, 6, EOS]  # ... EOS b g EOS
+    t = lambda x: torch.tensor([x])
+    toks = torch.tensor([tasks.atr_document(labels, 1, 3)])
+    ds = Dataset("atr", toks, t(6), dict(key=t(2), value=t(4), next_key=t(5), divider=t(6), query=t(7),
+                                         answer=t(8)), 26, {"key": (3, 23), "value": (3, 23)}, t(10))
+    check_common_layout(ds)
+    assert ds.describe(0) == "<bos> t0 [t1] t2 {t3} t4 <eos> | t1 -> t3"
+
+
+def test_atr_documents_are_parent_queries():
+    g = PCFG(seed=1)
+    ds = make_atr(2000, g, seed=0)
+    check_common_layout(ds)
+    assert ds.vocab_size == 20 + 6 and ds.classes["key"] == ds.classes["value"] == (3, 23)
+    per_doc = ds.meta["per_doc"]
+    for i in range(len(ds)):
+        s = int(ds.lengths[i]) - 5
+        labels = (ds.tokens[i, 1:s + 1] - 3).tolist()
+        parents = per_doc["parents"][i]
+        c, p = int(ds.positions["key"][i]) - 1, int(ds.positions["value"][i]) - 1
+        assert s >= 3 and len(parents) == s
+        assert parents[c] == p and p > c                                   # answer = parent, to the right
+        assert c == max(j for j, lab in enumerate(labels) if lab == labels[c])   # rightmost instance
+        assert int(ds.answers[i]) == labels[p] + 3
+        assert per_doc["depth"][i] == tree_depth(parents)
+    assert stats(ds)["kv_distance"]["min"] >= 1
+
+
+def test_inverse_child_count_weighting():
+    # positions 0..5: parents 0->1, 1->5, 2->5, 3->4, 4->5; labels repeat at 2 and 3 (so 2 is not
+    # rightmost). Eligible parents: 1 {0}, 4 {3}, 5 {1, 4} -> P(child) = 1/3, 0, 1/3, 1/6, 1/6
+    # (weighting by pairs would give 1/4 each).
+    labels, parents = [0, 1, 2, 2, 3, 4], [1, 5, 5, 4, 5, -1]
+    groups = tasks.eligible_queries(labels, parents)
+    assert groups == {1: [0], 4: [3], 5: [1, 4]}
+    draw, n = Uniforms(np.random.default_rng(0)), 30000
+    counts = collections.Counter(tasks.sample_query(groups, draw) for _ in range(n))
+    freq = {c: k / n for (c, p), k in counts.items()}
+    assert set(counts) == {(0, 1), (3, 4), (1, 5), (4, 5)}
+    for c, want in {0: 1 / 3, 3: 1 / 3, 1: 1 / 6, 4: 1 / 6}.items():
+        assert abs(freq[c] - want) < 0.012                                # ~4.5 standard deviations
+
+
+def test_atr_split_on_label_pairs():
+    g = PCFG(seed=2)
+    train = make_atr(1500, g, split="train", holdout=0.2, seed=1)
+    test = make_atr(400, g, split="test", holdout=0.2, seed=1)
+    held = train.meta["heldout"]
+    assert held.shape == (20, 20) and torch.equal(held, test.meta["heldout"]) and 0.1 < held.float().mean() < 0.3
+
+    def pairs(ds):
+        rows = torch.arange(len(ds))
+        return list(zip((ds.answers - 3).tolist(), (ds.tokens[rows, ds.positions["key"]] - 3).tolist()))
+
+    assert all(not held[p, c] for p, c in pairs(train)) and all(held[p, c] for p, c in pairs(test))
+    assert not set(pairs(train)) & set(pairs(test))
+    check_common_layout(test)
+    # the split does not change the grammar (PROTOCOL §10.6): the unsplit sample of the same grammar
+    # and seed uses the same stream of sentences as before (only the query filter differs)
+    assert PCFG(seed=2).rules == g.rules
+
+
+def test_atr_rejects_overlong_sentences():
+    g = PCFG(max_rhs_len=10, seed=0)
+    stream = lambda i: Uniforms(np.random.default_rng(i), block=256)
+    saw_long = False
+    for i in range(300):       # the same draws with and without the cap: reject, never truncate
+        full = g.sample_sentence(stream(i), max_terminals=10 ** 9)
+        capped = g.sample_sentence(stream(i), max_terminals=20)
+        if len(full[0]) > 20:
+            saw_long = True
+            assert capped is None
+        else:
+            assert capped == full
+    assert saw_long
+    ds = make_atr(300, g, max_terminals=20)
+    assert (ds.lengths - 5 <= 20).all() and (ds.lengths - 5 >= 3).all()
+
+
+def test_atr_determinism():
+    g = PCFG(seed=5)
+    a, b = make_atr(200, g, seed=1), make_atr(200, PCFG(seed=5), seed=1)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.answers, b.answers)
+    assert all(torch.equal(a.positions[r], b.positions[r]) for r in tasks.ROLES)
+    assert not torch.equal(a.answers, make_atr(200, g, seed=2).answers)
+    assert not torch.equal(a.answers, make_atr(200, PCFG(seed=6), seed=1).answers)
+    assert not torch.equal(make_atr(200, g, split="train").answers, make_atr(200, g, split="dev").answers)
+
+
+def test_atr_bad_input():
+    g = PCFG(seed=0)
+    for make, name in [(lambda: PCFG(max_depth=0), "max_depth"), (lambda: PCFG(max_rhs_len=1), "max_rhs_len"),
+                       (lambda: PCFG(head="left"), "head"), (lambda: PCFG(num_terminals=0), "num_terminals"),
+                       (lambda: make_atr(0, g), "n"), (lambda: make_atr(5, g, split="validation"), "split"),
+                       (lambda: make_atr(5, g, split="test", holdout=1.5), "holdout")]:
+        with pytest.raises(ValueError, match=name):
+            make()
+    # one terminal label: its rightmost instance is always the root head, so no query is ever eligible
+    with pytest.raises(ValueError, match="no eligible query"):
+        make_atr(5, PCFG(num_terminals=1, seed=0))
+
+
+def test_stats_ranges():
+    # PROTOCOL §3.3 (reference, one grammar): L_max=5 median ~9 / mean ~15 terminals; L_max=10: 21 / 39.
+    # Stats vary a lot with the grammar draw (over 60 seeds at L_max=5: medians 6-9, means 8-12 for
+    # the 10-90% range), so seed 0 gets loose bounds and seeds 125 / 124, the closest of 150 seeds
+    # to the reference numbers, get tight ones.
+    for L, seed, med, mean in [(5, 0, (4, 14), (6, 25)), (10, 0, (12, 45), (20, 90)),
+                               (5, 125, (8, 10), (11, 16)), (10, 124, (18, 25), (33, 50))]:
+        ds = make_atr(3000, PCFG(max_rhs_len=L, seed=seed), seed=0)
+        st = stats(ds)
+        assert med[0] <= st["length_terminals"]["median"] <= med[1]
+        assert mean[0] <= st["length_terminals"]["mean"] <= mean[1]
+        assert st["length_terminals"]["max"] <= tasks.MAX_TERMINALS
+        assert st["length_tokens"]["mean"] == pytest.approx(st["length_terminals"]["mean"] + 5)
+        assert 1 <= st["branching"]["min"] and st["branching"]["max"] <= L - 1
+        assert 1 <= st["depth"]["min"] and st["depth"]["max"] <= 10
+        assert st["eligible_per_doc"]["min"] >= 1 and 0.2 < st["adjacent_fraction"] < 0.8
+
+
+def test_subset_and_to():
+    ds = make_atr(300, PCFG(seed=1), seed=0)
+    idx = torch.tensor([5, 0, 17])
+    sub = ds.subset(idx)
+    assert len(sub) == 3 and sub.tokens.shape[1] == int(ds.lengths[idx].max())
+    assert torch.equal(sub.tokens, ds.tokens[idx, : sub.tokens.shape[1]])
+    assert sub.meta["per_doc"]["parents"][1] == ds.meta["per_doc"]["parents"][0]
+    assert sub.describe(0) == ds.describe(5)
+    check_common_layout(sub)
+    head = ds.subset(slice(0, 10))
+    assert len(head) == 10 and head.meta["per_doc"]["depth"] == ds.meta["per_doc"]["depth"][:10]
+    moved = ds.to("cpu")
+    assert torch.equal(moved.tokens, ds.tokens) and moved.positions["key"].device.type == "cpu"
+
+
+# ==================================================================================================
+# models.py: kernels (fast vs slow twins)
+# ==================================================================================================
+
+def _grads(fn, inputs, weight):
+    """Values and input gradients of sum(fn(*inputs) * weight); unused inputs get zero gradients."""
+    out = fn(*inputs)
+    grads = torch.autograd.grad((out * weight).sum(), inputs, allow_unused=True)
+    return out, [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+
+
+@pytest.mark.parametrize("length", [1, 7, 64, 1000])
+@pytest.mark.parametrize("decay", ["near0", "near1"])
+@pytest.mark.parametrize("fast", [models.parallel_scan, models.loop_scan])
+def test_scans_match_the_loop_in_values_and_gradients(length, decay, fast):
+    gen = torch.Generator().manual_seed(length)
+    shape = (2, length, 3)
+    r = torch.rand(shape, generator=gen, dtype=torch.float64)
+    a = (r * 0.05 if decay == "near0" else 1 - r * 0.01).requires_grad_()
+    b = torch.randn(shape, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(shape, generator=gen, dtype=torch.float64)
+    ref, ref_grads = _grads(models.sequential_scan, (a, b), weight)
+    out, out_grads = _grads(fast, (a, b), weight)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for g, g_ref in zip(out_grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_sequential_scan_is_the_recurrence():
+    a = torch.tensor([[0.5, 2.0, 0.0, 1.0]])
+    b = torch.tensor([[1.0, 1.0, 3.0, -1.0]])
+    # h0 = 1, h1 = 2*1 + 1 = 3, h2 = 0*3 + 3 = 3, h3 = 1*3 - 1 = 2
+    assert models.sequential_scan(a, b).tolist() == [[1.0, 3.0, 3.0, 2.0]]
+
+
+@pytest.mark.parametrize("length", [1, 5, 37])
+def test_selective_scan_fused_matches_reference(length):
+    gen = torch.Generator().manual_seed(length)
+    b, e, n = 2, 5, 3
+    u = torch.randn(b, length, e, generator=gen, dtype=torch.float64).requires_grad_()
+    delta = (torch.rand(b, length, e, generator=gen, dtype=torch.float64) * 0.5).requires_grad_()
+    A = (-torch.rand(e, n, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    B = torch.randn(b, length, n, generator=gen, dtype=torch.float64).requires_grad_()
+    C = torch.randn(b, length, n, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(b, length, e, generator=gen, dtype=torch.float64)
+    inputs = (u, delta, A, B, C)
+    ref, ref_grads = _grads(models.selective_scan_reference, inputs, weight)
+    out, out_grads = _grads(models.selective_scan, inputs, weight)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for g, g_ref in zip(out_grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("length", [1, 2, 37, 300])
+def test_fft_conv_matches_direct_conv(length):
+    gen = torch.Generator().manual_seed(length)
+    u = torch.randn(2, length, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    k = torch.randn(length, 4, generator=gen, dtype=torch.float64).requires_grad_()
+    weight = torch.randn(2, length, 4, generator=gen, dtype=torch.float64)
+    ref, ref_grads = _grads(models.direct_conv, (u, k), weight)
+    out, out_grads = _grads(models.fft_conv, (u, k), weight)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    for g, g_ref in zip(out_grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-9)
+
+
+def test_direct_conv_is_the_causal_sum():
+    u = torch.tensor([[[1.0], [2.0], [3.0]]])     # (b=1, l=3, d=1)
+    k = torch.tensor([[10.0], [1.0], [0.5]])      # k_0, k_1, k_2
+    # y0 = 10*1, y1 = 10*2 + 1*1, y2 = 10*3 + 1*2 + 0.5*1
+    assert models.direct_conv(u, k).flatten().tolist() == [10.0, 21.0, 32.5]
+
+
+@pytest.mark.parametrize("kernel", [1, 3, 4])
+def test_short_conv_matches_its_definition_and_is_causal(kernel):
+    gen = torch.Generator().manual_seed(kernel)
+    x = torch.randn(2, 9, 5, generator=gen, dtype=torch.float64)
+    w = torch.randn(5, 1, kernel, generator=gen, dtype=torch.float64)
+    bias = torch.randn(5, generator=gen, dtype=torch.float64)
+    y = models.short_conv(x, w, bias)
+    torch.testing.assert_close(y, models.short_conv_reference(x, w, bias))
+    x2 = x.clone()
+    x2[:, 6] += 1.0                                 # change token 6: outputs 0..5 must not move
+    torch.testing.assert_close(models.short_conv(x2, w, bias)[:, :6], y[:, :6])
+    # the last tap multiplies the current token
+    assert torch.allclose(models.short_conv(x, torch.zeros_like(w).index_fill_(2, torch.tensor([kernel - 1]), 1.0)), x)
+
+
+def test_selective_scan_inference_path_matches_reference():
+    gen = torch.Generator().manual_seed(3)
+    u, delta = torch.randn(2, 11, 5, generator=gen), torch.rand(2, 11, 5, generator=gen)
+    A = -torch.rand(5, 3, generator=gen) * 2
+    B, C = torch.randn(2, 11, 3, generator=gen), torch.randn(2, 11, 3, generator=gen)
+    with torch.no_grad():
+        fast = models.selective_scan(u, delta, A, B, C)
+    torch.testing.assert_close(fast, models.selective_scan_reference(u, delta, A, B, C), rtol=1e-5, atol=1e-6)
+
+
+# ==================================================================================================
+# models.py: backbone and mixers
+# ==================================================================================================
+
+ARCH_UNDER_TEST = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet"]
+
+# ARCHITECTURES.md §4: totals at v=8195, P=1024, 2 layers, pos_emb on, tied head counted once.
+PARAM_COUNTS = {  # d_model: {arch: count}
+    16: {"attention": 154_000, "base_conv": 155_936, "based": 153_024, "hyena": 179_984, "h3": 268_848, "mamba": 154_288},
+    32: {"attention": 320_288, "base_conv": 317_952, "based": 315_776, "hyena": 348_832, "h3": 549_984, "mamba": 314_976},
+    64: {"attention": 689_728, "base_conv": 669_632, "based": 670_464, "hyena": 723_392, "h3": 1_149_120,
+         "mamba": 655_552, "deltanet": 691_392},
+    128: {"attention": 1_576_064, "base_conv": 1_483_584, "based": 1_496_576, "hyena": 1_619_968, "h3": 2_494_848,
+          "mamba": 1_413_504},
+    256: {"attention": 3_938_560, "base_conv": 3_553_856, "based": 3_615_744, "hyena": 4_002_944, "h3": 5_776_128,
+          "mamba": 3_236_608},
+}
+
+REQUIRED_HOOKS = {
+    "attention": ["hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z"],
+    "base_conv": ["hook_proj", "hook_conv", "hook_gated"],
+    "based": ["hook_q", "hook_k", "hook_phi_q", "hook_phi_k", "hook_v", "hook_pattern", "hook_y"],
+    "mamba": ["hook_x", "hook_z", "hook_conv_out", "hook_u", "hook_delta", "hook_B", "hook_C",
+              "hook_ssm_out", "hook_gate", "hook_y"],
+    "hyena": ["hook_in_proj", "hook_short", "hook_pregate", "hook_longconv", "hook_postgate"],
+    "h3": ["hook_q", "hook_k", "hook_v", "hook_shift_out", "hook_k_tilde", "hook_ssm_out", "hook_y"],
+    "deltanet": ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_o"],
+}
+
+V, D = 50, 16
+
+
+def small_model(arch, dtype=torch.float64, seed=0, **options):
+    return models.build_model(arch, V, D, 2, seed=seed, **options).to(dtype)
+
+
+def random_tokens(b=3, l=12, seed=0):
+    return torch.randint(0, V, (b, l), generator=torch.Generator().manual_seed(seed))
+
+
+# Variants covering each arch's options (the ablations of the paper).
+VARIANTS = [(arch, {}) for arch in ARCH_UNDER_TEST] + [
+    ("mamba", {"d_conv": 0}), ("mamba", {"d_conv": 1}), ("based", {"long_only": True}),
+    ("base_conv", {"long_only": True}), ("based", {"d_conv": 2}), ("attention", {"n_heads": 4}),
+    ("based", {"n_heads": 2}),
+]
+VARIANT_IDS = [arch + "".join(f"-{k}={v}" for k, v in opts.items()) for arch, opts in VARIANTS]
+
+
+# ---------------------------------------------------------------------------------------------- counts
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_parameter_counts_match_table(arch):
+    for d_model, row in PARAM_COUNTS.items():
+        if arch in row:
+            model = models.build_model(arch, 8195, d_model, 2, pos_emb=True)
+            assert models.count_parameters(model) == row[arch], (arch, d_model)
+
+
+def test_frozen_features_and_nope_counts():
+    base_conv = models.build_model("base_conv", 8195, 64, 2, pos_emb=True)
+    assert models.count_parameters(base_conv, trainable_only=True) == 666_560  # 3P frozen features excluded
+    nope = models.build_model("mamba", 8195, 64, 2)  # pos_emb defaults to off except for attention
+    assert models.count_parameters(nope) == 655_552 - 1024 * 64
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+@pytest.mark.parametrize("arch,options", VARIANTS, ids=VARIANT_IDS)
+def test_forward_backward(arch, options):
+    model = small_model(arch, torch.float32, **options)
+    tokens = random_tokens()
+    logits = model(tokens)
+    assert logits.shape == (3, 12, V)
+    F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+    unused = {"mamba": ["conv1d"]}.get(arch, []) if options.get("d_conv") == 0 else []
+    for name, p in model.named_parameters():
+        if p.requires_grad and not any(u in name for u in unused):
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+@pytest.mark.parametrize("arch,options", VARIANTS, ids=VARIANT_IDS)
+def test_causality(arch, options):
+    model = small_model(arch, **options)
+    tokens = random_tokens()
+    t = 7
+    changed = tokens.clone()
+    changed[:, t] = (changed[:, t] + 1) % V
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    torch.testing.assert_close(before[:, :t], after[:, :t], rtol=0, atol=1e-12)
+    assert (before[:, t] - after[:, t]).abs().max() > 1e-6  # and token t does matter
+
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_readout_equals_full_logits(arch):
+    model = small_model(arch)
+    tokens = random_tokens()
+    positions = torch.tensor([0, 5, 11])
+    with torch.no_grad():
+        full, read = model(tokens), model(tokens, readout=positions)
+    assert read.shape == (3, V)
+    torch.testing.assert_close(read, full[torch.arange(3), positions])
+
+
+@pytest.mark.parametrize("arch,options", VARIANTS, ids=VARIANT_IDS)
+def test_reference_kernels_give_same_logits(arch, options):
+    tokens = random_tokens()
+    with torch.no_grad():
+        fast = small_model(arch, **options)(tokens)
+        slow = small_model(arch, kernels="reference", **options)(tokens)
+    torch.testing.assert_close(fast, slow, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_model_follows_dtype_and_rebuilds(arch):
+    model = small_model(arch, torch.float64, seed=3)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert model(random_tokens()).dtype == torch.float64
+    rebuilt = models.build_model(**model.build_args).to(torch.float64)
+    for (name, p), q in zip(model.state_dict().items(), rebuilt.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+# ---------------------------------------------------------------------------------------------- hooks
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_required_hook_names_exist(arch):
+    names = {name for name, _ in small_model(arch).named_modules()}
+    block_sites = ["hook_resid_pre", "mixer.hook_in", "mixer.hook_out", "hook_resid_post"]
+    if arch not in models.MAMBA_BLOCK_ARCHS:
+        block_sites += ["mlp.hook_in", "mlp.hook_out"]
+    for i in range(2):
+        for site in block_sites:
+            assert f"blocks.{i}.{site}" in names, (arch, i, site)
+    mixer_layer = {"based": 1}.get(arch, 0)  # based: layer 0 is BaseConv, layer 1 the linear attention
+    for hook in REQUIRED_HOOKS[arch]:
+        assert f"blocks.{mixer_layer}.mixer.{hook}" in names, hook
+    for i, block in enumerate(small_model(arch).blocks):
+        for site in type(block.mixer).INTERNAL_SITES:
+            assert f"blocks.{i}.mixer.{site}" in names, site
+    if arch == "base_conv":
+        assert "blocks.1.mixer.hook_longconv" in names
+
+
+@pytest.mark.parametrize("arch,options", VARIANTS[:len(ARCH_UNDER_TEST)] + [("base_conv", {"long_only": True})])
+def test_every_hook_output_is_used(arch, options):
+    """Perturbing the value a HookPoint returns changes the logits: the forward uses the hook's output."""
+    model = small_model(arch, **options)
+    tokens = random_tokens()
+    with torch.no_grad():
+        clean = model(tokens)
+        for name, module in model.named_modules():
+            if isinstance(module, models.HookPoint):
+                handle = module.register_forward_hook(lambda mod, inp, out: out * 1.5 + 0.1)
+                patched = model(tokens)
+                handle.remove()
+                assert (patched - clean).abs().max() > 1e-8, name
+
+
+# ---------------------------------------------------------------------------------------------- recurrent form
+
+def _loop_steps(mixer, x):
+    state = mixer.init_state(x.shape[0], x.device, x.dtype)
+    outputs = []
+    for x_t in x.unbind(1):
+        y_t, state = mixer.step(x_t, state)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=1)
+
+
+@pytest.mark.parametrize("mixer_factory", [
+    lambda: models.Mamba(D, 0, 2, d_conv=0), lambda: models.Mamba(D, 0, 2, d_conv=1),
+    lambda: models.Mamba(D, 0, 2, d_conv=4), lambda: models.BasedAttention(D, 1, 2),
+    lambda: models.BasedAttention(D, 1, 2, n_heads=4),
+], ids=["mamba-d_conv=0", "mamba-d_conv=1", "mamba-d_conv=4", "based", "based-4heads"])
+def test_recurrent_step_matches_parallel_forward(mixer_factory):
+    torch.manual_seed(0)
+    mixer = mixer_factory().double()
+    x = torch.randn(2, 13, D, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(_loop_steps(mixer, x), mixer(x), rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- init & pieces
+
+def test_mamba_dt_bias_and_init():
+    model = models.build_model("mamba", V, 64, 2, seed=0)
+    for block in model.blocks:
+        mixer = block.mixer
+        dt = F.softplus(mixer.dt_proj.bias)
+        assert dt.min() >= 1e-3 - 1e-7 and dt.max() <= 1e-1 + 1e-7
+        assert torch.equal(mixer.A_log[3], torch.log(torch.arange(1.0, 17.0)))
+        bound = 1 / math.sqrt(128) / math.sqrt(2)  # torch-default U(+-1/sqrt(e)), divided by sqrt(n_layers)
+        assert mixer.out_proj.weight.abs().max() <= bound and mixer.out_proj.weight.abs().max() > 0.9 * bound
+    assert abs(model.embed.weight.std().item() - 0.02) < 0.002
+
+
+def test_transformer_init_pass():
+    model = models.build_model("attention", 500, 64, 2, seed=0)
+    attn, mlp = model.blocks[0].mixer, model.blocks[0].mlp
+    assert abs(attn.Wqkv.weight.std().item() - 0.02) < 0.002
+    assert abs(attn.out_proj.weight.std().item() - 0.01) < 0.002  # 0.02 / sqrt(2 n_layers)
+    assert abs(mlp.fc2.weight.std().item() - 0.01) < 0.001
+    assert abs(mlp.fc1.weight.std().item() - 0.02) < 0.001 and (mlp.fc1.bias == 0).all()
+    based = models.build_model("based", 500, 64, 2, seed=0)
+    assert abs(based.blocks[1].mixer.proj_o.weight.std().item() - 0.02) < 0.002  # proj_o is not down-scaled
+    conv = based.blocks[0].mixer.conv.weight  # conv keeps torch-default U(+-1/sqrt(3))
+    assert conv.abs().max() <= 1 / math.sqrt(3) and conv.abs().max() > 0.5
+
+
+def test_layer_pattern_of_based_and_base_conv():
+    kernel_sizes = lambda m: [getattr(b.mixer, "kernel_size", "attn") for b in m.blocks]
+    assert kernel_sizes(models.build_model("base_conv", V, D, 3)) == [3, -1, 3]
+    assert kernel_sizes(models.build_model("base_conv", V, D, 3, d_conv=2)) == [2, 2, 2]
+    assert kernel_sizes(models.build_model("base_conv", V, D, 2, long_only=True)) == [-1, -1]
+    assert kernel_sizes(models.build_model("based", V, D, 3)) == [3, "attn", 3]
+    assert kernel_sizes(models.build_model("based", V, D, 2, long_only=True)) == [-1, "attn"]
+
+
+def test_taylor_feature_kernel():
+    torch.manual_seed(0)
+    q, k = torch.randn(5, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    phi_q, phi_k = models.taylor_features(q), models.taylor_features(k)
+    assert phi_q.shape == (5, 73)
+    s = (q * k).sum(-1) / math.sqrt(8)
+    torch.testing.assert_close((phi_q * phi_k).sum(-1), 1 + s + s ** 2 / 2)
+
+
+def test_rmsnorm_and_mlp_pieces():
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    norm = models.RMSNorm(8).double()
+    torch.testing.assert_close(norm(x), x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-5))
+    mlp = models.MLP(8).double()
+    torch.testing.assert_close(mlp(x), mlp.fc2(F.gelu(mlp.fc1(x), approximate="none")))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(arch="transformer"), dict(arch="attention", d_model=10, n_heads=3), dict(arch="attention", n_layers=0),
+    dict(arch="mamba", d_conv=5), dict(arch="mamba", kernels="slow"), dict(arch="based", d_conv=0),
+    dict(arch="base_conv", d_conv=2, long_only=True),
+])
+def test_build_model_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        models.build_model(vocab_size=V, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_half_precision_forward(arch):
+    """bfloat16 models run (the FFT conv and Mamba's scan compute in float32 internally)."""
+    logits = small_model(arch, torch.bfloat16)(random_tokens())
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+# ==================================================================================================
+# models.py: hyena, h3 and deltanet in detail
+# ==================================================================================================
+
+torch.set_num_threads(1)
+
+# (class, options) for every mixer variant under test; small d_state keeps H3 fast.
+MIXER_VARIANTS = {
+    "hyena": (Hyena, {}),
+    "hyena_skip": (Hyena, {"hyena_skip": True}),
+    "h3": (H3, {"h3_d_state": 32}),
+    "h3_m1": (H3, {"h3_d_state": 32, "h3_head_dim": 1}),
+    "deltanet": (DeltaNet, {}),
+    "deltanet_h2": (DeltaNet, {"n_heads": 2}),
+    "deltanet_noconv": (DeltaNet, {"n_heads": 2, "d_conv": 0}),
+}
+RECURRENT = [name for name, (cls, _) in MIXER_VARIANTS.items() if hasattr(cls, "step")]
+
+
+def make(name, d=16, reference=False, seed=0):
+    """A float64 mixer with every parameter perturbed away from its (often degenerate) init."""
+    cls, options = MIXER_VARIANTS[name]
+    torch.manual_seed(seed)
+    mixer = cls(d, 0, 2, reference, **options).double()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return mixer
+
+
+def inputs(b=2, l=11, d=16, seed=1):
+    return torch.randn(b, l, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+# --- parameter counts (ARCHITECTURES.md §4) ---------------------------------------------------
+
+@pytest.mark.parametrize("cls,options,expected", [
+    (Hyena, {}, 33_280), (H3, {}, 246_144),
+    (DeltaNet, {"n_heads": 1}, 17_280), (DeltaNet, {"n_heads": 2}, 17_312), (DeltaNet, {"n_heads": 4}, 17_424),
+])
+def test_mixer_parameter_counts(cls, options, expected):
+    assert models.count_parameters(cls(64, 0, 2, **options)) == expected
+
+
+@pytest.mark.parametrize("arch,d_model,n_heads,expected", [
+    ("hyena", 16, 1, 179_984), ("hyena", 32, 1, 348_832), ("hyena", 64, 1, 723_392),
+    ("hyena", 128, 1, 1_619_968), ("hyena", 256, 1, 4_002_944),
+    ("h3", 16, 1, 268_848), ("h3", 32, 1, 549_984), ("h3", 64, 1, 1_149_120),
+    ("h3", 128, 1, 2_494_848), ("h3", 256, 1, 5_776_128),
+    ("deltanet", 64, 1, 691_392), ("deltanet", 64, 2, 691_456), ("deltanet", 64, 4, 691_680),
+])
+def test_model_parameter_counts(arch, d_model, n_heads, expected):
+    model = models.build_model(arch, 8195, d_model, 2, pos_emb=True, n_heads=n_heads)
+    assert models.count_parameters(model) == expected
+
+
+def test_registry_and_init_pass():
+    assert {"hyena", "h3", "deltanet"} <= set(models.MIXER_CLASSES)
+    model = models.build_model("hyena", 50, 64, 2, seed=0)
+    mixer = model.blocks[0].mixer
+    # Hyena's out_proj is down-scaled to N(0, 0.01^2); H3's output_linear and DeltaNet's o_proj are not.
+    assert 0.008 < mixer.out_proj.weight.std() < 0.012
+    assert 0.018 < models.build_model("h3", 50, 64, 2, seed=0).blocks[0].mixer.output_linear.weight.std() < 0.022
+    assert 0.018 < models.build_model("deltanet", 50, 64, 2, seed=0).blocks[0].mixer.o_proj.weight.std() < 0.022
+    # The filter MLP is a set of Linears, so the init pass makes the filter start near zero (§3.4).
+    assert mixer.filter(40).abs().max() < 1e-2
+    assert torch.all(mixer.filter.freq == 1)
+    decay = mixer.filter.decay
+    assert math.isclose(decay[0].item(), 3.0701, abs_tol=1e-4) and math.isclose(decay[-1].item(), 15.3506, abs_tol=1e-4)
+
+
+# --- equivalences (float64) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(MIXER_VARIANTS))
+def test_fast_equals_reference(name):
+    x = inputs()
+    assert torch.allclose(make(name)(x), make(name, reference=True)(x), atol=1e-10)
+
+
+@pytest.mark.parametrize("name", list(MIXER_VARIANTS))
+def test_mixer_causality(name):
+    mixer, x = make(name), inputs(l=13)
+    y = mixer(x)
+    for t in (0, 5, 12):
+        x2 = x.clone()
+        x2[:, t] += torch.randn_like(x2[:, t])
+        y2 = mixer(x2)
+        assert torch.allclose(y2[:, :t], y[:, :t], atol=1e-12)
+        assert not torch.allclose(y2[:, t], y[:, t])
+
+
+@pytest.mark.parametrize("name", RECURRENT)
+def test_step_equals_mix(name):
+    mixer, x = make(name), inputs(l=9)
+    state = mixer.init_state(x.shape[0], x.device, x.dtype)
+    outputs = []
+    for x_t in x.unbind(1):
+        y_t, state = mixer.step(x_t, state)
+        outputs.append(y_t)
+    assert torch.allclose(torch.stack(outputs, 1), mixer(x), atol=1e-10)
+
+
+def test_delta_rule_parallel_equals_loop_with_gradients():
+    g = torch.Generator().manual_seed(0)
+    b, l, h, k = 2, 10, 3, 4
+    q, key, v = (torch.randn(b, l, h, k, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
+    beta = torch.rand(b, l, h, dtype=torch.float64, generator=g, requires_grad=True)
+    keys = models.l2_normalize(key)
+    out_loop, out_par = delta_rule_recurrent(q, keys, v, beta), delta_rule_parallel(q, keys, v, beta)
+    assert torch.allclose(out_loop, out_par, atol=1e-12)
+    weights = torch.randn(out_loop.shape, dtype=torch.float64, generator=g)
+    grads_loop = torch.autograd.grad((out_loop * weights).sum(), (q, key, v, beta), retain_graph=True)
+    grads_par = torch.autograd.grad((out_par * weights).sum(), (q, key, v, beta))
+    for a, b_ in zip(grads_loop, grads_par):
+        assert torch.allclose(a, b_, atol=1e-10)
+
+
+@pytest.mark.parametrize("delta_rule", [delta_rule_recurrent, delta_rule_parallel])
+def test_delta_rule_retrieves_and_overwrites(delta_rule):
+    """beta = 1 and orthonormal keys: S_t^T k_s = v_s for every stored pair (§8.7), and writing a key
+    again replaces its value instead of adding to it (what distinguishes the delta rule)."""
+    k_dim, n_pairs = 8, 5
+    basis = torch.linalg.qr(torch.randn(k_dim, k_dim, dtype=torch.float64))[0]      # orthonormal columns
+    keys = torch.cat([basis.T[:n_pairs], basis.T[:1]])                              # k_0..k_4, then k_0 again
+    values = torch.randn(n_pairs + 1, k_dim, dtype=torch.float64)
+    ones = torch.ones(1, n_pairs + 1, 1, dtype=torch.float64)
+    # Query the last state with every stored key: put the query at the last position, one batch row each.
+    q = torch.zeros(n_pairs, n_pairs + 1, 1, k_dim, dtype=torch.float64)
+    q[:, -1, 0] = basis.T[:n_pairs]
+    k_batch = keys[None, :, None].expand(n_pairs, -1, -1, -1)
+    v_batch = values[None, :, None].expand(n_pairs, -1, -1, -1)
+    read = delta_rule(q, k_batch, v_batch, ones.expand(n_pairs, -1, -1))[:, -1, 0] * math.sqrt(k_dim)
+    expected = torch.cat([values[-1:], values[1:n_pairs]])                           # k_0 now holds the new value
+    assert torch.allclose(read, expected, atol=1e-12)
+
+
+# --- H3 specifics -------------------------------------------------------------------------------
+
+def test_h3_kernels_at_init():
+    for reference in (False, True):
+        torch.manual_seed(0)
+        h3 = H3(16, 0, 2, reference, h3_d_state=64).double()
+        shift = h3.shift_kernel(20)                                   # (l, d)
+        assert torch.allclose(shift, h3.shift_C[:, :20].T, atol=1e-15, rtol=0)
+        assert h3.ssm_kernel(20).dtype == torch.float64               # K^d comes out real
+    with pytest.raises(ValueError):
+        h3.shift_kernel(65)
+
+
+def test_h3_m1_closed_form_and_channel_order():
+    """m = 1: y = q * (K^d * (k~ v) + D^d k~ v) (§8.4). m = 2: y[..., j*H + h] = sum_i q_{h,i} w_{h,i,j}."""
+    x = inputs()
+    h3 = make("h3_m1")
+    cache = {}
+    handles = [getattr(h3, name).register_forward_hook(lambda mod, inp, out, name=name: cache.__setitem__(name, out))
+               for name in ("hook_q", "hook_k_tilde", "hook_v", "hook_y")]
+    h3(x)
+    z = cache["hook_k_tilde"] * cache["hook_v"]                                     # (b, l, d)
+    conv = models.direct_conv(z, h3.ssm_kernel(x.shape[1]))
+    assert torch.allclose(cache["hook_y"], cache["hook_q"] * (conv + h3.diag_D * z), atol=1e-12)
+    for handle in handles:
+        handle.remove()
+
+    h3 = make("h3")
+    h, m = h3.n_heads, h3.head_dim
+    handles = [getattr(h3, name).register_forward_hook(lambda mod, inp, out, name=name: cache.__setitem__(name, out))
+               for name in ("hook_q", "hook_ssm_out", "hook_y")]
+    h3(x)
+    q, w, y = cache["hook_q"], cache["hook_ssm_out"], cache["hook_y"]
+    for head in range(h):
+        for j in range(m):
+            expected = sum(q[..., head * m + i] * w[..., head, i, j] for i in range(m))
+            assert torch.allclose(y[..., j * h + head], expected, atol=1e-12)
+    for handle in handles:
+        handle.remove()
+
+
+def test_length_limits():
+    with pytest.raises(ValueError):
+        H3(8, 0, 2, h3_d_state=8)(torch.randn(1, 9, 8))
+    with pytest.raises(ValueError):
+        Hyena(8, 0, 2, n_positions=8)(torch.randn(1, 9, 8))
+
+
+# --- Hyena skip, hooks, training ------------------------------------------------------------------
+
+def test_hyena_skip_is_inert_by_default():
+    x = inputs()
+    off, on = make("hyena"), make("hyena_skip")
+    assert not torch.allclose(off(x), on(x))
+    off(x).sum().backward()
+    assert off.skip.grad is not None and torch.all(off.skip.grad == 0)  # counted, trained, never moves
+
+
+HOOKS = {
+    Hyena: ["hook_in_proj", "hook_short", "hook_pregate", "hook_filter", "hook_longconv", "hook_postgate"],
+    H3: ["hook_q", "hook_k", "hook_v", "hook_shift_kernel", "hook_shift_out", "hook_k_tilde", "hook_kv",
+         "hook_ssm_kernel", "hook_ssm_out", "hook_y"],
+    DeltaNet: ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_o"],
+}
+
+
+@pytest.mark.parametrize("name", ["hyena", "h3", "deltanet_h2"])
+def test_every_hook_is_used_downstream(name):
+    """Each HookPoint exists, INTERNAL_SITES name real hooks, and a hook's return value changes the output."""
+    mixer, x = make(name), inputs()
+    hooks = {n for n, mod in mixer.named_modules() if isinstance(mod, models.HookPoint)}
+    expected = HOOKS[type(mixer)]
+    assert hooks == {"hook_in", "hook_out", *expected}
+    assert set(type(mixer).INTERNAL_SITES) <= hooks
+    clean = mixer(x)
+    for site in expected:
+        module = getattr(mixer, site)
+        assert module.seq_dim == (None if site in ("hook_filter", "hook_shift_kernel", "hook_ssm_kernel") else 1)
+        handle = module.register_forward_hook(lambda mod, inp, out: out * 1.5)
+        try:
+            assert not torch.allclose(mixer(x), clean), site
+        finally:
+            handle.remove()
+        assert torch.equal(mixer(x), clean)
+
+
+@pytest.mark.parametrize("arch,options", [("hyena", {}), ("h3", {"h3_d_state": 64}), ("deltanet", {"n_heads": 2})])
+def test_model_forward_backward_and_kernels(arch, options):
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 30, (2, 17))
+    fast = models.build_model(arch, 30, 16, 2, seed=0, **options).double()
+    logits = fast(tokens)
+    assert logits.shape == (2, 17, 30)
+    logits[:, -1].logsumexp(-1).sum().backward()
+    for name, p in fast.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    ref = models.build_model(arch, 30, 16, 2, seed=0, kernels="reference", **options).double()
+    assert torch.allclose(ref(tokens), logits, atol=1e-10)
+    # Causality through the whole model: a token changed at t leaves the logits before t alone.
+    changed = tokens.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 30
+    assert torch.allclose(fast(changed)[:, :9], logits[:, :9], atol=1e-12)
+
+
+def test_float32_default_h3_runs():
+    """The paper's d_state = 1024 in float32 (complex64 kernels) agrees with float64 at AR lengths."""
+    torch.manual_seed(0)
+    h3 = H3(32, 0, 2)
+    x = torch.randn(2, 40, 32)
+    y32 = h3(x)
+    y64 = h3.double()(x.double())
+    assert torch.allclose(y32.double(), y64, atol=1e-5, rtol=1e-4)
+
+
+# ==================================================================================================
+# interventions.py: patching, attribution, verdicts
+# ==================================================================================================
+
+ARCHS = list(models.ARCHS)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return tasks.make_ar(48, num_keys=16, num_values=16, num_pairs=4, seed=3)
+
+
+def patching_model(arch, vocab_size, n_layers=2, scale=3.0):
+    """Random float64 model with large weights (Linear ~ N(0, scale^2 / fan_in), embeddings ~ N(0, 1)),
+    so that the corrupted key moves the answer probability: with the paper's small init an
+    untrained model is ~uniform and p_clean ~= p_corrupt."""
+    model = models.build_model(arch, vocab_size, 16, n_layers, seed=0).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(torch.randn(m.weight.shape, generator=g, dtype=m.weight.dtype)
+                               * scale / m.in_features ** 0.5)
+        model.embed.weight.copy_(torch.randn(model.embed.weight.shape, generator=g, dtype=torch.float64))
+    return model
+
+
+def no_hooks_left(model):
+    return all(len(m._forward_hooks) == 0 for m in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------
+# Sites and hooks
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sites_and_labels(arch, data):
+    model = patching_model(arch, data.vocab_size)
+    sites = iv.default_sites(model)
+    labels = {(iv.site_layer(s), iv.site_label(s)) for s in sites}
+    for layer in (0, 1):
+        for label in ("block_in", "mixer_in", "mixer_out", "block_out"):
+            assert (layer, label) in labels
+        assert ((layer, "mlp_in") in labels) == (arch != "mamba")  # Mamba blocks have no MLP
+    assert set(sites) <= set(iv.hook_points(model))
+    if arch == "mamba":
+        assert "blocks.0.mixer.hook_conv_out" in sites and iv.site_label("blocks.0.mixer.hook_conv_out") == "conv_out"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_self_patch_changes_no_logit(arch, data):
+    """Patching every site of a clean run with its own clean activations changes nothing."""
+    model = patching_model(arch, data.vocab_size)
+    sites = list(iv.hook_points(model))
+    clean = iv.record(model, data.tokens, sites)
+    with torch.no_grad():
+        before = model(data.tokens)
+        with iv.patch(model, {s: (lambda act, s=s: clean[s]) for s in sites}):
+            after = model(data.tokens)
+    assert torch.equal(before, after)
+    assert no_hooks_left(model)
+
+
+def test_hooks_removed_after_exception(data):
+    model = patching_model("attention", data.vocab_size)
+    with torch.no_grad():
+        before = model(data.tokens)
+
+    def boom(act):
+        raise RuntimeError("inside the patched forward")
+
+    with pytest.raises(RuntimeError, match="inside the patched forward"):
+        with iv.patch(model, {"blocks.0.hook_resid_pre": lambda a: a * 0, "blocks.1.mixer.hook_z": boom}):
+            model(data.tokens)
+    assert no_hooks_left(model)
+    with torch.no_grad():
+        assert torch.equal(model(data.tokens), before)
+    with pytest.raises(KeyError):  # not a HookPoint: refused before anything is registered
+        with iv.patch(model, {"blocks.0.hook_resid_pre": lambda a: a, "blocks.0.ln1": lambda a: a}):
+            pass
+    assert no_hooks_left(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Corruption and attribution
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", ["key", "value"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_corrupt_keeps_class_and_changes_one_token(data, role, strict):
+    corrupted = iv.corrupt(data, role, seed=1, strict=strict)
+    changed = corrupted != data.tokens
+    assert (changed.sum(1) == 1).all()
+    rows = torch.arange(len(data))
+    pos = data.positions[role]
+    assert changed[rows, pos].all()
+    lo, hi = data.classes[role]
+    new = corrupted[rows, pos]
+    assert ((new >= lo) & (new < hi)).all()  # a value is replaced by a value (PROTOCOL §10.1)
+    if strict:  # the replacement occurs nowhere in the clean document (§10.20)
+        assert not (data.tokens == new[:, None]).any()
+    assert torch.equal(corrupted, iv.corrupt(data, role, seed=1, strict=strict))
+    assert not torch.equal(corrupted, iv.corrupt(data, role, seed=2, strict=strict))
+
+
+def test_attribution_is_a_ratio_of_means():
+    p_clean = torch.tensor([1.0, 0.5])
+    p_corrupt = torch.tensor([0.0, 0.25])
+    p_patched = torch.tensor([0.5, 0.5])
+    a = iv.attribution(p_clean, p_corrupt, p_patched)
+    # means 0.75, 0.125, 0.5 -> (0.5 - 0.125) / (0.75 - 0.125) = 0.6; the mean of the
+    # per-document ratios would be (0.5 + 1.0) / 2 = 0.75
+    assert a["score"] == pytest.approx(0.6)
+    assert (a["p_clean"], a["p_corrupt"], a["p_patched"]) == pytest.approx((0.75, 0.125, 0.5))
+    assert a["per_doc"] == pytest.approx([0.5, 0.25])
+    assert not a["low_signal"]
+    small = iv.attribution(torch.tensor([0.3]), torch.tensor([0.295]), torch.tensor([0.3]))
+    assert small["low_signal"] and small["score"] == pytest.approx(1.0)
+    assert not iv.attribution(torch.tensor([0.3]), torch.tensor([0.295]), torch.tensor([0.3]),
+                              threshold=0.001)["low_signal"]
+
+
+def test_verdict_rule():
+    assert iv.verdict(0.9, 0.2, False)[0] == "induction"
+    assert iv.verdict(0.1, 0.9, False)[0] == "direct retrieval"
+    assert iv.verdict(0.4, 0.4, False)[0] == "mixed"
+    assert iv.verdict(0.9, 0.95, False)[0] == "mixed"
+    assert iv.verdict(0.9, 0.2, True)[0] == "no signal"
+
+
+# ---------------------------------------------------------------------------------------------
+# Interchange interventions
+# ---------------------------------------------------------------------------------------------
+
+def _runs(model, data, seed=0):
+    corrupted = iv.corrupt(data, "key", seed=seed)
+    query = data.positions["query"]
+    p_clean = iv.answer_prob(model, data.tokens, data.answers, query)
+    p_corrupt = iv.answer_prob(model, corrupted, data.answers, query)
+    return corrupted, query, p_clean, p_corrupt
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer0_key_restores_and_answer_is_zero(arch, data):
+    model = patching_model(arch, data.vocab_size)
+    corrupted, query, p_clean, p_corrupt = _runs(model, data)
+    assert abs(float(p_clean.mean() - p_corrupt.mean())) > 1e-4  # a real gap to attribute
+    positions = {name: data.positions[name] for name in ("key", "answer")}
+    sites = ["blocks.0.hook_resid_pre", "blocks.0.mixer.hook_out", "blocks.1.hook_resid_pre",
+             "blocks.1.mixer.hook_out", "blocks.1.hook_resid_post"]
+    cache = iv.prepare(model, data.tokens, corrupted, sites, positions, data.answers, query)
+    for site in sites:
+        p = iv.interchange(model, data.tokens, corrupted, site, positions, data.answers, query, cache=cache)
+        answer = iv.attribution(p_clean, p_corrupt, p["answer"])["score"]
+        assert abs(answer) < 1e-9, (site, answer)  # the answer lies after the readout
+        if site == "blocks.0.hook_resid_pre":
+            # restores the clean embedding: the whole forward is the clean one
+            assert iv.attribution(p_clean, p_corrupt, p["key"])["score"] == pytest.approx(1, abs=1e-5)
+            assert torch.allclose(p["key"], p_clean, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_equals_one_position_at_a_time(arch, data):
+    """The stacked, chunked, prefix-reusing interchange equals patching one position at a time
+    with a full forward (this also checks _forward_from against models.LM.forward)."""
+    model = patching_model(arch, data.vocab_size)
+    data = data.subset(slice(0, 20))
+    corrupted, query, _, _ = _runs(model, data, seed=5)
+    positions = {name: data.positions[name] for name in iv.POSITIONS}
+    for site in iv.default_sites(model):
+        fast = iv.interchange(model, data.tokens, corrupted, site, positions, data.answers, query,
+                              chunk_rows=16)  # 16 < 20 docs: chunks cut across the stacked copies
+        for name, pos in positions.items():
+            slow = iv.interchange_reference(model, data.tokens, corrupted, site, pos, data.answers, query)
+            assert torch.allclose(fast[name], slow, rtol=1e-9, atol=1e-12), (site, name)
+
+
+def test_attention_pattern_site_is_patched_by_query_row(data):
+    """hook_pattern has seq_dim=2: patching position t overwrites query row t of the pattern."""
+    model = patching_model("attention", data.vocab_size)
+    corrupted, query, p_clean, p_corrupt = _runs(model, data)
+    positions = {"query": data.positions["query"]}
+    p = iv.interchange(model, data.tokens, corrupted, "blocks.1.mixer.hook_pattern", positions,
+                       data.answers, query)["query"]
+    assert not torch.allclose(p, p_corrupt)  # the readout row's attention is restored
+    slow = iv.interchange_reference(model, data.tokens, corrupted, "blocks.1.mixer.hook_pattern",
+                                    positions["query"], data.answers, query)
+    assert torch.allclose(p, slow, rtol=1e-9, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole table, rendering, JSON
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["attention", "mamba"])
+def test_mechanism_table_render_and_json(arch, data, tmp_path):
+    model = patching_model(arch, data.vocab_size)
+    result = iv.mechanism(model, data, n_docs=40, seed=1)
+    assert result["arch"] == arch and result["n_docs"] == 40
+    assert len(result["rows"]) == len(iv.default_sites(model))
+    row = {r["site"]: r for r in result["rows"]}
+    assert row["blocks.0.hook_resid_pre"]["scores"]["key"] == pytest.approx(1, abs=1e-5)
+    assert all(abs(r["scores"]["answer"]) < 1e-9 for r in result["rows"])
+    assert result["headline"] == {n: row["blocks.1.hook_resid_pre"]["scores"][n] for n in ("key", "value", "query")}
+    assert result["verdict"] in ("induction", "direct retrieval", "mixed", "no signal")
+    assert ("conv_next_key" in result) == (arch == "mamba")
+    text = iv.render_heatmap(result)
+    assert "L1 block_in" in text and "verdict:" in text
+    assert len(iv.render_heatmap(result, sites=["block_in"]).splitlines()) == 2 + 2 + 2 + (arch == "mamba")
+    path = tmp_path / "table.json"
+    iv.save_json(result, path)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+    assert iv.save_png(result, tmp_path / "table.png") in (True, False)
+
+
+def test_mechanism_one_and_three_layers(data):
+    one = iv.mechanism(patching_model("attention", data.vocab_size, n_layers=1), data, n_docs=16)
+    assert one["verdict"] == "n/a (1 layer)" and one["headline"] is None
+    assert set(one["mixer_out"]) == {"key", "value", "query"}
+    three = iv.mechanism(patching_model("mamba", data.vocab_size, n_layers=3), data, n_docs=16,
+                         sites=["blocks.0.hook_resid_pre"])
+    assert set(three["later_layers"]) == {"blocks.2.hook_resid_pre"}
+    assert {r["site"] for r in three["rows"]} == {"blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre",
+                                                  "blocks.2.hook_resid_pre", "blocks.0.mixer.hook_conv_out"}
+
+
+# ==================================================================================================
+# mechsm.py and run.py: recipe, sweeps, checkpoints, CLI, end to end
+# ==================================================================================================
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# A miniature AR that attention learns in a few hundred steps (see test_tiny_attention_learns_ar).
+TINY_AR = dict(task="ar", num_keys=16, num_values=16, num_pairs=4, arch="attention", d_model=32,
+               n_layers=2, device="cpu", eval_size=128)
+
+
+def tiny(**kw):
+    """A very small, fast config (tens of steps): for plumbing tests, not for learning."""
+    return mechsm.Config(**{**TINY_AR, "train_size": 320, "epochs": 1, "eval_every": 5, "eval_size": 32, **kw})
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def quiet(msg):
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipe
+# ----------------------------------------------------------------------------------------------
+
+def test_lr_schedule_warms_up_linearly_then_decays_to_zero():
+    total, peak = 1000, 3e-3
+    lrs = [mechsm.lr_at(s, total, 0.1, "cosine", peak) for s in range(total + 1)]
+    assert lrs[0] == 0.0                                         # the reference's first step uses lr 0
+    assert lrs[50] == pytest.approx(peak / 2) and lrs[100] == pytest.approx(peak)   # linear warmup, w = 100
+    assert all(b - a == pytest.approx(peak / 100) for a, b in zip(lrs[:100], lrs[1:101]))
+    assert all(b <= a + 1e-15 for a, b in zip(lrs[100:], lrs[101:]))                # then non-increasing
+    assert lrs[550] == pytest.approx(peak / 2)                  # cosine: half way down at mid-decay
+    assert lrs[total] == pytest.approx(0.0, abs=1e-12)
+    linear = [mechsm.lr_at(s, total, 0.1, "linear", peak) for s in (100, 550, 1000)]
+    assert linear == pytest.approx([peak, peak / 2, 0.0])
+    assert mechsm.lr_at(0, 10, 0.0, "cosine", 1.0) == 1.0      # no warmup: starts at the peak
+
+
+def test_loss_reads_only_the_answer_at_the_query():
+    cfg = tiny()
+    data = mechsm.make_data(cfg)
+    torch.manual_seed(0)
+    model = mechsm.models.build_model("attention", data.vocab_size, 32, 2)
+    tokens, q, a = data.train.tokens[:16], data.train.positions["query"][:16], data.train.answers[:16]
+    loss = mechsm.answer_loss(model, tokens, q, a)
+    full = model(tokens)                                          # (b, l, v)
+    assert torch.allclose(loss, F.cross_entropy(full[torch.arange(16), q], a), atol=1e-6)
+    # every token after the query (the answer itself, the final EOS) is invisible to the loss
+    perturbed = tokens.clone()
+    after = torch.arange(tokens.shape[1])[None] > q[:, None]
+    perturbed[after] = torch.randint(3, data.vocab_size, (int(after.sum()),))
+    assert torch.equal(mechsm.answer_loss(model, perturbed, q, a), loss)
+    # and the gradient w.r.t. the residual stream at positions after the query is exactly zero
+    grads = {}
+
+    def keep_grad(module, inputs, out):
+        out.register_hook(lambda g: grads.setdefault("g", g))   # returns None: the output is unchanged
+
+    handle = model.blocks[0].hook_resid_pre.register_forward_hook(keep_grad)
+    mechsm.answer_loss(model, tokens, q, a).backward()
+    handle.remove()
+    assert grads["g"][after].abs().max() == 0 and grads["g"][~after].abs().max() > 0
+
+
+def test_evaluate_counts_argmax_over_full_vocab():
+    cfg = tiny()
+    data = mechsm.make_data(cfg)
+
+    class Oracle(torch.nn.Module):      # puts all mass on the answer for even documents, on PAD for odd ones
+        def __init__(self, answers):
+            super().__init__()
+            self.answers, self.w, self.i = answers, torch.nn.Parameter(torch.zeros(1)), 0
+
+        def forward(self, tokens, readout=None):
+            b = tokens.shape[0]
+            rows = torch.arange(self.i, self.i + b)
+            self.i += b
+            logits = torch.zeros(b, data.vocab_size)
+            target = torch.where(rows % 2 == 0, self.answers[rows], torch.zeros_like(rows))
+            logits[torch.arange(b), target] = 30.0
+            return logits
+
+    m = mechsm.evaluate(Oracle(data.eval.answers), data.eval, batch_size=7)
+    assert m["acc"] == 0.5 and m["n"] == len(data.eval)
+    assert m["prob"] == pytest.approx(0.5, abs=1e-6)
+
+
+def test_tiny_attention_leaves_chance_quickly():
+    """The recipe optimises: in 300 steps a width-32 attention model reaches the first AR plateau,
+    "some value that is in the context" (loss well below ln 16 = uniform over the values, accuracy
+    well above 1/16). Measured: eval acc 0.21, eval loss 2.36 (uniform over the values: 0.06, 2.77)."""
+    cfg = mechsm.Config(**{**TINY_AR, "train_size": 300 * 32, "epochs": 1, "lr": 3e-3, "eval_every": 10_000,
+                           "eval_size": 320, "seed": 0})
+    result, _ = mechsm.train(cfg, log=quiet)
+    assert result["status"] == "ok"
+    assert result["final"]["loss"] < 2.6 and result["final"]["acc"] > 0.12, result["final"]
+
+
+# The >= 90% test of issue 4, measured on a loaded 2-core machine. Attention miniatures (widths 32-128,
+# 16-1024 keys, 2-16 pairs, lr 1e-3..1e-2, batch 32-256, up to 3000 steps) all stayed on the
+# 1/pairs plateau ("a value from the context"): induction needs two layers to line up (PROBES.md).
+# DeltaNet's short convolutions give it the previous-token step for free, and it gets there fast:
+# batch 64, lr 3e-3, 500 steps -> 79% at step 100... 97% at 300, 100% at 500 (seed 0; deterministic
+# on CPU). Shorter schedules were not reliable (350 steps: 47%; batch 128 x 250 steps: 90%).
+LEARNS_AR = dict(arch="deltanet", d_model=32, batch_size=64, train_size=500 * 64, lr=3e-3)
+
+
+def test_tiny_model_learns_ar_to_90_percent():
+    cfg = mechsm.Config(**{**TINY_AR, "epochs": 1, "eval_every": 10_000, "eval_size": 320, "seed": 0, **LEARNS_AR})
+    result, _ = mechsm.train(cfg, log=quiet)
+    assert result["status"] == "ok" and result["final"]["acc"] >= 0.9, result["final"]
+
+
+def test_same_seed_same_metrics_and_novel_accuracy_for_atr():
+    cfg = tiny(task="atr", num_terminals=8, max_rhs_len=3, seed=3, train_size=160, eval_every=100)
+    r1, _ = mechsm.train(cfg, log=quiet)
+    r2, _ = mechsm.train(cfg, log=quiet)
+    assert r1["history"] == r2["history"] and r1["n_params"] == r2["n_params"]
+    final = r1["final"]
+    assert 0 <= final["novel_frac"] <= 1 and "novel_acc" in final    # ATR: eval docs unseen in training
+    r3, _ = mechsm.train(replace(cfg, seed=4), log=quiet)
+    assert r3["history"] != r1["history"]
+
+
+def test_holdout_reports_dev_and_test():
+    r, _ = mechsm.train(tiny(holdout=0.3, train_size=64, eval_every=100), log=quiet)
+    assert {"acc", "test_acc", "test_prob", "test_loss"} <= set(r["final"])
+
+
+def test_novel_mask_finds_verbatim_repeats():
+    data = mechsm.make_data(tiny())
+    mask = mechsm.novel_mask(data.train, data.train.subset(slice(0, 5)))
+    assert not mask.any()
+    assert mechsm.novel_mask(data.train, data.eval).float().mean() > 0.9   # AR: collisions are rare
+
+
+def test_nan_loss_fails_the_run_and_the_sweep_goes_on(tmp_path):
+    path = str(tmp_path / "results.jsonl")
+    base = tiny(train_size=640)
+    records = mechsm.sweep(base, ["attention"], [32], [1e30, 1e-3], [0], results_path=path)
+    by_lr = {r["config"]["lr"]: r for r in records}
+    assert by_lr[1e30]["status"] == "failed" and "loss is" in by_lr[1e30]["error"]
+    assert by_lr[1e30]["history"] and by_lr[1e30]["steps_done"] < by_lr[1e30]["total_steps"]
+    assert by_lr[1e-3]["status"] == "ok"
+    lines = open(path).read().splitlines()
+    assert len(lines) == 2 and all(json.loads(line)["config"]["arch"] == "attention" for line in lines)
+    best = mechsm.best_by_lr(records)
+    assert len(best) == 1 and best[0]["best_lr"] == 1e-3
+
+
+def test_rerun_of_finished_sweep_trains_nothing_and_survives_a_torn_line(tmp_path, monkeypatch):
+    path = str(tmp_path / "results.jsonl")
+    base = tiny()
+    first = mechsm.sweep(base, ["attention", "mamba"], [16], [1e-3], [0, 1], results_path=path, log=quiet)
+    with open(path, "a") as f:
+        f.write('{"config": {"arch": "attent')                 # a crash mid-write
+    monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    again = mechsm.sweep(base, ["attention", "mamba"], [16], [1e-3], [0, 1], results_path=path, log=quiet)
+    assert [r["name"] for r in again] == [r["name"] for r in first] and len(again) == 4
+    rows = mechsm.best_by_lr(again)
+    assert [(r["arch"], r["n_seeds"]) for r in rows] == [("attention", 2), ("mamba", 2)]
+    assert all(r["std"] >= 0 for r in rows)
+
+
+def test_sweep_in_parallel_workers(tmp_path):
+    path = str(tmp_path / "results.jsonl")
+    records = mechsm.sweep(tiny(train_size=96), ["attention", "base_conv"], [16], [1e-3], [0],
+                           results_path=path, jobs=2, log=quiet)
+    assert [r["status"] for r in records] == ["ok", "ok"]
+    serial = mechsm.sweep(tiny(train_size=96), ["attention"], [16], [1e-3], [0],
+                          results_path=str(tmp_path / "serial.jsonl"), log=quiet)
+    assert serial[0]["history"] == records[0]["history"]       # a worker reproduces the in-process run
+
+
+def test_config_check_names_the_field():
+    for bad, field in [(dict(arch="transformer"), "arch"), (dict(task="mqar"), "task"),
+                       (dict(d_model=30, n_heads=4), "n_heads"), (dict(lr=-1.0), "lr"),
+                       (dict(lr=float("nan")), "lr"), (dict(schedule="step"), "schedule"),
+                       (dict(epochs=0), "epochs"), (dict(train_size=8), "train_size")]:
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            mechsm.Config(**bad).check()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["attention", "mamba"])
+def test_save_load_round_trip_gives_identical_logits(tmp_path, arch):
+    cfg = tiny(arch=arch, out_dir=str(tmp_path), save_checkpoint=True, train_size=64)
+    result, model = mechsm.train(cfg, log=quiet)
+    loaded, cfg2 = mechsm.load(result["checkpoint"])
+    tokens = mechsm.make_data(cfg).eval.tokens[:8]
+    assert torch.equal(model.cpu()(tokens), loaded(tokens))
+    assert cfg2 == cfg.resolved()
+
+
+def test_load_rejects_corrupt_and_mismatched_checkpoints(tmp_path):
+    cfg = tiny(train_size=32)
+    _, model = mechsm.train(cfg, log=quiet)
+    good = mechsm.save(model, cfg, str(tmp_path / "good.pt"))
+    blob = open(good, "rb").read()
+    for name, content in [("truncated.pt", blob[: len(blob) // 2]), ("garbage.pt", b"not a checkpoint"),
+                          ("empty.pt", b"")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(mechsm.CheckpointError, match="checkpoint"):
+            mechsm.load(str(tmp_path / name))
+    ck = torch.load(good, weights_only=True)
+    ck["build_args"]["d_model"] = 16                             # the weights no longer fit
+    torch.save(ck, tmp_path / "mismatch.pt")
+    with pytest.raises(mechsm.CheckpointError, match="does not rebuild"):
+        mechsm.load(str(tmp_path / "mismatch.pt"))
+    torch.save({"hello": 1}, tmp_path / "other.pt")
+    with pytest.raises(mechsm.CheckpointError, match="not a mechsm"):
+        mechsm.load(str(tmp_path / "other.pt"))
+    assert issubclass(mechsm.CheckpointError, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------
+# run.py
+# ----------------------------------------------------------------------------------------------
+
+def test_run_help_documents_every_option():
+    out = subprocess.run([sys.executable, "run.py", "--help"], cwd=HERE, capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ["--task", "--arch", "--d-model", "--lr", "--seeds", "--layers", "--heads", "--preset",
+                 "--device", "--out", "--jobs", "--num-keys", "--num-pairs", "--holdout", "--steps",
+                 "--epochs", "--train-size", "--pos-emb", "--d-conv", "--no-interventions", "--checkpoint"]:
+        assert flag in out.stdout
+
+
+def test_run_bad_input_exits_2_with_one_line_in_a_subprocess(tmp_path):
+    out = subprocess.run([sys.executable, "run.py", "--arch", "transformer", "--out", str(tmp_path)],
+                         cwd=HERE, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and "arch" in out.stderr
+
+
+def test_run_bad_inputs_exit_2_and_leave_results_untouched(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text('{"keep": "me"}\n')
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    (tmp_path / "corrupt.pt").write_bytes(b"\x00" * 100)
+    tiny_run = ["--num-keys", "16", "--num-values", "16", "--num-pairs", "4", "--steps", "2",
+                "--train-size", "64", "--eval-size", "8", "--no-interventions"]
+    cases = [
+        (["--arch", "transformer"], "arch"),
+        (["--d-model", "30", "--heads", "4"], "n_heads"),
+        (["--lr", "-1e-3"], "lr"),
+        (["--lr", "fast"], "--lr"),
+        (["--d-model", "sixty"], "--d-model"),
+        (["--seeds", "a-b"], "--seeds"),
+        (["--task", "mqar"], "--task"),
+        (["--num-pairs", "40", "--num-keys", "16"], "num_pairs"),          # the task cannot be generated
+        (["--arch", "attention", "--out", str(blocker / "sub")] + tiny_run, "--out"),
+        (["--checkpoint", str(tmp_path / "corrupt.pt")], "checkpoint"),
+    ]
+    for argv, needle in cases:
+        if "--out" not in argv:
+            argv = argv + ["--out", str(out)]
+        assert run_cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (argv, err)
+    assert (out / "results.jsonl").read_text() == '{"keep": "me"}\n'
+
+
+
+def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
+    """A miniature of `python run.py`: two architectures, a few hundred steps, train -> interventions
+    -> table; the table has one row per architecture and every attribution is a finite number."""
+    out = tmp_path / "out"
+    argv = ["--arch", "attention,deltanet", "--d-model", "32", "--lr", "3e-3", "--num-keys", "16",
+            "--num-values", "16", "--num-pairs", "4", "--steps", "300", "--train-size", "19200",
+            "--batch-size", "64", "--eval-size", "64", "--eval-every", "300", "--jobs", "1",
+            "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    stdout = capsys.readouterr().out
+    header = "| architecture | parameters | accuracy | Attrib@Key | Attrib@Value | Attrib@Query | verdict |"
+    assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
+    table = (out / "results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "architecture" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["attention", "deltanet"]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["config"]["arch"] for r in records) == ["attention", "deltanet"]
+    for record in records:
+        summary = record["mechanism"]
+        for key in ("attrib_key", "attrib_value", "attrib_query", "p_clean", "p_corrupt"):
+            assert isinstance(summary[key], float) and math.isfinite(summary[key]), (record["config"]["arch"], key)
+        assert summary["verdict"] in ("induction", "direct retrieval", "mixed", "no signal")
+        mech = json.loads(open(record["mechanism_path"]).read())
+        assert {row["label"] for row in mech["rows"]} >= {"block_in", "mixer_in", "mixer_out", "block_out"}
+        for row in mech["rows"]:
+            assert set(row["scores"]) == {"key", "value", "next_key", "divider", "query", "answer"}
+            assert row["scores"]["answer"] in (0.0, None)                 # after the readout
+    assert (out / "mechanism_attention.json").exists() and (out / "mechanism_deltanet.json").exists()
+
+# ==================================================================================================
+# run.py bench: the benchmark at a tiny size (no timing assertions)
+# ==================================================================================================
+
+def test_bench_tiny_runs_and_reports_finite_numbers():
+    lines = []
+    result = run_cli.bench(device="cpu", size="tiny", print_fn=lines.append)
+    json.dumps(result)  # the whole result must be JSON-serialisable
+    assert result["env"]["device"] == "cpu" and lines
+
+    assert {row["kernel"] for row in result["scan"]} >= {"sequential", "scan", "parallel", "loop"}
+    for row in result["scan"]:
+        for key in ("fwd_ms", "fwdbwd_ms", "fwd_speedup", "fwdbwd_speedup"):
+            assert math.isfinite(row[key]) and row[key] > 0, (row, key)
+        assert row["max_abs_err"] <= 1e-5, row      # float32 vs float64 loop
+        assert row["grad_rel_err"] <= 1e-4, row
+
+    for row in result["selective_scan"]:         # Mamba's fused scan, if models.py has one
+        assert math.isfinite(row["fwdbwd_speedup"]) and row["fwdbwd_ms"] > 0, row
+        assert row["max_abs_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
+
+    assert result["conv"]
+    for row in result["conv"]:
+        assert math.isfinite(row["fft_speedup"]) and row["direct_ms"] > 0 and row["fft_ms"] > 0, row
+        assert row["fft_max_abs_err"] <= 1e-5, row
+
+    # Training and patching rows exist for the archs that build; each has a positive rate.
+    assert result["train"], result["notes"]
+    for row in result["train"]:
+        assert row["fast_steps_s"] > 0 and row["reference_steps_s"] > 0 and math.isfinite(row["speedup"])
+    for row in result["mechanism"]:
+        assert math.isfinite(row["seconds"]) and row["seconds"] > 0 and row["cells"] > 0
