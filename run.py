@@ -204,14 +204,6 @@ def read_json(path):
         return json.load(f)
 
 
-def interventions_available():
-    try:
-        import interventions
-    except ImportError:
-        return False
-    return hasattr(interventions, "mechanism") and hasattr(interventions, "render_heatmap")
-
-
 def prepare_out(out):
     """Create the output folder and make sure we can write into it, before any training."""
     try:
@@ -268,9 +260,7 @@ def run(argv=None):
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench_command(args)
-    use_interventions = not args.no_interventions and interventions_available()
-    if not args.no_interventions and not use_interventions:
-        print("warning: interventions.py is not available yet; training and evaluating only", file=sys.stderr)
+    use_interventions = not args.no_interventions
     if args.checkpoint:
         return checkpoint_command(args, use_interventions)
 
@@ -719,7 +709,7 @@ def bench_train(device, cfg, print_fn=print, notes=None):
     notes = [] if notes is None else notes
     try:
         data = _ar_dataset(cfg["train_batch"] * cfg["train_steps"] * 2, seed=0)
-    except Exception as exc:  # tasks.py not there yet, or broken
+    except Exception as exc:
         notes.append(f"training table skipped: could not make AR data ({type(exc).__name__}: {exc})")
         print_fn(f"3. Training: skipped ({notes[-1]})\n")
         return []
