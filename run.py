@@ -127,6 +127,8 @@ def build_parser():
     a("--device", default="auto", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
     a("--jobs", type=int, help="runs trained in parallel (default: 2 on a CPU with >= 2 cores, 1 on cuda)")
     a("--bench-size", default="full", choices=["full", "tiny"], help="bench only: full (minutes on CPU) or tiny (seconds)")
+    a("--bench-threads", type=int, default=None, metavar="N",
+      help="bench only: torch threads for the run (default: 1 on a CPU, as run.py's training workers use; all on a GPU)")
     a("--out", default="out", help="output folder (default: out/)")
     a("--no-interventions", action="store_true", help="train and evaluate only, skip the patching")
     a("--no-save", action="store_true", help="do not save checkpoints under OUT/ckpt/")
@@ -222,8 +224,10 @@ def prepare_out(out):
 
 def bench_command(args):
     device = mechsm.resolve_device(args.device)
-    print(f"device: {device}", file=sys.stderr)
-    bench(device, size=args.bench_size)
+    threads = args.bench_threads if args.bench_threads is not None else (1 if device == "cpu" else None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--bench-threads: got {threads}, expected a positive integer")
+    bench(device, size=args.bench_size, threads=threads)
     return 0
 
 
