@@ -252,12 +252,10 @@ def _start(site):
 
 def _forward_from(model, layer, resid, readout):
     """Logits (b, v) at `readout` from the residual stream entering block `layer` (b, l, d); layer
-    may be L (only ln_f and the head left). Mirrors the tail of models.LM.forward; the tests check
-    the two agree for every arch."""
+    may be L (only ln_f and the head left)."""
     for block in model.blocks[layer:]:
         resid = block(resid)                                                 # (b, l, d)
-    resid = resid[torch.arange(resid.shape[0], device=resid.device), readout]  # (b, d)
-    return torch.nn.functional.linear(model.ln_f(resid), model.embed.weight)   # (b, v)
+    return model.logits(resid, readout)                                      # (b, v)
 
 
 @torch.no_grad()

@@ -685,7 +685,10 @@ class LM(nn.Module):
 
     def forward(self, tokens, readout=None):
         """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only."""
-        r = self.hidden(tokens)
+        return self.logits(self.hidden(tokens), readout)
+
+    def logits(self, r, readout=None):
+        """Final norm and tied head on the last residual stream r (b, l, d), at the readout rows if given."""
         if readout is not None:
             r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
         return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)

@@ -670,12 +670,11 @@ def bench_conv(device, cfg, print_fn=print):
 # ----------------------------------------------------------------------------------------------
 
 def _ar_dataset(n, seed=0):
-    import tasks
-    return tasks.make_ar(n, seed=seed)
+    return mechsm.tasks.make_ar(n, seed=seed)
 
 
 def _archs(cfg):
-    """Every registered architecture (or the few a tiny run uses); ones that fail to build are noted."""
+    """Every registered architecture (or the few a tiny run uses)."""
     return list(cfg["archs"] or models.ARCHS)
 
 
@@ -709,24 +708,16 @@ def make_train_step(model, data, batch, reference, device):
     return step
 
 
-def bench_train(device, cfg, print_fn=print, notes=None):
-    notes = [] if notes is None else notes
-    try:
-        data = _ar_dataset(cfg["train_batch"] * cfg["train_steps"] * 2, seed=0)
-    except Exception as exc:
-        notes.append(f"training table skipped: could not make AR data ({type(exc).__name__}: {exc})")
-        print_fn(f"3. Training: skipped ({notes[-1]})\n")
-        return []
+def _bench_model(arch, device, kernels="fast"):
+    """The paper's AR-shaped model (width 64, 2 layers), seeded so that twins start identical."""
+    return models.build_model(arch, AR_VOCAB, 64, 2, kernels=kernels, seed=0).to(device)
+
+
+def bench_train(device, cfg, print_fn=print):
+    data = _ar_dataset(cfg["train_batch"] * cfg["train_steps"] * 2, seed=0)
     rows = []
     for arch in _archs(cfg):
-        try:
-            torch.manual_seed(0)
-            fast = models.build_model(arch, AR_VOCAB, 64, 2, kernels="fast").to(device)
-            torch.manual_seed(0)
-            ref = models.build_model(arch, AR_VOCAB, 64, 2, kernels="reference").to(device)
-        except Exception as exc:
-            notes.append(f"train[{arch}] skipped: build_model failed ({type(exc).__name__}: {exc})")
-            continue
+        fast, ref = _bench_model(arch, device), _bench_model(arch, device, "reference")
         steps = {"fast": make_train_step(fast, data, cfg["train_batch"], False, device),
                  "reference": make_train_step(ref, data, cfg["train_batch"], True, device)}
         n = cfg["train_steps"]
@@ -755,23 +746,12 @@ def bench_train(device, cfg, print_fn=print, notes=None):
 # 4. One full intervention table
 # ----------------------------------------------------------------------------------------------
 
-def bench_mechanism(device, cfg, print_fn=print, notes=None):
-    notes = [] if notes is None else notes
-    try:
-        import interventions
-        data = _ar_dataset(cfg["mech_docs"], seed=1).to(device)
-    except Exception as exc:
-        notes.append(f"mechanism table skipped: {type(exc).__name__}: {exc}")
-        print_fn(f"4. Intervention table: skipped ({notes[-1]})\n")
-        return []
+def bench_mechanism(device, cfg, print_fn=print):
+    import interventions
+    data = _ar_dataset(cfg["mech_docs"], seed=1).to(device)
     rows = []
     for arch in _archs(cfg):
-        try:
-            torch.manual_seed(0)
-            model = models.build_model(arch, AR_VOCAB, 64, 2).to(device).eval()
-        except Exception as exc:
-            notes.append(f"mechanism[{arch}] skipped: build_model failed ({type(exc).__name__}: {exc})")
-            continue
+        model = _bench_model(arch, device).eval()
         _sync(device)
         start = time.perf_counter()
         result = interventions.mechanism(model, data, n_docs=cfg["mech_docs"])
@@ -827,19 +807,16 @@ def _bench(device, cfg, size, print_fn, parts):
                  "another process is busy")
     print_fn("  each time is the median of interleaved repeats; ratios compare against the reference "
              "timed in the same loop\n")
-    notes = []
-    result = dict(env=env, scan=[], selective_scan=[], conv=[], train=[], mechanism=[], notes=notes)
+    result = dict(env=env, scan=[], selective_scan=[], conv=[], train=[], mechanism=[])
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if 1 in parts:
             result["scan"], result["selective_scan"] = bench_scan(device, cfg, print_fn)
         if 2 in parts:
             result["conv"] = bench_conv(device, cfg, print_fn)
         if 3 in parts:
-            result["train"] = bench_train(device, cfg, print_fn, notes)
+            result["train"] = bench_train(device, cfg, print_fn)
         if 4 in parts:
-            result["mechanism"] = bench_mechanism(device, cfg, print_fn, notes)
-    for note in notes:
-        print_fn("note: " + note)
+            result["mechanism"] = bench_mechanism(device, cfg, print_fn)
     return result
 
 
