@@ -32,7 +32,14 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-import torch
+# PyTorch's CPU allocator backs tensors of 2 MB and more with transparent huge pages when this is set
+# (read once, at torch's first allocation, so it must precede `import torch`). A Mamba scan's (b, l, e, n)
+# tensors are tens of MB, and the kernel filling fresh 4 KB pages cost more than the arithmetic: with it,
+# the CPU scan at L = 1024 ran 2.3x the plain loop instead of 1.3-1.7x (`run.py bench`; both got
+# faster). A no-op on a GPU, on macOS or where Linux THP is off. THP_MEM_ALLOC_ENABLE=0 turns it off.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402  (after the allocator setting above)
 
 import mechsm
 import models
@@ -369,8 +376,8 @@ def run(argv=None):
 # slow reference (issue 7). The paper reports 0.5-5 GPU-hours per training run; our models are tiny,
 # so the cost lies in the scan, the long convolutions and framework overhead. Measured:
 #   1. the scan as Mamba uses it: (a) the plain scan, shipped `scan` (auto-selected per device) vs the
-#      plain-autograd loop `sequential_scan`, with `parallel_scan` and `loop_scan` beside it; (b) Mamba's
-#      whole selective scan, `selective_scan` vs `selective_scan_reference`; float64 errors and memory
+#      plain-autograd loop `sequential_scan`, with `loop_scan`, `parallel_scan_custom_grad` and plain
+#      `parallel_scan` (autograd through the recursion) beside it; (b) Mamba's whole selective scan, `selective_scan` vs `selective_scan_reference`; float64 errors and memory
 #      (bytes autograd saves for the backward; on CUDA also the peak allocation);
 #   2. `fft_conv` vs `direct_conv` (autograd), forward+backward;
 #   3. training steps/s per architecture at the paper's AR configuration (width 64, 2 layers, batch 32,
@@ -524,8 +531,9 @@ def scan_candidates():
     return {
         "sequential": models.sequential_scan,
         "scan": models.scan,
-        "parallel": models.parallel_scan,
         "loop": models.loop_scan,
+        "parallel": models.parallel_scan_custom_grad,
+        "parallel_autograd": models.parallel_scan,
     }
 
 
@@ -798,7 +806,8 @@ def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4), thread
 def _bench(device, cfg, size, print_fn, parts):
     """The body of bench() once the device, sizes and thread count are settled."""
     env = dict(torch=torch.__version__, device=str(device), threads=torch.get_num_threads(),
-               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size)
+               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+               thp_alloc=os.environ.get("THP_MEM_ALLOC_ENABLE", "(unset)"), size=size)
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     print_fn("mechsm bench | " + " | ".join(f"{k} {v}" for k, v in env.items()))
