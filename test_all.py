@@ -1265,30 +1265,25 @@ def test_evaluate_counts_argmax_over_full_vocab():
     assert m["prob"] == pytest.approx(0.5, abs=1e-6)
 
 
-def test_tiny_attention_leaves_chance_quickly():
-    """The recipe optimises: in 300 steps a width-32 attention model reaches the first AR plateau,
-    "some value that is in the context" (loss well below ln 16 = uniform over the values, accuracy
-    well above 1/16). Measured: eval acc 0.21, eval loss 2.36 (uniform over the values: 0.06, 2.77)."""
-    cfg = mechsm.Config(**{**TINY_AR, "train_size": 300 * 32, "epochs": 1, "lr": 3e-3, "eval_every": 10_000,
-                           "eval_size": 320, "seed": 0})
-    result, _ = mechsm.train(cfg, log=quiet)
-    assert result["status"] == "ok"
-    assert result["final"]["loss"] < 2.6 and result["final"]["acc"] > 0.12, result["final"]
+# The >= 90% test of issue 4. Attention's AR learning curve has a plateau at 1/pairs ("some value from
+# the context") that lasts until the two-layer induction circuit lines up (PROBES.md), so the tiny task
+# has 2 pairs (plateau 50%: reaching 90% means the model retrieves) from 16 keys and 16 values.
+# What decided it was a LOW learning rate. Measured through mechsm.train, one thread per run, fresh
+# documents every step, 6000 steps: at lr 1e-3 or 3e-3, 2-pair tasks ended at 48-78% for 16 to 4096
+# keys (one 16-key seed of two at 93%) and 4-pair tasks at 18-28%; at lr 3e-4, 16 keys / 2 pairs
+# reached 99-100% for 3 of 3 seeds. With this config (batch 64, 3000 steps) 13 of 14 init seeds
+# reached >= 90% (seeds 0-13: 89%-100%, median 99.4%); 2000- or 1500-step schedules decay the
+# learning rate before the escape and fail. Seed 6: 88% at step 1000, 95% at 1250, 100% from step
+# 2000 on (identical on two different machines); ~35 s on one core.
+LEARNS_AR = dict(arch="attention", num_keys=16, num_values=16, num_pairs=2, d_model=64, batch_size=64,
+                 lr=3e-4, steps=3000, train_size=3000 * 64, seed=6)
 
 
-# The >= 90% test of issue 4, measured on a loaded 2-core machine. Attention miniatures (widths 32-128,
-# 16-1024 keys, 2-16 pairs, lr 1e-3..1e-2, batch 32-256, up to 3000 steps) all stayed on the
-# 1/pairs plateau ("a value from the context"): induction needs two layers to line up (PROBES.md).
-# DeltaNet's short convolutions give it the previous-token step for free, and it gets there fast:
-# batch 64, lr 3e-3, 500 steps -> 79% at step 100... 97% at 300, 100% at 500 (seed 0; deterministic
-# on CPU). Shorter schedules were not reliable (350 steps: 47%; batch 128 x 250 steps: 90%).
-LEARNS_AR = dict(arch="deltanet", d_model=32, batch_size=64, train_size=500 * 64, lr=3e-3)
-
-
-def test_tiny_model_learns_ar_to_90_percent():
-    cfg = mechsm.Config(**{**TINY_AR, "epochs": 1, "eval_every": 10_000, "eval_size": 320, "seed": 0, **LEARNS_AR})
+def test_tiny_attention_learns_ar_to_90_percent():
+    cfg = mechsm.Config(**{**TINY_AR, "eval_every": 10_000, "eval_size": 320, **LEARNS_AR})
     result, _ = mechsm.train(cfg, log=quiet)
     assert result["status"] == "ok" and result["final"]["acc"] >= 0.9, result["final"]
+    assert result["history"][0]["acc"] < 0.6     # it started on (or below) the 50% plateau
 
 
 def test_same_seed_same_metrics_and_novel_accuracy_for_atr():
