@@ -543,7 +543,7 @@ def selective_candidates():
         return {}
     out = {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan}
     if hasattr(models, "_SelectiveScanLoopFn"):  # the CPU path, also reported on other devices
-        out["fused_loop"] = lambda *x: models._SelectiveScanLoopFn.apply(*x)
+        out["cpu_loop"] = lambda *x: models._SelectiveScanLoopFn.apply(*x)
     return out
 
 
