@@ -476,7 +476,7 @@ def render_heatmap(result, *, sites=None):
             f"{k} {'--' if v is None else round(100 * v)}" for k, v in result["headline"].items()))
     lines.append(f"verdict: {result['verdict']} ({result['verdict_reason']})")
     if result.get("conv_next_key") is not None:
-        lines.append(f"Mamba layer-0 conv_out @ next_key: {100 * result['conv_next_key']:.0f}")
+        lines.append(f"Mamba layer-0 conv_out @ next_key: {round(100 * result['conv_next_key'])}")  # as the cells
     return "\n".join(lines)
 
 
