@@ -377,7 +377,8 @@ def run(argv=None):
 # so the cost lies in the scan, the long convolutions and framework overhead. Measured:
 #   1. the scan as Mamba uses it: (a) the plain scan, shipped `scan` (auto-selected per device) vs the
 #      plain-autograd loop `sequential_scan`, with `loop_scan`, `parallel_scan_custom_grad` and plain
-#      `parallel_scan` (autograd through the recursion) beside it; (b) Mamba's whole selective scan, `selective_scan` vs `selective_scan_reference`; float64 errors and memory
+#      `parallel_scan` (autograd through the recursion) beside it; (b) Mamba's whole selective scan,
+#      `selective_scan` vs `selective_scan_reference`; float64 errors and memory
 #      (bytes autograd saves for the backward; on CUDA also the peak allocation);
 #   2. `fft_conv` vs `direct_conv` (autograd), forward+backward;
 #   3. training steps/s per architecture at the paper's AR configuration (width 64, 2 layers, batch 32,
@@ -538,13 +539,9 @@ def scan_candidates():
 
 
 def selective_candidates():
-    """Name -> kernel(u, delta, A, B, C) for Mamba's whole selective scan, if models.py has one."""
-    if not hasattr(models, "selective_scan"):
-        return {}
-    out = {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan}
-    if hasattr(models, "_SelectiveScanLoopFn"):  # the CPU path, also reported on other devices
-        out["cpu_loop"] = lambda *x: models._SelectiveScanLoopFn.apply(*x)
-    return out
+    """Name -> kernel(u, delta, A, B, C) for Mamba's whole selective scan; "reference" is the baseline."""
+    return {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan,
+            "cpu_loop": lambda *x: models._SelectiveScanLoopFn.apply(*x)}  # the CPU path, reported on every device
 
 
 def _time_kernels(kernels, inputs, grad_out, reference, repeats, device):
@@ -612,22 +609,20 @@ def bench_scan(device, cfg, print_fn=print):
                                  _repeats(cfg, length), device):
             plain.append(dict(l=length, b=batch, **row))
         del grad_h
-        if selective_candidates():
-            grad_y = torch.randn(x["u"].shape, generator=g).to(device)
-            for row in _time_kernels(selective_candidates(), tuple(x[k] for k in "u delta A B C".split()),
-                                     grad_y, "reference", _repeats(cfg, length), device):
-                selective.append(dict(l=length, b=batch, **row))
+        grad_y = torch.randn(x["u"].shape, generator=g).to(device)
+        for row in _time_kernels(selective_candidates(), tuple(x[k] for k in "u delta A B C".split()),
+                                 grad_y, "reference", _repeats(cfg, length), device):
+            selective.append(dict(l=length, b=batch, **row))
         del x
     format_table(plain, columns, print_fn,
                  title=f"1a. Plain scan h_t = a_t h_(t-1) + b_t on Mamba-shaped a, b (B, L, E={shape['e']}, "
                        f"N={shape['n']}) float32. `scan` = shipped, auto-selected per device; x ref = "
                        "speed-up over `sequential` (plain-autograd loop); fwd under no_grad; err vs a "
                        "float64 loop; saved MiB = tensors autograd keeps for the backward")
-    if selective:
-        format_table(selective, columns, print_fn,
-                     title="1b. Mamba's selective scan (what the Mamba mixer runs): y = sum_n C h, "
-                           "h_t = exp(delta_t A) h_(t-1) + delta_t B_t u_t; `selective_scan` = shipped; "
-                           "x ref = speed-up over selective_scan_reference (materialised + plain loop)")
+    format_table(selective, columns, print_fn,
+                 title="1b. Mamba's selective scan (what the Mamba mixer runs): y = sum_n C h, "
+                       "h_t = exp(delta_t A) h_(t-1) + delta_t B_t u_t; `selective_scan` = shipped; "
+                       "x ref = speed-up over selective_scan_reference (materialised + plain loop)")
     return plain, selective
 
 

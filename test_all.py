@@ -377,8 +377,14 @@ def test_sequential_scan_is_the_recurrence():
     assert models.sequential_scan(a, b).tolist() == [[1.0, 3.0, 3.0, 2.0]]
 
 
+def _selective_scan_gpu_form(u, delta, A, B, C):
+    """What selective_scan runs off the CPU, run here on the CPU."""
+    return models.selective_scan_reference(u, delta, A, B, C, plain_scan=models.parallel_scan_custom_grad)
+
+
 @pytest.mark.parametrize("length", [1, 5, 37])
-def test_selective_scan_cpu_loop_matches_reference(length):
+@pytest.mark.parametrize("fast", [models.selective_scan, _selective_scan_gpu_form])
+def test_selective_scan_matches_reference(length, fast):
     gen = torch.Generator().manual_seed(length)
     b, e, n = 2, 5, 3
     u = torch.randn(b, length, e, generator=gen, dtype=torch.float64).requires_grad_()
@@ -389,7 +395,7 @@ def test_selective_scan_cpu_loop_matches_reference(length):
     weight = torch.randn(b, length, e, generator=gen, dtype=torch.float64)
     inputs = (u, delta, A, B, C)
     ref, ref_grads = _grads(models.selective_scan_reference, inputs, weight)
-    out, out_grads = _grads(models.selective_scan, inputs, weight)
+    out, out_grads = _grads(fast, inputs, weight)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for g, g_ref in zip(out_grads, ref_grads):
         torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
