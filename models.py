@@ -223,15 +223,13 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         u, delta, A, B, C, decay, states = ctx.saved_tensors
-        b, l, e = u.shape
-        n = A.shape[1]
         g = grad_y[..., None] * C[:, :, None, :]                          # C_t dy_t (b,l,e,n), becomes g
         with _one_thread():
-            for t in range(l - 2, -1, -1):
+            for t in range(u.shape[1] - 2, -1, -1):
                 g[:, t].addcmul_(decay[:, t + 1], g[:, t + 1])            # g_t += decay_{t+1} g_{t+1}
         grad_C = torch.einsum("ble,blen->bln", grad_y, states)
         grad_B = torch.einsum("ble,blen->bln", delta * u, g)
-        grad_drive = torch.bmm(g.view(b * l, e, n), B.reshape(b * l, n, 1)).view(b, l, e)  # sum_n g B
+        grad_drive = _selective_readout(g, B)                             # sum_n g B, the readout's shape
         g[:, 1:].mul_(states[:, :-1])                                     # g becomes dL/d(Δ A):
         g[:, 0].zero_()                                                   #   g_t h_{t-1} decay_t, h_{-1} = 0
         g.mul_(decay)
