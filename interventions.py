@@ -360,6 +360,43 @@ def _float(x):
     return None if x != x else float(x)
 
 
+def headline_site(n_layers):
+    """The site of the paper's headline pair: the block input of layer 1 (= the residual stream after
+    layer 0); a one-layer model has none, so its layer-0 mixer output stands in."""
+    return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
+
+
+def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
+    """The first n_docs documents on the model's device: (data, clean tokens, corrupted tokens,
+    answers, query positions). One corruption per document, drawn once (reused by every site)."""
+    device = next(model.parameters()).device
+    data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
+    clean_tokens = data.tokens.to(device)
+    corrupt_tokens = corrupt(data, corrupt_role, seed, strict).to(device)
+    return data, clean_tokens, corrupt_tokens, data.answers.to(device), data.positions["query"].to(device)
+
+
+@torch.no_grad()
+def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold=LOW_SIGNAL_GAP):
+    """Only the headline pair, cheaply: Attrib@Key/Value/Query at headline_site on the first n_docs
+    documents, {"key", "value", "query", "gap", "low_signal"}. The same numbers mechanism() reports
+    for the same documents (same corruption, same batched patching); mechsm.train calls this at
+    every evaluation to show when the circuit forms."""
+    was_training = model.training
+    model.eval()
+    data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,
+                                                                    seed, False)
+    site = headline_site(len(model.blocks))
+    pos = {name: data.positions[name].to(clean_tokens.device) for name in ("key", "value", "query")}
+    p_clean = answer_prob(model, clean_tokens, answers, query)
+    cache = prepare(model, clean_tokens, corrupt_tokens, [site], pos, answers, query)
+    p_patched = interchange(model, clean_tokens, corrupt_tokens, site, pos, answers, query, cache=cache)
+    model.train(was_training)
+    scores = {name: attribution(p_clean, cache["p_corrupt"], p, threshold) for name, p in p_patched.items()}
+    gap = scores["key"]["gap"]
+    return {**{name: _float(a["score"]) for name, a in scores.items()}, "gap": gap, "low_signal": gap <= threshold}
+
+
 @torch.no_grad()
 def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=False, sites=None,
               positions=POSITIONS, threshold=LOW_SIGNAL_GAP, chunk_rows=CHUNK_ROWS):
@@ -373,17 +410,15 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     start = time.perf_counter()
     model.eval()
     device = next(model.parameters()).device
-    data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
-    clean_tokens = data.tokens.to(device)
-    corrupt_tokens = corrupt(data, corrupt_role, seed, strict).to(device)
-    answers, query = data.answers.to(device), data.positions["query"].to(device)
+    data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,
+                                                                    seed, strict)
     pos = {name: data.positions[name].to(device) for name in positions}
     n_layers = len(model.blocks)
     available = hook_points(model)
 
     # Sites the summary needs are always measured, even when the caller asked for fewer.
-    headline_site = "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
-    extra = [headline_site] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
+    head_site = headline_site(n_layers)
+    extra = [head_site] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
     if "blocks.0.mixer.hook_conv_out" in available:
         extra.append("blocks.0.mixer.hook_conv_out")
     sites = list(sites if sites is not None else default_sites(model))
@@ -418,7 +453,7 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
         "low_signal": base["low_signal"], "rows": rows,
     }
-    head = {name: score[headline_site, name] for name in ("key", "value", "query")}
+    head = {name: score[head_site, name] for name in ("key", "value", "query")}
     if n_layers > 1:
         result["headline"] = head
         result["verdict"], result["verdict_reason"] = verdict(

@@ -44,60 +44,217 @@ import models
 import tasks
 
 # ----------------------------------------------------------------------------------------------
-# Presets. "paper" is the paper's grid exactly (PROTOCOL §5, §8); "quick" is a miniature sized for a
-# 2-core CPU.  The "quick" values are chosen by measurement, see README ("Choosing the quick preset").
-# Each preset maps a task to {"config": Config overrides, "grid": archs, widths, lrs, seeds}; lrs is
-# a list, or a dict arch -> list when each architecture gets its own learning rate(s).
+# The experiments: one entry per result of the paper, each with a "quick" grid that runs in at most
+# 15 minutes on a 2-core CPU and the "paper" grid (the paper's widths, learning rates and steps).
+# A grid is {"config": Config fields shared by its runs, "runs": one dict of Config fields per family
+# of runs (each names its arch), "widths", "lrs": {arch: [...]}, "seeds": {arch: [...]}} where the
+# arch "*" is the default; quick grids also give each arch its step count ("steps").
 # ----------------------------------------------------------------------------------------------
 
 ALL_ARCHS = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet"]
+PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
 LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
 LR7 = LR5 + [1e-2, 3e-2]
 
-# The quick preset's runs (see the comment in PRESETS): one measured lr per architecture, and the
-# step counts that fit 15 minutes on 2 cores. Archs are listed longest run first, so that two
-# parallel jobs finish together.
-QUICK_GRID = dict(archs=["mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv"],
-                  widths=[64], seeds=[0],
-                  lrs={"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
-                       "hyena": [1e-3], "mamba": [1e-2], "deltanet": [1e-3]},
-                  per_arch={"attention": dict(steps=16_000), "mamba": dict(steps=8000),
-                            "based": dict(steps=8000), "h3": dict(steps=4000)})
+# quick: the paper's AR vocabulary (4,096 keys, 4,096 values) and recipe (a fixed 100,032-document
+# training set walked in order, batch 32, 10% warmup, cosine decay), but 8 pairs instead of 16 (21
+# tokens: every step ~1.7x cheaper), width 64, one learning rate per architecture and 4k-16k steps
+# instead of 50k. The learning rates and step counts come from short probe runs made before any
+# table (README, "How the quick grids were chosen"). Attention gets the most steps: it sits on the
+# "copy any value in the context" plateau for ~9k steps before induction forms.
+QUICK_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=8, d_model=64, n_layers=2,
+                train_size=100_032, steps=6000, eval_every=1000)
+# quick ATR: a few sentences of hundreds of terminals make every batch that long (batches are
+# padded to their longest document), and Mamba's time loop then ran at 1.5-6 steps/s on a CPU, so the
+# quick grids reject sentences over 64 terminals (1.5% of them at L_max 5; README, difference 14) and
+# take fewer steps: every ATR grid must fit 15 minutes on 2 cores.
+QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
+                 train_size=100_032, steps=4000, eval_every=1000, gap_filter=0.1, max_terminals=64)
+QUICK_ATR_STEPS = {"attention": 10_000, "mamba": 4000, "based": 6000, "h3": 2500}   # the others: 4,000
+QUICK_STEPS = {"attention": 16_000, "mamba": 8000, "based": 8000, "h3": 4000}   # the others: 6,000
+QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3], "hyena": [1e-3],
+             "mamba": [1e-2], "deltanet": [1e-3]}
+PAPER_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=16, n_layers=2, batch_size=32,
+                train_size=100_032, epochs=16, eval_every=200)
+PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2, batch_size=32,
+                 data_seed=125, train_size=100_032, epochs=32, eval_every=200, gap_filter=0.1)
+ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)          # grammar seed 124: lengths near the reference's
 
-PRESETS = {
-    "quick": {
-        # A miniature of the paper's AR run for a 2-core CPU, chosen by measurement (README, "Choosing
-        # the quick preset"): the paper's vocabulary (4,096 keys, 4,096 values) and recipe (fixed
-        # 100,032-document training set walked in order, batch 32, 10% warmup, cosine decay), but 8
-        # pairs instead of 16 (21 tokens, every step ~1.7x cheaper), width 64 only, one measured
-        # learning rate per architecture, and 4k-16k steps instead of 50k. Attention gets the most
-        # steps: its induction circuit forms only after a long plateau (~9k steps in our curves);
-        # the SSMs cost the most per step on a CPU.
-        "ar": {
-            "config": dict(num_keys=4096, num_values=4096, num_pairs=8, d_model=64, n_layers=2,
-                           train_size=100_032, steps=6000, eval_every=1000),
-            "grid": QUICK_GRID,
-        },
-        "atr": {   # the same budget on ATR (L_max = 5, |Σ| = 20); not tuned separately. Grammar seed
-                   # 125: its sentence lengths are closest to the reference's (README, "The tasks")
-            "config": dict(num_terminals=20, max_rhs_len=5, d_model=64, n_layers=2, data_seed=125,
-                           train_size=100_032, steps=6000, eval_every=1000),
-            "grid": QUICK_GRID,
-        },
-    },
-    "paper": {   # PROTOCOL §4, §5.1, §8: 100,032 docs, batch 32, 2 layers, one seed (42)
-        "ar": {
-            "config": dict(num_keys=4096, num_values=4096, num_pairs=16, n_layers=2, batch_size=32,
-                           train_size=100_032, epochs=16, eval_every=200),
-            "grid": dict(archs=ALL_ARCHS, widths=[16, 32, 64, 128, 256], lrs=LR7, seeds=[42]),
-        },
-        "atr": {
-            "config": dict(num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2, batch_size=32,
-                           data_seed=125, train_size=100_032, epochs=32, eval_every=200),
-            "grid": dict(archs=ALL_ARCHS, widths=[16, 32, 64, 128, 256], lrs=LR5, seeds=[42]),
-        },
-    },
-}
+
+def _quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
+    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs=QUICK_LRS,
+                seeds=seeds or {"*": [0]}, steps=steps or QUICK_STEPS)
+
+
+def _paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
+    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs}, seeds={"*": [42]})
+
+
+def _archs(*archs, **fields):
+    return [dict(arch=a, **fields) for a in archs]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    section: str        # where the paper reports it
+    tests: str          # the claim, in one line
+    paper: dict         # table row label (or arch) -> the paper's number / finding for that row
+    quick: dict         # the quick grid
+    full: dict          # the paper's grid (preset "paper")
+
+
+# Longest runs first in each list, so that two parallel jobs finish together.
+EXPERIMENTS = {e.name: e for e in [
+    Experiment("ar", "Sec. 5.1", "AR accuracy and mechanism of every architecture at one width",
+               {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
+                "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
+                "h3": "direct retrieval"},
+               _quick(QUICK_AR, _archs("mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv"),
+                      seeds={"mamba": [0, 1, 2], "*": [0]}),
+               _paper(PAPER_AR, _archs(*ALL_ARCHS), lrs=LR7)),
+    Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
+               {"attention": "100% at every d >= 32", "mamba": "rises with d: 91.25% at d 256"},
+               _quick(QUICK_AR, _archs("mamba", "attention"), widths=(16, 32, 64)),
+               _paper(PAPER_AR, _archs(*ALL_ARCHS), lrs=LR7)),
+    Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
+               {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
+               _quick(QUICK_AR, _archs("attention", pos_emb=False) + _archs("attention", pos_emb=True)),
+               _paper(PAPER_AR, _archs("attention", pos_emb=False) + _archs("attention", pos_emb=True))),
+    Experiment("ar-layers", "App. D.2, D.3", "AR with 1 and 3 layers (1-layer Mamba still learns it)",
+               {"mamba (1 layer)": "96.25%"},
+               _quick(QUICK_AR, _archs("mamba", "attention", n_layers=1) + _archs("mamba", "attention")),
+               _paper(PAPER_AR, _archs(*PAPER_ARCHS, n_layers=1) + _archs(*PAPER_ARCHS, n_layers=3), lrs=LR7)),
+    Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
+               {"mamba (d_conv 0)": "fails without the conv", "mamba (default conv)": "91.25% (d 256; conv 4)"},
+               _quick(QUICK_AR, [dict(arch="mamba", d_conv=k) for k in (0, 2, None)]),
+               _paper(PAPER_AR, [dict(arch="mamba", d_conv=k) for k in (0, 1, 2, 3, None)], lrs=LR7)),
+    Experiment("based-ablation", "Sec. 5.4", "Based with long convs only, and short kernels 1-4",
+               {"based (default conv)": "99.06%; induction"},
+               _quick(QUICK_AR, _archs("based", long_only=True) + [dict(arch="based", d_conv=k) for k in (1, 2, None)]),
+               _paper(PAPER_AR, _archs("based", "base_conv", long_only=True)
+                      + [dict(arch="based", d_conv=k) for k in (1, 2, None, 4)])),
+    Experiment("atr", "Sec. 5.2", "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
+               {"attention": "induction-like: the parent's token holds the association",
+                "mamba": "direct retrieval at the query", "h3": "direct retrieval", "hyena": "direct retrieval",
+                "based": "induction-like"},
+               _quick(QUICK_ATR, _archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
+                      steps=QUICK_ATR_STEPS),
+               _paper(PAPER_ATR, _archs(*PAPER_ARCHS))),
+    Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
+               {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
+               _quick(QUICK_ATR, _archs("mamba", "attention"), steps=QUICK_ATR_STEPS, **ATR_MEDIUM),
+               _paper(PAPER_ATR, _archs("attention", "base_conv", "based", "hyena", "mamba"), **ATR_MEDIUM)),
+    Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
+               _quick(QUICK_ATR, _archs("attention"), steps=QUICK_ATR_STEPS, num_terminals=8192),
+               _paper(PAPER_ATR, _archs("attention"), num_terminals=8192)),
+    Experiment("atr-generalisation", "Sec. 5.3", "ATR on held-out (parent, child) label pairs: dev against test",
+               {"attention": "95.62% dev / 68.12% test (d 256)"},
+               _quick(QUICK_ATR, _archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2, gap_filter=0.01),
+               _paper(PAPER_ATR, _archs("attention"), holdout=0.2, gap_filter=0.01)),
+    Experiment("ar-generalisation", "the paper's notebook (not in its text)",
+               "AR on held-out (key, value) pairs: dev against test", {},
+               _quick(QUICK_AR, _archs("attention"), holdout=0.2),
+               _paper(PAPER_AR, _archs("attention"), holdout=0.2, epochs=32)),
+    Experiment("atr-mamba-conv", "arXiv v3", "Mamba without its short conv learns attention-like induction on ATR",
+               {"mamba (d_conv 0)": "induction (high Attrib@Value)", "mamba (default conv)": "direct retrieval"},
+               _quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")], steps=QUICK_ATR_STEPS),
+               _paper(PAPER_ATR, [dict(arch="mamba", d_conv=k) for k in (0, None)])),
+]}
+PRESET_NAMES = ("quick", "paper")
+LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout", "freeze_features")
+
+
+def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None, **fields):
+    """The Configs of one experiment's grid, runs -> widths -> lrs -> seeds, with `fields` (Config
+    fields, e.g. device, out_dir, steps) set on every run. archs / widths / lrs / seeds narrow or
+    replace the grid's: archs keeps the grid's runs of those archs and adds a plain run for an arch
+    the grid lacks (with the grid's learning rate and steps for it). An unknown name or preset is a
+    ValueError naming the choices."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESET_NAMES)}")
+    exp = EXPERIMENTS[name]
+    grid = exp.quick if preset == "quick" else exp.full
+    runs = grid["runs"]
+    if archs is not None:
+        runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
+                                                          if a not in {r["arch"] for r in runs}]
+    pick = lambda table, arch: table.get(arch, table.get("*", [1e-3] if table is grid["lrs"] else None))
+    configs = []
+    for run in runs:
+        steps = pick(grid.get("steps", {}), run["arch"])
+        base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields})
+        for width in widths or grid["widths"]:
+            for lr in lrs or pick(grid["lrs"], run["arch"]):
+                for seed in seeds or pick(grid["seeds"], run["arch"]):
+                    configs.append(replace(base, d_model=width, lr=float(lr), seed=seed))
+    return configs
+
+
+def _describe(name, value):
+    """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
+    if name == "d_model":
+        return f"d {value}"
+    if name == "n_layers":
+        return f"{value} layer{'s' * (value != 1)}"
+    if name == "pos_emb":
+        return "PE" if value else "NoPE"
+    if name == "d_conv":
+        return "default conv" if value is None else f"d_conv {value}"
+    if name == "long_only":
+        return "long convs only" if value else None
+    if name == "holdout":
+        return f"holdout {value:g}"
+    return f"{name} {value}"
+
+
+# Training steps per second of one CPU thread at the paper's AR shape (width 64, 2 layers, batch 32,
+# 37 tokens), from `python run.py bench` on a 2-core x86-64 machine (torch 2.13). estimate_seconds
+# scales them by tokens, width, layers and batch: a rough guide for planning, not a promise.
+CPU_STEPS_PER_S = {"attention": 43.4, "base_conv": 35.7, "based": 39.4, "h3": 8.2, "hyena": 22.0,
+                   "mamba": 12.1, "deltanet": 22.8}
+
+
+@lru_cache(maxsize=16)
+def _mean_batch_width(data_key):
+    """Mean over batches of 32 of the longest document (batches are padded to it), from 320 docs."""
+    data = _make_data(data_key)
+    lengths = data.eval.lengths[: len(data.eval) // 32 * 32].view(-1, 32)
+    return float(lengths.max(1).values.float().mean())
+
+
+def estimate_seconds(configs, jobs=1):
+    """Rough CPU wall time of training `configs` with `jobs` one-thread workers (see CPU_STEPS_PER_S)."""
+    total = 0.0
+    for cfg in configs:
+        cfg = cfg.resolved()
+        tokens = _mean_batch_width(_data_key(replace(cfg, train_size=32, eval_size=320)))
+        rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 37 / tokens / max(1.0, cfg.d_model / 64)
+                * 2 / cfg.n_layers * 32 / cfg.batch_size)
+        total += cfg.total_steps() / rate
+    return total / max(1, min(jobs, len(configs)))
+
+
+def fmt_hours(seconds):
+    """'14 min' or '3.2 h'."""
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def row_label(cfg, configs):
+    """A table label for cfg: its arch, plus every LABEL_FIELDS value that differs between the
+    configs of the same arch in `configs`, e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
+    cfg = cfg.resolved()
+    same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
+    parts = []
+    for name in LABEL_FIELDS:
+        if len({getattr(c, name) for c in same_arch}) > 1:
+            if not (name == "d_conv" and cfg.long_only):      # long_only has no short conv to size
+                parts.append(_describe(name, getattr(cfg, name)))
+    parts = [p for p in parts if p]
+    return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
+
 
 DEFAULT_EPOCHS = {"ar": 16, "atr": 32}       # PROTOCOL §5.1
 TASKS = ("ar", "atr")
@@ -123,6 +280,7 @@ class Config:
     max_rules: int = 5               # ATR: R_max
     max_depth: int = 10              # ATR: d_max
     terminal_weight: int = 20        # ATR: r_Σ
+    max_terminals: int = 1024        # ATR: longer sentences are rejected (the paper: 1024)
     holdout: float = 0.0             # fraction of (key, value) / (parent, child) pairs held out for "test"
     data_seed: int = 42              # the language seed (grammar, held-out pairs, documents)
     # model (models.build_model)
@@ -134,6 +292,8 @@ class Config:
     n_positions: int = 1024          # size of the position table (the paper's l_max)
     d_conv: int | None = None        # mamba short-conv size (0 removes it); based/base_conv short kernel
     long_only: bool = False          # based/base_conv: implicit long conv instead of the short conv
+    freeze_features: bool = False    # base_conv's long conv: keep its positional features Z frozen
+                                     # (zoology's form; the paper's runs trained them, README difference 13)
     kernels: str = "fast"            # "fast" | "reference" (slow loop scan / direct convolutions)
     # training (PROTOCOL §5.1)
     lr: float = 1e-3                 # peak learning rate
@@ -148,6 +308,9 @@ class Config:
     # evaluation and output
     eval_every: int = 200            # steps between evaluations (PROTOCOL §5.3); the last step is always evaluated
     eval_size: int = 320             # evaluation documents per split (PROTOCOL §4)
+    timeline_docs: int = 64          # at every evaluation, Attrib@Value/Query on this many eval docs (0: off)
+    gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper: 0.01
+                                     # for AR, 0.1 for the ATR box plots)
     out_dir: str | None = None       # where checkpoints go; None = nowhere
     save_checkpoint: bool = False    # save the final model under out_dir/ckpt/
 
@@ -167,7 +330,11 @@ class Config:
             bad("task", " or ".join(TASKS))
         if self.arch not in models.ARCHS:
             bad("arch", "one of " + ", ".join(models.ARCHS))
-        for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals",
+        if not isinstance(self.timeline_docs, int) or isinstance(self.timeline_docs, bool) or self.timeline_docs < 0:
+            bad("timeline_docs", "a non-negative integer (0 turns the timeline off)")
+        if not isinstance(self.gap_filter, (int, float)) or not 0 <= self.gap_filter < 1:
+            bad("gap_filter", "a number in [0, 1)")
+        for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals", "max_terminals",
                      "max_rules", "max_depth", "d_model", "n_layers", "n_heads", "n_positions",
                      "batch_size", "train_size", "eval_every", "eval_size"):
             positive_int(name)
@@ -253,7 +420,7 @@ def _data_key(cfg):
         params = (cfg.num_keys, cfg.num_values, cfg.num_pairs)
     else:
         params = (cfg.num_terminals, cfg.num_nonterminals, cfg.max_rhs_len, cfg.max_rules, cfg.max_depth,
-                  cfg.terminal_weight)
+                  cfg.terminal_weight, cfg.max_terminals)
     return (cfg.task, params, cfg.holdout, cfg.data_seed, cfg.train_size, cfg.eval_size)
 
 
@@ -265,10 +432,11 @@ def _make_data(key):
         make = lambda n, split: tasks.make_ar(n, num_keys=k, num_values=v, num_pairs=m, seed=seed,
                                               split=split, holdout=holdout)
     else:
-        s, nt, rhs, rules, depth, weight = params
+        s, nt, rhs, rules, depth, weight, longest = params
         grammar = tasks.PCFG(num_terminals=s, num_nonterminals=nt, max_rhs_len=rhs, max_rules=rules,
                              max_depth=depth, terminal_weight=weight, seed=seed)
-        make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=holdout, seed=seed)
+        make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=holdout, seed=seed,
+                                               max_terminals=longest)
     # the SAME seed for every split: tasks.py mixes the split name into the document stream, and the
     # held-out pairs depend on the seed only, so train/dev/test share the language
     train, dev = make(train_size, "train"), make(eval_size, "dev")
@@ -392,9 +560,7 @@ def train(cfg, *, data=None, log=None):
 
     # model: seeded from cfg.seed alone, so the same seed gives the same init (and on CPU, the same run)
     torch.manual_seed(cfg.seed)
-    model = models.build_model(cfg.arch, data.vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
-                               n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
-                               long_only=cfg.long_only, kernels=cfg.kernels, seed=cfg.seed).to(device)
+    model = build(cfg, data.vocab_size).to(device)
     n_params = models.count_parameters(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
@@ -414,21 +580,22 @@ def train(cfg, *, data=None, log=None):
         f"{total / S:g} epoch{'s' * (total != S)}) | {cfg.name()}")
     history, status, error = [], "ok", None
     loss_sum, loss_count = torch.zeros((), device=device), 0
-    t_loop, step = time.time(), 0
+    t_loop, step, timeline_s = time.time(), 0, 0.0
 
     def record(step):
-        nonlocal loss_sum, loss_count
-        metrics = evaluate_all(model, data, novel)
+        nonlocal loss_sum, loss_count, timeline_s
         train_loss = (loss_sum / loss_count).item() if loss_count else None
-        entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
-                 "train_loss": train_loss, **metrics}
+        entry = history_entry(model, data, cfg, step, train_loss, novel)
+        timeline_s += entry.pop("timeline_s", 0.0)
         history.append(entry)
         loss_sum, loss_count = torch.zeros((), device=device), 0
         elapsed = time.time() - t_loop
         rate = step / elapsed if elapsed > 0 and step else 0.0
         eta = (total - step) / rate if rate else float("nan")
         log(f"step {step}/{total} | loss {'-' if train_loss is None else f'{train_loss:.3f}'} | "
-            f"acc {metrics['acc']:.3f}" + (f" | test {metrics['test_acc']:.3f}" if "test_acc" in metrics else "")
+            f"acc {entry['acc']:.3f}" + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
+            + (f" | attrib V {fmt_attrib(entry, 'attrib_value')} Q {fmt_attrib(entry, 'attrib_query')}"
+               if "attrib_value" in entry else "")
             + f" | {rate:.1f} steps/s | ETA {_fmt_time(eta) if rate else '?'}")
 
     model.train()
@@ -464,8 +631,51 @@ def train(cfg, *, data=None, log=None):
     result = {"config": asdict(cfg), "name": cfg.name(), "status": status, "error": error,
               "n_params": n_params, "device": device, "final": final, "history": history,
               "wall_s": round(wall, 2), "steps_done": step, "total_steps": total,
-              "steps_per_s": round(step / max(1e-9, time.time() - t_loop), 2), "checkpoint": checkpoint}
+              "steps_per_s": round(step / max(1e-9, time.time() - t_loop), 2), "checkpoint": checkpoint,
+              "timeline_s": round(timeline_s, 3)}
     return _json_safe(result), model
+
+
+def fmt_attrib(entry, key):
+    """An attribution of a history entry for a log line or a table: '0.98', or '-' when missing or
+    when the entry had too little signal to read (attrib_low_signal)."""
+    value = entry.get(key)
+    return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
+
+
+def build(cfg, vocab_size):
+    """The model of a config, initialised from cfg.seed alone (models.build_model)."""
+    cfg = cfg.resolved()
+    return models.build_model(cfg.arch, vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
+                              n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
+                              long_only=cfg.long_only, freeze_features=cfg.freeze_features,
+                              kernels=cfg.kernels, seed=cfg.seed)
+
+
+def count_parameters(cfg, vocab_size):
+    """The parameter count of cfg's model (the tied head counted once)."""
+    return models.count_parameters(build(cfg, vocab_size))
+
+
+def history_entry(model, data, cfg, step, train_loss, novel=None):
+    """One evaluation of `model` during training: the history entry train() records.
+
+    {step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)} and, when cfg.timeline_docs > 0, the
+    headline pair on the first timeline_docs evaluation documents: attrib_value, attrib_query (the
+    block input of layer 1 at the value and at the query, as interventions.mechanism reports them),
+    attrib_gap (p_clean - p_corrupt) and attrib_low_signal (gap <= cfg.gap_filter: too little signal
+    to read). The entry's timeline_s is the time the timeline took (train() sums and removes it).
+    """
+    total = cfg.total_steps()
+    entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
+             "train_loss": train_loss, **evaluate_all(model, data, novel)}
+    if cfg.timeline_docs:
+        import interventions
+        start = time.time()
+        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
+        entry.update(attrib_value=head["value"], attrib_query=head["query"], attrib_gap=head["gap"],
+                     attrib_low_signal=head["low_signal"], timeline_s=time.time() - start)
+    return entry
 
 
 def _json_safe(x):
@@ -596,9 +806,11 @@ def _worker_init():
     torch.set_num_threads(1)
 
 
-def sweep(base_cfg, archs, widths, lrs, seeds, *, results_path, jobs=1, after=None, log=None, per_arch=None):
+def sweep(base_cfg, archs=None, widths=None, lrs=None, seeds=None, *, results_path, jobs=1, after=None,
+          log=None, per_arch=None):
     """Train every (arch, width, lr, seed) of the grid not already in results_path; return the grid's
-    records (old and new) in grid order.
+    records (old and new) in grid order. base_cfg may also be the list of Configs to run (an
+    experiment's grid, experiment_configs), and then the grid arguments are not used.
 
     Each finished run is appended to results_path at once as one JSON line; runs already there (same
     run_key) are skipped, so rerunning a finished sweep trains nothing and Ctrl-C loses only the runs
@@ -608,7 +820,8 @@ def sweep(base_cfg, archs, widths, lrs, seeds, *, results_path, jobs=1, after=No
     module-level function so that it can be sent to a worker.
     """
     log = log or stderr_log()
-    configs = grid_configs(base_cfg, archs, widths, lrs, seeds, per_arch)
+    configs = list(base_cfg) if isinstance(base_cfg, (list, tuple)) else \
+        grid_configs(base_cfg, archs, widths, lrs, seeds, per_arch)
     for cfg in configs:                        # bad input fails here, before any training
         cfg.check()
     for key in {_data_key(c) for c in configs}:
@@ -679,6 +892,10 @@ def best_by_lr(results, metric="acc"):
                "per_lr": dict(sorted(means.items())), "runs": runs}
         if any("test_acc" in (r.get("final") or {}) for r in runs):
             row["test_mean"] = sum(score(r, "test_acc") for r in runs) / len(runs)
+        # the best run of the group, over every lr and seed (the paper: max over learning rates);
+        # a run that finished beats one that failed, whatever the failed one's last evaluation said
+        row["best"] = max((r for runs_ in per_lr.values() for r in runs_),
+                          key=lambda r: (r.get("status") == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
         rows.append(row)
     order = {a: i for i, a in enumerate(ALL_ARCHS)}
     return sorted(rows, key=lambda row: (order.get(row["arch"], len(order)), row["arch"], row["d_model"]))
@@ -692,7 +909,7 @@ def run_interventions(model, data, cfg, result):
     """Run interventions.mechanism on the eval set of a trained model; write the full result to
     <out_dir>/mechanism/<run name>.json and return {"mechanism": summary, "mechanism_path": path}."""
     import interventions
-    mech = interventions.mechanism(model, data.eval)
+    mech = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
     path = None
     if cfg.out_dir:
         path = os.path.join(cfg.out_dir, "mechanism", cfg.name() + ".json")

@@ -419,7 +419,7 @@ class BaseConv(Mixer):
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
-                 **options):
+                 freeze_features=False, **options):
         super().__init__(reference)
         self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
@@ -428,12 +428,10 @@ class BaseConv(Mixer):
         self.hook_gated = HookPoint()   # c * p (b,l,d), before the internal + u
         if kernel_size == -1:
             # Z[n] = (n/(P-1), cos(2pi 1e-4 n/P), -sin(2pi 1e-4 n/P)): Hyena's features with one band.
-            # Kept as a frozen nn.Parameter (not a buffer) so the parameter count matches the
-            # reported model sizes (ARCHITECTURES.md §4, §7.4): 3P counted, never trained.
-            n = torch.arange(n_positions, dtype=torch.float32)
-            angle = 2 * math.pi * 1e-4 * n / n_positions
-            features = torch.stack([n / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=-1)
-            self.Z = nn.Parameter(features, requires_grad=False)  # (P, 3)
+            # zoology creates Z frozen, but tinylang's training loop (experiment.py) sets
+            # requires_grad=True on every parameter after each evaluation, step 0 included, so in
+            # the paper's runs Z trained. We train it too; freeze_features=True gives the frozen form.
+            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)  # (P, 3)
             self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
             self.hook_filter = HookPoint(seq_dim=None)  # kappa (l,d): a weight-side site
             self.hook_longconv = HookPoint()            # LC(u; kappa) (b,l,d), before its + u

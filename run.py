@@ -98,9 +98,12 @@ def build_parser():
     a = p.add_argument
     a("command", nargs="?", default="train", choices=["train", "bench"],
       help="train (default): the sweep, interventions and table; bench: timings of kernels and steps")
-    a("--preset", default="quick", choices=sorted(mechsm.PRESETS),
-      help="quick (default): minutes on a 2-core CPU; paper: the paper's full grid")
-    a("--task", default="ar", choices=mechsm.TASKS, help="ar (associative recall, default) or atr (treecall)")
+    a("--experiment", choices=list(mechsm.EXPERIMENTS), metavar="NAME",
+      help="one result of the paper (default: ar); --list shows them all")
+    a("--list", action="store_true", help="print the catalogue of experiments and exit")
+    a("--preset", default="quick", choices=mechsm.PRESET_NAMES,
+      help="quick (default): at most 15 minutes on a 2-core CPU; paper: the paper's full grid")
+    a("--task", default="ar", choices=mechsm.TASKS, help="ar (default) or atr: the same as --experiment ar / atr")
     # the grid
     a("--arch", type=comma_list(str, "architecture names"),
       help="one architecture or a comma list, or 'all' (" + ", ".join(mechsm.ALL_ARCHS) + ")")
@@ -157,31 +160,41 @@ def fmt_num(x):
     return "-" if x is None else f"{x:.2f}"
 
 
-def table_rows(rows):
-    """One table row per (arch, width): the best learning rate's runs (PROTOCOL §6: max over LR)."""
-    widths = {row["d_model"] for row in rows}
+def table_rows(rows, paper=None):
+    """One table row per family of runs (arch and variant, width): the best run of its grid, as the
+    paper reports the best learning rate; the spread over seeds at that learning rate; and the
+    paper's number for the row from `paper` ({row label or arch: text})."""
     out = []
     for row in rows:
-        runs = row["runs"]
-        mechs = [r.get("mechanism") or {} for r in runs]
-        def mean_of(key):
-            values = [m[key] for m in mechs if m.get(key) is not None]
-            return sum(values) / len(values) if values else None
-        verdicts = sorted({m["verdict"] for m in mechs if m.get("verdict")})
-        failed = all(r["status"] == "failed" for r in runs)
-        name = row["arch"] if len(widths) == 1 else f"{row['arch']} (d={row['d_model']})"
-        cells = {"architecture": name, "parameters": f"{runs[0]['n_params']:,}",
-                 "accuracy": "failed (NaN)" if failed else fmt_pct(row["mean"], row["std"], row["n_seeds"])}
-        if "test_mean" in row:
-            cells["test accuracy"] = fmt_pct(row["test_mean"])
-        novel = [(r.get("final") or {}).get("novel_acc") for r in runs]
-        if any(v is not None for v in novel):
-            novel = [v for v in novel if v is not None]
-            cells["novel accuracy"] = fmt_pct(sum(novel) / len(novel))
-        cells.update({"Attrib@Key": fmt_num(mean_of("attrib_key")), "Attrib@Value": fmt_num(mean_of("attrib_value")),
-                      "Attrib@Query": fmt_num(mean_of("attrib_query")), "verdict": " / ".join(verdicts) or "-"})
+        best = row["best"]
+        final, mech = best.get("final") or {}, best.get("mechanism") or {}
+        cells = {"architecture": row.get("label", row["arch"]), "parameters": f"{best['n_params']:,}",
+                 "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
+        if any(r["n_seeds"] > 1 for r in rows):
+            cells["over seeds"] = fmt_pct(row["mean"], row["std"], row["n_seeds"]) + f" ({row['n_seeds']})"
+        if "test_acc" in final:
+            cells["test accuracy"] = fmt_pct(final["test_acc"])
+        if "novel_acc" in final:
+            cells["novel accuracy"] = fmt_pct(final["novel_acc"])
+        cells.update({"Attrib@Key": fmt_num(mech.get("attrib_key")), "Attrib@Value": fmt_num(mech.get("attrib_value")),
+                      "Attrib@Query": fmt_num(mech.get("attrib_query"))})
+        if any((r["best"].get("mechanism") or {}).get("conv_next_key") is not None for r in rows):
+            cells["conv@next_key"] = fmt_num(mech.get("conv_next_key"))
+        cells["verdict"] = mech.get("verdict") or "-"
+        if paper is not None:
+            cells["paper"] = paper.get(cells["architecture"], paper.get(row["arch"], "-"))
         out.append(cells)
     return out
+
+
+def timeline_text(row, max_rows=6):
+    """The best run's history as one line: 'mamba: 0: 0% -/-; 2000: 45% 0.01/0.97; ...' with at most
+    max_rows evaluations (evenly spaced, the last one always kept)."""
+    history = row["best"].get("history") or []
+    keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
+    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {mechsm.fmt_attrib(h, 'attrib_value')}/"
+             f"{mechsm.fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
+    return f"  {row.get('label', row['arch'])}: " + "; ".join(steps)
 
 
 def markdown_table(cells_list):
@@ -197,10 +210,10 @@ def pick_heatmap_row(rows):
     """The model whose heatmap we print: Mamba when it was trained and patched (the paper's central
     contrast: it retrieves directly at the query, and its short conv carries the key forward, which
     its internal sites show), otherwise the most accurate non-attention model, otherwise attention."""
-    candidates = [row for row in rows if any(r.get("mechanism_path") for r in row["runs"])]
+    candidates = [row for row in rows if row["best"].get("mechanism_path")]
     mamba = [row for row in candidates if row["arch"] == "mamba"]
     others = mamba or [row for row in candidates if row["arch"] != "attention"] or candidates
-    return max(others, key=lambda row: row["mean"]) if others else None
+    return max(others, key=lambda row: (row["best"].get("final") or {}).get("acc") or 0) if others else None
 
 
 def render_heatmap(mechanism_path):
@@ -266,51 +279,61 @@ def checkpoint_command(args, use_interventions):
 # The default pipeline, top to bottom.
 # ----------------------------------------------------------------------------------------------
 
+# command-line flag -> Config field, for the flags that override every run of the grid
+OVERRIDES = {"layers": "n_layers", "heads": "n_heads", "pos_emb": "pos_emb", "d_conv": "d_conv",
+             "long_only": "long_only", "num_keys": "num_keys", "num_values": "num_values",
+             "num_pairs": "num_pairs", "num_terminals": "num_terminals", "max_rhs_len": "max_rhs_len",
+             "max_depth": "max_depth", "holdout": "holdout", "data_seed": "data_seed", "steps": "steps",
+             "epochs": "epochs", "train_size": "train_size", "batch_size": "batch_size",
+             "schedule": "schedule", "eval_every": "eval_every", "eval_size": "eval_size"}
+
+
+def experiment_runs(args, name):
+    """The Configs to train: the experiment's grid (mechsm.experiment_configs), narrowed by --arch,
+    --d-model, --lr, --seeds and overridden field by field by the other flags. An explicit --epochs
+    beats the grid's step counts."""
+    fields = {field: None if getattr(args, flag) is AUTO else getattr(args, flag)
+              for flag, field in OVERRIDES.items() if getattr(args, flag) is not None}
+    if args.epochs is not None and args.steps is None:
+        fields["steps"] = None
+    archs = mechsm.ALL_ARCHS if args.arch == ["all"] else args.arch
+    return mechsm.experiment_configs(name, args.preset, archs=archs, widths=args.d_model, lrs=args.lr,
+                                     seeds=args.seeds, device=args.device, out_dir=args.out,
+                                     save_checkpoint=not args.no_save, **fields)
+
+
+def list_command():
+    """`run.py --list`: every experiment with the paper's numbers and the expected time of each preset."""
+    for name, exp in mechsm.EXPERIMENTS.items():
+        times = []
+        for preset in mechsm.PRESET_NAMES:
+            configs = mechsm.experiment_configs(name, preset)
+            times.append(f"{preset}: {len(configs)} runs, ~{mechsm.fmt_hours(mechsm.estimate_seconds(configs, 2))}")
+        print(f"{name:<19} {exp.section}: {exp.tests}")
+        print(f"{'':<19} paper: " + ("; ".join(f"{k} {v}" for k, v in exp.paper.items()) or "no number quoted"))
+        print(f"{'':<19} " + " | ".join(times) + " (2 CPU cores, 2 jobs)")
+    return 0
+
+
 def run(argv=None):
     t0 = time.time()
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return bench_command(args)
+    if args.list:
+        return list_command()
+    if args.experiment and args.task != "ar":
+        raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
     use_interventions = not args.no_interventions
     if args.checkpoint:
         return checkpoint_command(args, use_interventions)
 
-    # -- the runs: preset defaults, then the command-line overrides ------------------------------
-    preset = mechsm.PRESETS[args.preset][args.task]
-    overrides = {"task": args.task, "layers": args.layers, "heads": args.heads, "pos_emb": args.pos_emb,
-                 "d_conv": args.d_conv, "long_only": args.long_only, "num_keys": args.num_keys,
-                 "num_values": args.num_values, "num_pairs": args.num_pairs,
-                 "num_terminals": args.num_terminals, "max_rhs_len": args.max_rhs_len,
-                 "max_depth": args.max_depth, "holdout": args.holdout, "data_seed": args.data_seed,
-                 "steps": args.steps, "epochs": args.epochs, "train_size": args.train_size,
-                 "batch_size": args.batch_size, "schedule": args.schedule, "eval_every": args.eval_every,
-                 "eval_size": args.eval_size}
-    rename = {"layers": "n_layers", "heads": "n_heads"}
-    settings = dict(preset["config"])
-    if args.epochs is not None and args.steps is None:
-        settings["steps"] = None           # an explicit --epochs beats a preset's step count
-    for name, value in overrides.items():
-        if value is not None:
-            settings[rename.get(name, name)] = None if value is AUTO else value
-    settings.update(device=args.device, out_dir=args.out, save_checkpoint=not args.no_save)
-    base = mechsm.Config(**settings)
-    grid = preset["grid"]
-    archs = mechsm.ALL_ARCHS if args.arch == ["all"] else args.arch or grid["archs"]
-    widths = args.d_model or grid["widths"]
-    lrs = args.lr or grid["lrs"]
-    if isinstance(lrs, dict):              # per-arch learning rates: an arch the preset lacks gets 1e-3
-        lrs = {arch: lrs.get(arch, [1e-3]) for arch in archs}
-    seeds = args.seeds or grid["seeds"]
-    # per-arch settings of the preset (e.g. step counts) give way to anything set on the command line;
-    # the length of training (steps, epochs, train_size) is overridden as a whole
-    given = {rename.get(name, name) for name, value in overrides.items() if value is not None and name != "task"}
-    if given & {"steps", "epochs", "train_size"}:
-        given |= {"steps", "epochs", "train_size"}
-    per_arch = {arch: {k: v for k, v in over.items() if k not in given}
-                for arch, over in grid.get("per_arch", {}).items()}
-    configs = mechsm.grid_configs(base, archs, widths, lrs, seeds, per_arch)
+    # -- the runs: the experiment's grid, then the command-line overrides ------------------------
+    name = args.experiment or args.task          # --task atr is the experiment "atr"
+    configs = experiment_runs(args, name)
     for cfg in configs:                    # one "error: ..." line for bad input, before anything runs
         cfg.check()
+    base = configs[0]
 
     # -- device, data, parameter counts (printed at start) ---------------------------------------
     device = mechsm.resolve_device(args.device)
@@ -319,23 +342,19 @@ def run(argv=None):
     jobs = args.jobs or (min(2, os.cpu_count() or 1) if device == "cpu" else 1)
     vocab = mechsm.probe_task(base)        # raises tasks' ValueError if the task cannot be generated
     prepare_out(args.out)                  # an unwritable --out fails now, not after an hour of training
-    print(f"mechsm | task {args.task} | preset {args.preset} | {len(configs)} runs | device {device} | "
-          f"{jobs} job{'s' * (jobs > 1)} | vocabulary {vocab}", file=sys.stderr)
-    counts = []
-    for arch in archs:
-        for width in widths:
-            c = replace(base, arch=arch, d_model=width).resolved()
-            model = mechsm.models.build_model(arch, vocab, width, c.n_layers, pos_emb=c.pos_emb,
-                                              n_positions=c.n_positions, n_heads=c.n_heads, d_conv=c.d_conv,
-                                              long_only=c.long_only)
-            counts.append(f"{arch}{'' if len(widths) == 1 else f' d{width}'} {mechsm.models.count_parameters(model):,}")
-    print("parameters: " + " | ".join(counts), file=sys.stderr)
+    print(f"mechsm | experiment {name} ({mechsm.EXPERIMENTS[name].section}) | preset {args.preset} | "
+          f"{len(configs)} runs | device {device} | {jobs} job{'s' * (jobs > 1)} | vocabulary {vocab}",
+          file=sys.stderr)
+    labels = {}
+    for cfg in configs:
+        labels.setdefault(mechsm.row_label(cfg, configs), cfg)
+    print("parameters: " + " | ".join(f"{label} {mechsm.count_parameters(cfg, vocab):,}"
+                                      for label, cfg in labels.items()), file=sys.stderr)
 
     # -- train (every finished run lands in results.jsonl at once) -------------------------------
     results_path = os.path.join(args.out, "results.jsonl")
     after = mechsm.run_interventions if use_interventions else None
-    records = mechsm.sweep(base, archs, widths, lrs, seeds, results_path=results_path, jobs=jobs, after=after,
-                           per_arch=per_arch)
+    records = mechsm.sweep(configs, results_path=results_path, jobs=jobs, after=after)
     errors = [r for r in records if r["status"] == "error"]
     for r in errors:
         print(f"error in run {r['name']}: {r['error']} (not recorded; a rerun retries it)", file=sys.stderr)
@@ -344,28 +363,36 @@ def run(argv=None):
     rows = mechsm.best_by_lr(records)
     if not rows:
         raise ValueError("no run finished; nothing to report")
-    table = markdown_table(table_rows(rows))
-    chosen = ", ".join(f"{cells['architecture']} {row['best_lr']:g}" for cells, row in zip(table_rows(rows), rows))
-    note = (f"accuracy: final model on {base.eval_size} fresh documents, best learning rate per row "
-            f"({chosen}); Attrib@X: the patched site's restoration of the clean answer probability.")
+    for row in rows:
+        row["label"] = mechsm.row_label(mechsm.Config(**row["best"]["config"]), configs)
+    table = markdown_table(table_rows(rows, mechsm.EXPERIMENTS[name].paper))
+    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
+    note = (f"accuracy: final model on {base.eval_size} fresh documents, the best run of the row's grid "
+            f"(learning rate: {chosen}); over seeds: mean ± std at that learning rate; Attrib@X: the best "
+            f"run's restoration of the clean answer probability (block input of layer 1); paper: "
+            f"{mechsm.EXPERIMENTS[name].section}, its largest width unless it says otherwise.")
+    timelines = "\n".join(timeline_text(row) for row in rows)
     print(table)
     print(note)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(f"# mechsm results: task {args.task}, preset {args.preset}\n\n{table}\n\n{note}\n")
+    print("\ntimeline (step: accuracy, Attrib@Value / Attrib@Query on the first "
+          f"{base.timeline_docs} eval documents; '-' = too little signal to read):\n{timelines}")
+    with open(os.path.join(args.out, f"results_{name}.md"), "w") as f:
+        f.write(f"# mechsm results: experiment {name}, preset {args.preset}\n\n{table}\n\n{note}\n\n"
+                f"{timelines}\n")
 
     # -- the mechanisms: one JSON per table row, one heatmap on stdout ----------------------------
     for row in rows:
-        run_ = next((r for r in row["runs"] if r.get("mechanism_path")), None)
-        if run_ and os.path.exists(run_["mechanism_path"]):
-            name = row["arch"] if len(widths) == 1 else f"{row['arch']}_d{row['d_model']}"
-            mechsm.write_json(os.path.join(args.out, f"mechanism_{name}.json"), read_json(run_["mechanism_path"]))
+        path = row["best"].get("mechanism_path")
+        if path and os.path.exists(path):
+            slug = row["label"].replace(" ", "_").replace("(", "").replace(")", "").replace(",", "")
+            mechsm.write_json(os.path.join(args.out, f"mechanism_{name}_{slug}.json"), read_json(path))
     pick = pick_heatmap_row(rows)
     if use_interventions and pick is not None:
-        path = next(r["mechanism_path"] for r in pick["runs"] if r.get("mechanism_path"))
-        why = "the paper's central contrast" if pick["arch"] == "mamba" else "the most accurate non-attention model"
-        print(f"\nheatmap of {pick['arch']} ({why}):")
-        print(render_heatmap(path))
-    print(f"\nresults in {args.out}/ (results.jsonl, results.md, mechanism_*.json) | "
+        why = ("the paper's central contrast" if pick["arch"] == "mamba" else "the most accurate non-attention model"
+               if pick["arch"] != "attention" else "no other architecture was patched")
+        print(f"\nheatmap of {pick['label']} ({why}):")
+        print(render_heatmap(pick["best"]["mechanism_path"]))
+    print(f"\nresults in {args.out}/ (results.jsonl, results_{name}.md, mechanism_{name}_*.json) | "
           f"total wall time {time.time() - t0:.1f}s", file=sys.stderr)
     return 1 if errors else 0
 
