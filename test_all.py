@@ -6,7 +6,7 @@ parallel vs recurrent form, batched vs one-at-a-time patching), a law of the tas
 learns, a rerun trains nothing, bad input exits with one line). Run: pytest -q test_all.py
 """
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 import collections
 import json
 import math
@@ -507,7 +507,9 @@ def test_parameter_counts_match_table(arch):
 
 def test_frozen_features_and_nope_counts():
     base_conv = models.build_model("base_conv", 8195, 64, 2, pos_emb=True)
-    assert models.count_parameters(base_conv, trainable_only=True) == 666_560  # 3P frozen features excluded
+    frozen = models.build_model("base_conv", 8195, 64, 2, pos_emb=True, freeze_features=True)
+    assert models.count_parameters(frozen, trainable_only=True) == 666_560    # 3P frozen features excluded
+    assert models.count_parameters(base_conv, trainable_only=True) == models.count_parameters(frozen) == 669_632
     nope = models.build_model("mamba", 8195, 64, 2)  # pos_emb defaults to off except for attention
     assert models.count_parameters(nope) == 655_552 - 1024 * 64
 
@@ -1460,9 +1462,10 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
             "--out", str(out)]
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
-    header = "| architecture | parameters | accuracy | Attrib@Key | Attrib@Value | Attrib@Query | verdict |"
+    header = "| architecture | parameters | accuracy | Attrib@Key | Attrib@Value | Attrib@Query | verdict | paper |"
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
-    table = (out / "results.md").read_text()
+    assert "timeline" in stdout and "  attention: 0: " in stdout            # one timeline line per model
+    table = (out / "results_ar.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "architecture" not in line]
     assert [row.split("|")[1].strip() for row in rows] == ["attention", "deltanet"]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -1477,7 +1480,7 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
         for row in mech["rows"]:
             assert set(row["scores"]) == {"key", "value", "next_key", "divider", "query", "answer"}
             assert row["scores"]["answer"] in (0.0, None)                 # after the readout
-    assert (out / "mechanism_attention.json").exists() and (out / "mechanism_deltanet.json").exists()
+    assert (out / "mechanism_ar_attention.json").exists() and (out / "mechanism_ar_deltanet.json").exists()
 
 # ==================================================================================================
 # run.py bench: the benchmark at a tiny size (no timing assertions)
@@ -1512,3 +1515,79 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
         assert row["fast_steps_s"] > 0 and row["reference_steps_s"] > 0 and math.isfinite(row["speedup"])
     for row in result["mechanism"]:
         assert math.isfinite(row["seconds"]) and row["seconds"] > 0 and row["cells"] > 0
+
+
+# ==================================================================================================
+# The experiment catalogue, the attribution timeline, BaseConv's trained features
+# ==================================================================================================
+
+def test_every_experiment_builds_both_presets_with_distinct_row_labels():
+    assert {"ar", "ar-widths", "ar-nope", "ar-layers", "mamba-conv", "based-ablation", "atr", "atr-medium",
+            "atr-8192", "atr-generalisation", "ar-generalisation", "atr-mamba-conv"} <= set(mechsm.EXPERIMENTS)
+    for name, exp in mechsm.EXPERIMENTS.items():
+        for preset in mechsm.PRESET_NAMES:
+            configs = mechsm.experiment_configs(name, preset)
+            assert configs, (name, preset)
+            for cfg in configs:
+                cfg.check()
+            keys = [mechsm.run_key(asdict(c.resolved())) for c in configs]
+            assert len(set(keys)) == len(keys), (name, preset)             # no run twice
+            # runs that differ in more than lr and seed get different table labels
+            families = {}
+            for c in configs:
+                family = mechsm.run_key({k: v for k, v in asdict(c.resolved()).items() if k not in ("lr", "seed")})
+                families.setdefault(mechsm.row_label(c, configs), set()).add(family)
+            assert all(len(f) == 1 for f in families.values()), (name, preset, families)
+        for label in exp.paper:                                            # the paper's rows exist
+            assert label in {mechsm.row_label(c, mechsm.experiment_configs(name)) for c in mechsm.experiment_configs(name)} \
+                or label in {c.arch for c in mechsm.experiment_configs(name)}, (name, label)
+
+
+def test_experiment_narrowing_and_unknown_names():
+    configs = mechsm.experiment_configs("ar", archs=["mamba", "attention"], seeds=[5], steps=10)
+    assert [(c.arch, c.seed, c.steps, c.lr) for c in configs] == [("mamba", 5, 10, 1e-2), ("attention", 5, 10, 5e-4)]
+    added = mechsm.experiment_configs("atr-8192", archs=["mamba"])          # an arch the grid lacks
+    assert [(c.arch, c.num_terminals, c.steps) for c in added] == [("mamba", 8192, 4000)]
+    with pytest.raises(ValueError, match="experiment"):
+        mechsm.experiment_configs("ar-width")
+    with pytest.raises(ValueError, match="preset"):
+        mechsm.experiment_configs("ar", "full")
+
+
+def test_run_list_prints_every_experiment_with_paper_numbers_and_times(capsys):
+    assert run_cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for name in mechsm.EXPERIMENTS:
+        assert f"\n{name} " in "\n" + out, name
+    assert "91.25%" in out and "92.19%" in out and "95.62% dev / 68.12% test" in out and "96.25%" in out
+    assert out.count("quick: ") == len(mechsm.EXPERIMENTS) and out.count("| paper: ") == len(mechsm.EXPERIMENTS)
+
+
+def test_timeline_equals_mechanism_on_the_same_checkpoint_and_flags_the_untrained_model(tmp_path):
+    """history[i]["attrib_*"] is the headline pair of interventions.mechanism on the same documents;
+    at step 0 the model has not learned to use the key, so the entry is flagged as too little signal."""
+    cfg = replace(tiny(train_size=6400, eval_every=100, timeline_docs=32), arch="attention", lr=3e-3, d_model=32,
+                  out_dir=str(tmp_path), save_checkpoint=True)
+    result, _ = mechsm.train(cfg, log=quiet)
+    first, last = result["history"][0], result["history"][-1]
+    assert first["attrib_low_signal"] is True and abs(first["attrib_gap"]) <= cfg.gap_filter
+    assert result["timeline_s"] < 0.1 * result["wall_s"]                    # the timeline stays cheap
+    model, loaded_cfg = mechsm.load(result["checkpoint"])
+    full = iv.mechanism(model, mechsm.make_data(loaded_cfg).eval, n_docs=32, threshold=cfg.gap_filter)
+    assert math.isclose(full["gap"], last["attrib_gap"], rel_tol=1e-9, abs_tol=1e-12)
+    for key in ("value", "query"):
+        assert math.isclose(full["headline"][key], last[f"attrib_{key}"], rel_tol=1e-6, abs_tol=1e-9), key
+    assert full["low_signal"] == last["attrib_low_signal"]
+
+
+def test_base_conv_positional_features_train_by_default():
+    """The paper's runs trained BaseConv's long-conv features Z (tinylang re-enables gradients on every
+    parameter); freeze_features=True keeps zoology's frozen form."""
+    moved = {}
+    for frozen in (False, True):
+        cfg = tiny(arch="base_conv", lr=1e-2, eval_every=1000, freeze_features=frozen)
+        _, model = mechsm.train(cfg, log=quiet)
+        Z = model.blocks[1].mixer.Z                                          # layer 1: the implicit long conv
+        assert Z.requires_grad is not frozen
+        moved[frozen] = (Z.detach() - models.hyena_positional_features(Z.shape[0])).abs().max().item()
+    assert moved[False] > 1e-4 and moved[True] == 0.0
