@@ -368,7 +368,13 @@ def headline_site(n_layers):
 
 def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
     """The first n_docs documents on the model's device: (data, clean tokens, corrupted tokens,
-    answers, query positions). One corruption per document, drawn once (reused by every site)."""
+    answers, query positions). One corruption per document, drawn once (reused by every site).
+    No documents to patch (n_docs=0, an empty dataset) is a ValueError naming n_docs, not a failure
+    deep inside the batching."""
+    if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
+        raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
+    if len(dataset) == 0:
+        raise ValueError("dataset has no documents to patch (n_docs needs at least one).")
     device = next(model.parameters()).device
     data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
     clean_tokens = data.tokens.to(device)

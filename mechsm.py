@@ -28,10 +28,15 @@ Using it from Python:
     mechsm.save(model, cfg, "attn.pt"); model, cfg = mechsm.load("attn.pt")
 """
 
+import contextlib
+import hashlib
 import json
 import math
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, fields, replace
@@ -383,17 +388,35 @@ class Config:
         return f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}"
 
 
-KEY_EXCLUDED = ("out_dir", "device")   # where and on what a run happens does not change what it is
+# Where and on what a run happens, and whether its checkpoint is kept, do not change what it is: a rerun
+# that differs only in these finds the run done. Every other field changes the trained model or what
+# its record reports (a field a record lacks, e.g. one added to Config later, makes it a different run).
+KEY_EXCLUDED = ("out_dir", "device", "save_checkpoint")
 
 
 def run_key(config_dict):
-    """Canonical JSON of a (resolved) config dict, without out_dir/device: the identity of a run."""
+    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
     return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED}, sort_keys=True)
 
 
+def run_hash(key):
+    """A short file-name-safe digest of a run_key (16 hex digits), e.g. for the run's claim file."""
+    return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
 def resolve_device(device):
+    """The device to use: "auto" -> "cuda" if available, else "cpu". A CUDA device on a machine without
+    one is a ValueError (one line) here, before a model or a benchmark touches it."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: got {device!r}, but torch.cuda.is_available() is False here; "
+                             "use cpu or auto")
+        index = str(device).partition(":")[2]
+        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+            raise ValueError(f"device: got {device!r}, but this machine has {torch.cuda.device_count()} "
+                             "CUDA device(s)")
     return device
 
 
@@ -439,8 +462,14 @@ def _make_data(key):
                                                max_terminals=longest)
     # the SAME seed for every split: tasks.py mixes the split name into the document stream, and the
     # held-out pairs depend on the seed only, so train/dev/test share the language
-    train, dev = make(train_size, "train"), make(eval_size, "dev")
-    test = make(eval_size, "test") if holdout > 0 else None
+    try:
+        train, dev = make(train_size, "train"), make(eval_size, "dev")
+        test = make(eval_size, "test") if holdout > 0 else None
+    except (RuntimeError, MemoryError) as e:    # e.g. the (keys, values) held-out matrix of a huge vocabulary
+        if not (isinstance(e, MemoryError) or "alloc" in str(e).lower()):
+            raise
+        raise ValueError(f"{task} task {params} with {train_size} training documents: too large to "
+                         f"allocate ({' '.join(str(e).split())[:120]})") from None
     return Data(train, dev, test, train.vocab_size)
 
 
@@ -453,6 +482,29 @@ def probe_task(cfg):
     """Generate a few documents of cfg's task (raises tasks' ValueError if it cannot be generated);
     returns the vocabulary size. Cheap: use it to validate input before a long sweep."""
     return _make_data(_data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
+
+
+def check_length(cfg, data=None):
+    """Raise ValueError (one line) when cfg's documents are longer than its model accepts
+    (models.position_limit: learned positions, Hyena's filter), so that this fails before training,
+    not at the first step of a run or in a worker. AR documents all have 2 * num_pairs + 5 tokens;
+    ATR documents vary, so unless max_terminals + 5 fits, the longest one of `data` is read (cfg's
+    documents are generated when data is None, and cached for the run that follows)."""
+    cfg = cfg.resolved()
+    limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
+    if limit is None:
+        return
+    if cfg.task == "ar":
+        length = 2 * cfg.num_pairs + 5
+    elif cfg.max_terminals + 5 <= limit:
+        return
+    else:
+        data = data or make_data(cfg)
+        length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
+    if length > limit:
+        what = "learned positions" if cfg.pos_emb else "implicit filter positions"
+        raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s model has "
+                         f"{limit} {what}; raise n_positions or shorten the documents")
 
 
 def novel_mask(train, dataset):
@@ -484,9 +536,10 @@ def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
 
 def answer_loss(model, tokens, queries, answers):
     """Cross-entropy of the answer token only, read at the query position (mean over the batch).
-    The head is applied to the query rows alone, so no other position can enter the loss."""
+    The head is applied to the query rows alone, so no other position can enter the loss. Computed in
+    float32 at least (a float64 model keeps float64). `model` may be any callable model(tokens, readout=)."""
     logits = model(tokens, readout=queries)                 # (b, l) -> (b, v)
-    return F.cross_entropy(logits.float(), answers)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), answers)
 
 
 @torch.no_grad()
@@ -556,6 +609,7 @@ def train(cfg, *, data=None, log=None):
     log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] ")
     device = resolve_device(cfg.device)
     data = data or make_data(cfg)
+    check_length(cfg, data)                # documents the model cannot take: before step 0, not at it
     t_start = time.time()
 
     # model: seeded from cfg.seed alone, so the same seed gives the same init (and on CPU, the same run)
@@ -690,6 +744,291 @@ def _json_safe(x):
 
 
 # ----------------------------------------------------------------------------------------------
+# Groups: runs that differ only in learning rate and seed, trained as one batched model. Runs this
+# small are bound by kernel launches on a GPU; r members in one model make every kernel do r times
+# the work for about the launch cost of one (`run.py bench`, part 5).
+# ----------------------------------------------------------------------------------------------
+
+class Ensemble:
+    """r models of one architecture and shape trained as one (shape glossary: r members).
+
+    The parameters of the members are rows of ONE (r, P) leaf; every member's loss comes from
+    torch.func.vmap over torch.func.functional_call of one base module, its row split back into
+    named parameters (the PyTorch docs' model-ensembling tutorial, with the stack kept flat); and one
+    AdamW step updates all rows at once, a handful of ops whatever r and however many parameter
+    tensors (torch.optim.AdamW on a CPU loops over them in Python).
+
+    The update is torch.optim.AdamW's single-tensor step (betas 0.9/0.999, eps 1e-8, no weight
+    decay) op for op, with one learning rate per member, so each member follows the run it would
+    have had alone, to rounding. The members' losses are summed before backward: they share no
+    parameter, so each row gets exactly its member's gradient. A member whose loss is not finite is
+    dead from that step on: its gradient row is masked (torch.where) and its step size is 0, so its
+    weights stay those at the step that failed (where a lone run stops), and no NaN reaches the
+    others. A parameter that never gets a gradient (frozen, or unused) gets zeros here instead of
+    None, and AdamW moves it by exactly 0, as torch's skips it.
+    """
+
+    BETAS, EPS = (0.9, 0.999), 1e-8
+
+    def __init__(self, modules):
+        self.modules, self.base = list(modules), modules[0]
+        named = list(self.base.named_parameters())                      # the tied head counted once
+        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
+        self.sizes = [p.numel() for _, p in named]
+        self.frozen = {n for n, p in named if not p.requires_grad}
+        for m in self.modules[1:]:
+            if [n for n, _ in m.named_parameters()] != self.names or \
+                    not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
+                raise ValueError("Ensemble: the members must share their parameter names and buffers")
+        with torch.no_grad():
+            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()]) for m in self.modules])
+        self.flat = flat.requires_grad_()                               # (r, P): the one trainable leaf
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)   # (r, P) each
+        self.n_steps, r = 0, len(self.modules)
+        self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
+        self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: not failed
+        self.failed_loss = torch.zeros(r, dtype=flat.dtype, device=flat.device)
+
+    def losses(self, flat, tokens, queries, answers):
+        """Every member's answer_loss on the same batch: flat (r, P), tokens (b, l) -> (r,)."""
+        return torch.func.vmap(self._member_loss, in_dims=(0, None, None, None))(flat, tokens, queries, answers)
+
+    def params(self, row):
+        """One member's named parameters, views of its row (P,) of the stacked leaf."""
+        pieces = row.split(self.sizes)
+        return {n: (x.detach() if n in self.frozen else x).view(shape)
+                for n, shape, x in zip(self.names, self.shapes, pieces)}
+
+    def _member_loss(self, row, tokens, queries, answers):
+        params = self.params(row)
+        model = lambda t, readout: torch.func.functional_call(self.base, params, (t,), {"readout": readout})
+        return answer_loss(model, tokens, queries, answers)
+
+    def step(self, tokens, queries, answers, lrs, step):
+        """One AdamW step of every live member on the same batch, member i with learning rate lrs[i]
+        (this step's value). Returns the losses (r,), detached. No host sync: a member whose loss is
+        not finite is recorded in failed_step / failed_loss, read when the caller next looks."""
+        self.flat.grad = None
+        losses = self.losses(self.flat, tokens, queries, answers)         # (r,)
+        finite = torch.isfinite(losses.detach())
+        newly = self.alive & ~finite
+        self.failed_step = torch.where(newly, step, self.failed_step)
+        self.failed_loss = torch.where(newly, losses.detach(), self.failed_loss)
+        self.alive = self.alive & finite
+        losses.sum().backward()
+        beta1, beta2 = self.BETAS
+        self.n_steps += 1
+        bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
+        with torch.no_grad():
+            grad = torch.where(self.alive[:, None], self.flat.grad, 0.0)  # (r, P): dead rows get 0
+            neg_step = torch.tensor([-lr / bias1 for lr in lrs], dtype=self.flat.dtype, device=self.flat.device)
+            neg_step = (neg_step * self.alive)[:, None]                   # (r, 1): 0 for dead members
+            self.exp_avg.lerp_(grad, 1 - beta1)
+            self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
+            self.flat.addcdiv_(self.exp_avg * neg_step, denom)           # p -= lr / bias1 * m / denom
+        self.flat.grad = None
+        return losses.detach()
+
+    def member(self, i):
+        """Member i as an ordinary module: its row of the stacked leaf copied into its own parameters."""
+        with torch.no_grad():
+            for p, x in zip(self.modules[i].parameters(), self.flat[i].split(self.sizes)):
+                p.copy_(x.view_as(p))
+        return self.modules[i]
+
+
+def group_key(cfg):
+    """What the runs of one group share: every Config field but lr and seed."""
+    return json.dumps({k: v for k, v in sorted(asdict(cfg.resolved()).items()) if k not in ("lr", "seed")})
+
+
+def make_groups(configs, group_size=None):
+    """configs -> lists of configs that differ only in lr and seed (in order of first appearance), at
+    most group_size each (None: a whole (arch, width, ...) cell per group)."""
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
+    cells = {}
+    for cfg in configs:
+        cells.setdefault(group_key(cfg), []).append(cfg)
+    size = lambda cell: group_size or len(cell)
+    return [cell[i:i + size(cell)] for cell in cells.values() for i in range(0, len(cell), size(cell))]
+
+
+def default_group_size(device):
+    """1 (every run alone, in worker processes) on a CPU, where groups do not pay (`run.py bench`,
+    part 5); None (one group per cell) elsewhere."""
+    return 1 if resolve_device(device) == "cpu" else None
+
+
+def _group_of(configs):
+    """The resolved, checked configs of one group; ValueError unless they differ only in lr and seed."""
+    cfgs = [c.resolved().check() for c in configs]
+    if not cfgs:
+        raise ValueError("train_group: no configs")
+    if len({group_key(c) for c in cfgs}) > 1:
+        raise ValueError("train_group: the configs of a group must differ only in lr and seed")
+    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
+        raise ValueError("train_group: two configs of the group have the same lr and seed")
+    return cfgs
+
+
+def train_group(configs, *, data=None, log=None):
+    """Train configs that differ only in lr and seed as one batched model (Ensemble).
+
+    Returns [(result, model)], one per config in order, each what train(cfg) returns for it: the
+    same record keys (plus "group": {"size", "index"}), its history entries from history_entry at the
+    same steps, its own checkpoint; wall_s and steps_per_s are the group's. A member whose loss goes
+    NaN/inf is "failed" at that step, with train()'s error message and its weights of that step, and
+    the others go on undisturbed. Raises ValueError if the configs differ in anything else.
+    """
+    cfgs = _group_of(configs)
+    cfg, r = cfgs[0], len(cfgs)
+    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
+    device = resolve_device(cfg.device)
+    data = data or make_data(cfg)
+    t_start = time.time()
+    ens = Ensemble([build(c, data.vocab_size).to(device) for c in cfgs])   # each from its own seed
+    n_params = models.count_parameters(ens.base)
+
+    # the fixed training set, walked in order, as train() walks it
+    B, S, total = cfg.batch_size, cfg.steps_per_epoch(), cfg.total_steps()
+    train_tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
+    train_queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
+    train_answers = data.train.answers[: S * B].to(device)                # (S*B,)
+    batch_width = data.train.lengths[: S * B].view(S, B).max(1).values.tolist()
+    novel = None
+    if cfg.task == "atr":
+        novel = {"eval": novel_mask(data.train, data.eval)}
+        if data.test is not None:
+            novel["test"] = novel_mask(data.train, data.test)
+
+    log(f"{r} runs as one batched model, {n_params:,} parameters each, on {device} | {total} steps | "
+        f"lr {','.join(f'{c.lr:g}' for c in cfgs)} | seeds {','.join(str(c.seed) for c in cfgs)}")
+    histories, status, errors = [[] for _ in cfgs], ["ok"] * r, [None] * r
+    steps_done, timeline_s = [total] * r, [0.0] * r
+    loss_sum, loss_count = torch.zeros(r, device=device), 0
+    t_loop, step = time.time(), 0
+
+    def record(step):
+        nonlocal loss_sum, loss_count
+        for i, (s, loss) in enumerate(zip(ens.failed_step.tolist(), ens.failed_loss.tolist())):
+            if s >= 0 and status[i] == "ok":
+                status[i], steps_done[i] = "failed", s
+                errors[i] = f"loss is {loss} at step {s} (lr {cfgs[i].lr:g}); run stopped"
+                log(f"FAILED: {cfgs[i].name()}: {errors[i]}")
+        train_loss = (loss_sum / loss_count).tolist() if loss_count else [None] * r
+        for i, c in enumerate(cfgs):
+            if status[i] == "ok":
+                entry = history_entry(ens.member(i), data, c, step, train_loss[i], novel)
+                timeline_s[i] += entry.pop("timeline_s", 0.0)
+                histories[i].append(entry)
+        loss_sum, loss_count = torch.zeros(r, device=device), 0
+        elapsed = time.time() - t_loop
+        rate = step / elapsed if elapsed > 0 and step else 0.0
+        eta = (total - step) / rate if rate else float("nan")
+        accs = " ".join(f"{h[-1]['acc']:.3f}" if ok == "ok" else "failed" for h, ok in zip(histories, status))
+        log(f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({r * rate:.1f} model-steps/s) | "
+            f"ETA {_fmt_time(eta) if rate else '?'}")
+
+    for m in ens.modules:
+        m.train()
+    for step in range(total):
+        if step % cfg.eval_every == 0:
+            record(step)
+            if "ok" not in status:
+                break
+        s = step % S
+        rows, width = slice(s * B, s * B + B), batch_width[s]
+        lrs = [lr_at(step, total, cfg.warmup_frac, cfg.schedule, c.lr) for c in cfgs]
+        loss_sum = loss_sum + ens.step(train_tokens[rows, :width], train_queries[rows], train_answers[rows], lrs, step)
+        loss_count += 1
+    else:
+        step = total
+        record(total)   # the final models are always evaluated, as in train()
+
+    wall, rate = time.time() - t_start, round(step / max(1e-9, time.time() - t_loop), 2)
+    out = []
+    for i, c in enumerate(cfgs):
+        model, checkpoint = ens.member(i), None
+        if c.save_checkpoint and c.out_dir and status[i] == "ok":
+            checkpoint = save(model, c, os.path.join(c.out_dir, "ckpt", c.name() + ".pt"))
+        final = {k: v for k, v in (histories[i][-1] if histories[i] else {}).items() if k != "lr"}
+        result = {"config": asdict(c), "name": c.name(), "status": status[i], "error": errors[i],
+                  "n_params": n_params, "device": device, "final": final, "history": histories[i],
+                  "wall_s": round(wall, 2), "steps_done": steps_done[i], "total_steps": total,
+                  "steps_per_s": rate, "checkpoint": checkpoint, "timeline_s": round(timeline_s[i], 3),
+                  "group": {"size": r, "index": i}}
+        out.append((_json_safe(result), model))
+    return out
+
+
+def time_group(configs, steps=20):
+    """(seconds per training step, seconds per evaluation of one member) of `configs` trained as one
+    group on their device (one config: stepped as train() steps it), timed over `steps` steps after
+    two untimed ones, and one history_entry. For planning: the models are thrown away."""
+    cfgs = _group_of(configs)
+    cfg, device = cfgs[0], resolve_device(cfgs[0].device)
+    data = make_data(cfg)
+    width = int(data.train.lengths[: cfg.batch_size].max())
+    x, q, y = (t[: cfg.batch_size].to(device) for t in (data.train.tokens[:, :width], data.train.positions["query"],
+                                                         data.train.answers))
+    if len(cfgs) == 1:
+        model = build(cfg, data.vocab_size).to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+        def step():
+            loss = answer_loss(model, x, q, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            return loss
+    else:
+        ensemble = Ensemble([build(c, data.vocab_size).to(device) for c in cfgs])
+        model, step = ensemble.base, lambda: ensemble.step(x, q, y, [c.lr for c in cfgs], 1)
+    for _ in range(2):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    float(loss.sum())                                     # waits for the device
+    per_step = (time.perf_counter() - start) / steps
+    start = time.perf_counter()
+    history_entry(model, data, cfg, 0, None)
+    return per_step, time.perf_counter() - start
+
+
+def plan(configs, group_size=None, jobs=1, warmup_steps=0):
+    """How a sweep of `configs` would run: {"runs", "groups", "largest" (members of the largest
+    group), "seconds"}, the groups being make_groups(configs, group_size). With warmup_steps > 0,
+    "seconds" is the expected wall time on the configs' device: one group per architecture (its widest
+    cell, its largest group) is timed (time_group, with jobs > 1 on one thread, as a worker runs),
+    every group of that architecture is assumed to cost as much per step and per evaluation, and the
+    total is shared by min(jobs, groups) jobs. An estimate (narrower cells cost less), not a promise."""
+    groups = make_groups(configs, group_size)
+    out = {"runs": len(configs), "groups": len(groups), "largest": max(map(len, groups), default=0), "seconds": None}
+    if not (warmup_steps and groups):
+        return out
+    threads = torch.get_num_threads()
+    try:
+        if jobs > 1:
+            torch.set_num_threads(1)
+        timed = {}
+        for arch in dict.fromkeys(g[0].arch for g in groups):
+            widest = max((g for g in groups if g[0].arch == arch), key=lambda g: (g[0].d_model * g[0].n_layers, len(g)))
+            timed[arch] = time_group(widest, warmup_steps)
+    finally:
+        torch.set_num_threads(threads)
+    total = 0.0
+    for g in groups:
+        per_step, per_eval = timed[g[0].arch]
+        steps = g[0].total_steps()
+        total += steps * per_step + (steps // g[0].eval_every + 1) * len(g) * per_eval
+    out["seconds"] = total / min(jobs, len(groups))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Checkpoints: the state_dict plus everything needed to rebuild the exact model.
 # ----------------------------------------------------------------------------------------------
 
@@ -731,7 +1070,17 @@ def load(path, device="cpu"):
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         msg = " ".join(str(e).split())[:200]
         raise CheckpointError(f"checkpoint {path}: does not rebuild its model ({type(e).__name__}: {msg})") from None
-    return model.to(device), cfg
+    # the model must read the documents of its own config: a vocabulary smaller than the task's would
+    # meet ids it has no embedding for, a larger one would be scored on data it was not trained on
+    try:
+        task_vocab = probe_task(cfg)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: its task cannot be generated ({' '.join(str(e).split())})") from None
+    if model.embed.num_embeddings != task_vocab:
+        raise CheckpointError(f"checkpoint {path}: its model has a vocabulary of {model.embed.num_embeddings} "
+                              f"tokens but its {cfg.task} task ({cfg.name()}) has {task_vocab}; the config "
+                              "does not describe the data this model was trained on")
+    return model.to(resolve_device(device)), cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -752,39 +1101,277 @@ def grid_configs(base_cfg, archs, widths, lrs, seeds, per_arch=None):
     return configs
 
 
-def read_results(path):
-    """The run records in a results.jsonl file ([] if absent). A torn last line (a crash mid-write)
-    is skipped with a warning rather than failing the whole file."""
+RECORD_CONFIG_KEYS = ("arch", "d_model", "lr", "seed")   # what best_by_lr reads from every record's config
+
+
+def is_record(x):
+    """Whether a parsed results line has the shape of a run record: a dict whose config names its
+    arch, width, lr and seed, with status "ok" or "failed" and a parameter count. Valid JSON of
+    another shape ({}, null, a list, a line someone else wrote) must not fail the sweep reading it."""
+    return (isinstance(x, dict) and isinstance(x.get("config"), dict)
+            and all(k in x["config"] for k in RECORD_CONFIG_KEYS)
+            and isinstance(x["config"]["lr"], (int, float)) and x.get("status") in ("ok", "failed")
+            and isinstance(x.get("n_params"), int))
+
+
+def read_results(path, warn=True):
+    """The run records in a results.jsonl file ([] if absent), in file order (a later record of the
+    same run supersedes an earlier one). A line that is not a whole record (a torn line from a crash
+    mid-write, garbage, valid JSON of another shape) is skipped with one warning naming the file and
+    the line number (none when warn is False)."""
     if not os.path.exists(path):
         return []
     records = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    print(f"warning: {path}:{i} is not valid JSON; ignored", file=sys.stderr)
+            if not line.strip():
+                continue
+            try:
+                record, why = json.loads(line), "valid JSON but not a run record"
+            except json.JSONDecodeError:
+                record, why = None, "not valid JSON (a torn or corrupt line)"
+            if is_record(record):
+                records.append(record)
+            elif warn:
+                print(f"warning: {path}:{i}: {why}; skipped", file=sys.stderr)
     return records
 
 
-def append_result(path, record):
-    """Append one JSON line with a single write, then flush and fsync, so a crash or Ctrl-C leaves
-    either the whole line or nothing (plus, at worst, a torn last line that read_results skips)."""
-    line = (json.dumps(_json_safe(record), sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+@contextlib.contextmanager
+def _file_lock(fd):
+    """An exclusive lock on an open file while the block runs (fcntl.flock: processes on this machine,
+    and on NFS where the lock manager runs); no lock where fcntl does not exist (Windows)."""
     try:
-        os.write(fd, line)
-        os.fsync(fd)
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def append_result(path, record):
+    """Append one JSON line, then fsync, so a crash or Ctrl-C leaves either the whole line or nothing
+    (plus, at worst, a torn last line that read_results skips). The line always starts on a new line:
+    after a torn line or a last line without its newline, a bare append would glue the new record
+    onto it and lose both. The check and the write hold the file's lock, so processes sharing the
+    file cannot interleave them."""
+    line = (json.dumps(_json_safe(record), sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        with _file_lock(fd):
+            size = os.fstat(fd).st_size
+            if size:
+                os.lseek(fd, size - 1, os.SEEK_SET)
+                if os.read(fd, 1) != b"\n":
+                    line = b"\n" + line
+            while line:                       # O_APPEND: every write lands at the end
+                line = line[os.write(fd, line):]
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _run_one(cfg, after, jobs):
-    """Train one config (in this process or a worker) and apply `after`. Never raises on a bad run:
-    returns a record with status "error" (not saved, so a rerun retries) if training crashed."""
+# ----------------------------------------------------------------------------------------------
+# Claims: which process trains which run, so that processes sharing one results file (a second
+# `run.py` on the same --out, or machines sharing the folder) never train the same run twice.
+# A run is claimed by the file <results folder>/claims/<run_hash>.claim, JSON {host, pid, start, name,
+# since}, created just before the run starts and removed once its record is in results.jsonl. A claim
+# of a process that is gone (same host; the pid is dead, a zombie, or reused by a process that started
+# later) is stale and taken over. A claim from another host is trusted until its file is deleted: its
+# pid cannot be checked from here.
+# ----------------------------------------------------------------------------------------------
+
+CLAIMS = "claims"
+
+
+def claim_path(results_path, key):
+    """The claim file of run `key` of the sweep writing results_path."""
+    return os.path.join(os.path.dirname(os.path.abspath(results_path)), CLAIMS, run_hash(key) + ".claim")
+
+
+def _proc_stat(pid):
+    """(state letter, start time in clock ticks since boot) of process pid from /proc, or None where
+    /proc cannot tell (no such process, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields_ = f.read().rsplit(")", 1)[1].split()     # fields 3 ... of proc(5): state, ppid, ...
+        return fields_[0], int(fields_[19])                   # field 3 state, field 22 starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_alive(pid, start=None):
+    """Whether process pid on this host still runs (a zombie does not), and is the same process
+    when its start time is known."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass                                   # another user's process: it exists
+    except OSError:
+        return False
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True
+    return stat[0] != "Z" and (start is None or stat[1] == start)
+
+
+def claim_alive(holder):
+    """Whether a claim still belongs to a running process: one on this host that is alive, or any
+    claim from another host (trusted; see above)."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    pid = holder.get("pid")
+    return isinstance(pid, int) and _process_alive(pid, holder.get("start"))
+
+
+def _read_claim(path):
+    """The claim at path as a dict, or None when there is none or it is unreadable (then stale)."""
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+@contextlib.contextmanager
+def _claims_locked(results_path):
+    """The claims folder's lock (claims/.lock) while the block runs: a check and the write that acts on
+    it are one step for every process sharing the folder."""
+    folder = os.path.dirname(claim_path(results_path, ""))
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        with _file_lock(fd):
+            yield
+    finally:
+        os.close(fd)
+
+
+def claim(results_path, key, name):
+    """Claim run `key` for this process. Returns None when it is now this process's (the claim file
+    names this host and pid), or the claim of the live process that holds it (a dict: host, pid,
+    name, since). A stale claim is taken over."""
+    path = claim_path(results_path, key)
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "start": (_proc_stat(os.getpid()) or (None, None))[1],
+          "name": name, "since": round(time.time(), 3)}
+    with _claims_locked(results_path):
+        holder = _read_claim(path)
+        if holder is not None and claim_alive(holder) and (holder.get("host"), holder.get("pid")) != (me["host"], me["pid"]):
+            return holder
+        write_json(path, me)
+    return None
+
+
+def release(results_path, key):
+    """Remove run `key`'s claim if it is this process's (never another process's)."""
+    path = claim_path(results_path, key)
+    with _claims_locked(results_path):
+        holder = _read_claim(path)
+        if holder is not None and (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid()):
+            os.remove(path)
+
+
+def drop_stale_claims(results_path):
+    """Remove every stale claim of this host (its process is gone), e.g. those of workers just stopped;
+    returns how many. Claims of live processes and of other hosts stay."""
+    folder = os.path.dirname(claim_path(results_path, ""))
+    if not os.path.isdir(folder):
+        return 0
+    dropped = 0
+    with _claims_locked(results_path):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if name.endswith(".claim"):
+                holder = _read_claim(path)
+                if holder is None or not claim_alive(holder):
+                    os.remove(path)
+                    dropped += 1
+    return dropped
+
+
+def is_complete(record, requires=()):
+    """Whether a recorded run has everything now asked for: a finished ("ok") run must carry every key
+    of `requires` (e.g. "mechanism" when interventions are wanted); a failed run has nothing to add."""
+    return record.get("status") != "ok" or all(record.get(k) is not None for k in requires)
+
+
+def _run_one(cfg, after, jobs, results_path=None, key=None, previous=None, requires=()):
+    """One run of a sweep (in this process or a worker): claim it, train it (or patch its saved model,
+    when `previous` is its record lacking what `requires` asks), apply `after`, append the record to
+    results_path, release the claim. The record is written before the claim goes, so there is no
+    moment when another process sees the run neither claimed nor recorded.
+
+    Returns the record. A run that another live process holds comes back with status "claimed" (and
+    "claimed_by"), untrained; one that another process recorded since the sweep read the file comes
+    back as that record. Never raises on a bad run: a crash gives status "error" (not saved, so a
+    rerun retries). Without results_path: no claim, no file, only the run."""
     if jobs > 1:
         torch.set_num_threads(1)
+    if results_path is None:
+        return _produce(cfg, after, previous)
+    holder = claim(results_path, key, cfg.name())
+    if holder is not None:
+        return {"config": asdict(cfg.resolved()), "name": cfg.name(), "status": "claimed", "claimed_by": holder}
+    try:
+        for record in reversed(read_results(results_path, warn=False)):   # the latest record of the run
+            if run_key(record["config"]) == key:
+                if is_complete(record, requires):
+                    return record
+                previous = record
+                break
+        record = _produce(cfg, after, previous)
+        if record["status"] != "error":
+            append_result(results_path, record)
+        return record
+    finally:
+        release(results_path, key)
+
+
+def _produce(cfg, after, previous=None):
+    """The record of one run: `previous` patched from its checkpoint when that works, else trained."""
+    if previous is not None and after is not None:
+        record = _patch(cfg, after, previous)
+        if record is not None:
+            return record
+    return _train_and_after(cfg, after)
+
+
+def _patch(cfg, after, previous):
+    """previous (a finished run's record that lacks what `after` adds) with `after` applied to the model
+    of its checkpoint; None when no checkpoint of this very run is at hand (no file, unreadable, or a
+    file of another run with the same name), and then the run is trained again."""
+    path = previous.get("checkpoint")
+    log = stderr_log(f"[{cfg.name()}] ")
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        model, saved = load(path, device=resolve_device(cfg.device))
+    except (CheckpointError, OSError) as e:
+        log(f"checkpoint unusable ({' '.join(str(e).split())}); training the run again")
+        return None
+    if run_key(asdict(saved.resolved())) != run_key(previous["config"]):
+        log(f"{path} holds another run with the same name; training the run again")
+        return None
+    log(f"recorded without {', '.join(getattr(after, 'adds', ('what is now asked',)))}: patching its saved model {path}")
+    record = {k: v for k, v in previous.items() if k != "after_error"}
+    try:
+        record.update(after(model, make_data(cfg), cfg.resolved(), record) or {})
+    except Exception as e:
+        traceback.print_exc()
+        record["after_error"] = f"{type(e).__name__}: {e}"
+    return _json_safe(record)
+
+
+def _train_and_after(cfg, after):
+    """Train one config and apply `after`. Never raises on a bad run: returns a record with status
+    "error" (not saved, so a rerun retries) if training crashed."""
     try:
         result, model = train(cfg)
     except KeyboardInterrupt:
@@ -802,22 +1389,141 @@ def _run_one(cfg, after, jobs):
     return _json_safe(result)
 
 
-def _worker_init():
+def _run_group(cfgs, after, jobs, results_path=None, keys=None, prevs=None, requires=()):
+    """The runs of one group of a sweep (configs that differ only in lr and seed), in this process or a
+    worker: what _run_one does for each (claim, skip what another process holds or has recorded,
+    apply `after`, append the record, release), with the training of those left done by one
+    train_group. Runs that only need patching (a `prevs` record), and a group left with one run, go
+    through _run_one. Returns the records in order. Never raises on a bad run: a crash of the group
+    gives each of its runs a record with status "error" (not saved, so a rerun retries)."""
+    n = len(cfgs)
+    keys, prevs = keys or [None] * n, prevs or [None] * n
+    fresh = [i for i in range(n) if prevs[i] is None]
+    if len(fresh) <= 1:
+        return [_run_one(c, after, jobs, results_path, k, p, requires) for c, k, p in zip(cfgs, keys, prevs)]
+    if jobs > 1:
+        torch.set_num_threads(1)
+    records = [None if i in fresh else _run_one(cfgs[i], after, jobs, results_path, keys[i], prevs[i], requires)
+               for i in range(n)]
+    held, todo = [], []
+    try:
+        for i in fresh:
+            if results_path is not None:
+                holder = claim(results_path, keys[i], cfgs[i].name())
+                if holder is not None:
+                    records[i] = {"config": asdict(cfgs[i].resolved()), "name": cfgs[i].name(),
+                                  "status": "claimed", "claimed_by": holder}
+                    continue
+                held.append(keys[i])
+                latest = [r for r in read_results(results_path, warn=False) if run_key(r["config"]) == keys[i]]
+                if latest and is_complete(latest[-1], requires):          # recorded meanwhile elsewhere
+                    records[i] = latest[-1]
+                    continue
+            todo.append(i)
+        if len(todo) == 1:
+            trained = [_train_and_after(cfgs[todo[0]], after)]
+        else:
+            try:
+                pairs = train_group([cfgs[i] for i in todo])
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:
+                traceback.print_exc()
+                pairs = [({"config": asdict(cfgs[i].resolved()), "name": cfgs[i].name(), "status": "error",
+                           "error": f"{type(e).__name__}: {e}"}, None) for i in todo]
+            trained = []
+            for i, (result, model) in zip(todo, pairs):
+                if after is not None and result["status"] == "ok":
+                    try:
+                        result.update(after(model, make_data(cfgs[i]), cfgs[i].resolved(), result) or {})
+                    except Exception as e:   # the training result is still worth keeping
+                        traceback.print_exc()
+                        result["after_error"] = f"{type(e).__name__}: {e}"
+                trained.append(_json_safe(result))
+        for i, record in zip(todo, trained):
+            if results_path is not None and record["status"] != "error":
+                append_result(results_path, record)
+            records[i] = record
+    finally:
+        for key in held:
+            release(results_path, key)
+    return records
+
+
+def _worker_init(parent=None):
+    """Set up a sweep worker: one torch thread; SIGINT ignored (Ctrl-C reaches the whole process group,
+    and the parent, which handles it, stops the workers itself; a worker interrupted on its own would
+    only print a traceback); and, given the parent's pid, a watchdog thread that ends the worker when
+    its parent is gone (killed with SIGKILL, say), so that no orphan keeps training."""
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is not None:
+        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+
+
+def _exit_with_parent(parent, interval=1.0):
+    """Poll the parent pid; once this process has been re-parented (its parent died), exit at once."""
+    while os.getppid() == parent:
+        time.sleep(interval)
+    os._exit(1)
+
+
+def _stop_workers(pool, results_path):
+    """Stop a sweep's worker processes now (Ctrl-C, SIGTERM, a crash): SIGTERM each, wait, SIGKILL any
+    left, then drop the claims they held. Further SIGINT/SIGTERM are held back meanwhile, so that a
+    second signal cannot cut the clean-up short and leave a worker training."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())   # no public API before 3.14
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    masking = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+    if masking:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        for process in processes:
+            process.terminate()
+        deadline = time.time() + 5
+        for process in processes:
+            process.join(max(0.0, deadline - time.time()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        pool.shutdown(wait=False, cancel_futures=True)
+        drop_stale_claims(results_path)
+    finally:
+        if masking:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class WorkerLost(RuntimeError):
+    """A sweep worker process died under the sweep (killed by a signal, or by the out-of-memory killer)."""
 
 
 def sweep(base_cfg, archs=None, widths=None, lrs=None, seeds=None, *, results_path, jobs=1, after=None,
-          log=None, per_arch=None):
+          log=None, per_arch=None, group_size="auto"):
     """Train every (arch, width, lr, seed) of the grid not already in results_path; return the grid's
     records (old and new) in grid order. base_cfg may also be the list of Configs to run (an
     experiment's grid, experiment_configs), and then the grid arguments are not used.
 
-    Each finished run is appended to results_path at once as one JSON line; runs already there (same
-    run_key) are skipped, so rerunning a finished sweep trains nothing and Ctrl-C loses only the runs
-    in flight. jobs > 1 trains in that many worker processes ("spawn", one thread each). after(model,
-    data, cfg, result) -> dict, if given, runs in the worker on each successful run and its dict is
-    merged into the record before it is written (run.py uses it for the interventions); it must be a
-    module-level function so that it can be sent to a worker.
+    Each finished run is appended to results_path at once as one JSON line (by the process that trained
+    it), so Ctrl-C or SIGTERM loses only the runs in flight. Resume: a run already there (same run_key,
+    see KEY_EXCLUDED) is skipped only when its record has everything now asked for: when `after`
+    declares the record keys it adds (after.adds, e.g. ("mechanism",)), a finished run recorded
+    without them is patched from its checkpoint, or trained again when there is none, and the log
+    says so. The same run twice in the grid is done and returned once.
+
+    Several processes may share results_path: each run is claimed just before it starts (claim(); a
+    file under claims/ next to results_path), a run claimed by another live process is skipped and
+    reported, and records that other processes wrote meanwhile are picked up at the end.
+
+    jobs > 1 trains in that many worker processes ("spawn", one thread each); stopping the sweep stops
+    them (no orphans) and drops their claims. after(model, data, cfg, result) -> dict, if given, runs
+    in the worker on each successful run and its dict is merged into the record before it is written
+    (run.py uses it for the interventions); it must be a module-level function so that it can be
+    sent to a worker.
+
+    group_size: runs that differ only in lr and seed are trained as one batched model (train_group)
+    in groups of at most group_size (make_groups; None: one group per cell; "auto": 1 on a CPU, where
+    every run trains alone as before, one group per cell elsewhere). A group's records are written
+    when the group finishes; `jobs` groups run at once.
     """
     log = log or stderr_log()
     configs = list(base_cfg) if isinstance(base_cfg, (list, tuple)) else \
@@ -826,39 +1532,67 @@ def sweep(base_cfg, archs=None, widths=None, lrs=None, seeds=None, *, results_pa
         cfg.check()
     for key in {_data_key(c) for c in configs}:
         probe_task(next(c for c in configs if _data_key(c) == key))
+    for cfg in configs:                        # documents longer than a model's positions, too
+        check_length(cfg)
+    requires = tuple(getattr(after, "adds", ())) if after is not None else ()
     os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
     done = {}
-    for record in read_results(results_path):
+    for record in read_results(results_path):  # a later record of a run supersedes an earlier one
         done[run_key(record["config"])] = record
-    keys = [run_key(asdict(c.resolved())) for c in configs]
-    todo = [(k, c) for k, c in zip(keys, configs) if k not in done]
-    if len(todo) < len(configs):
-        log(f"sweep: {len(configs) - len(todo)} of {len(configs)} runs already in {results_path}; skipped")
+    unique = {}                                # run_key -> config, in grid order, each run once
+    for cfg in configs:
+        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
+    if len(unique) < len(configs):
+        log(f"sweep: {len(configs) - len(unique)} repeated run(s) in the grid collapsed (same config twice)")
+    keys = list(unique)
+    todo = [(k, unique[k], done.get(k)) for k in keys if not (k in done and is_complete(done[k], requires))]
+    if len(todo) < len(keys):
+        log(f"sweep: {len(keys) - len(todo)} of {len(keys)} runs already in {results_path}; skipped")
+    lacking = [prev for _, _, prev in todo if prev is not None]
+    if lacking:
+        saved = sum(1 for prev in lacking if prev.get("checkpoint") and os.path.isfile(prev["checkpoint"]))
+        log(f"sweep: {len(lacking)} run(s) in {results_path} were recorded without {', '.join(requires)}: "
+            f"{saved} will be patched from their checkpoints, {len(lacking) - saved} trained again")
     new = {}
+    by_key = {key: (key, cfg, prev) for key, cfg, prev in todo}
+    size = default_group_size(configs[0].device) if group_size == "auto" else group_size
+    groups = [[by_key[run_key(asdict(c.resolved()))] for c in g] for g in make_groups([c for _, c, _ in todo], size)]
+    groups = [([c for _, c, _ in g], [k for k, _, _ in g], [p for _, _, p in g]) for g in groups]  # (cfgs, keys, prevs)
 
-    def finish(key, record):
-        if record["status"] != "error":
-            append_result(results_path, record)
-        new[key] = record
-
-    if jobs <= 1 or len(todo) <= 1:
-        for key, cfg in todo:
-            finish(key, _run_one(cfg, after, 1))
+    if jobs <= 1 or len(groups) <= 1:
+        for cfgs, group_keys, prevs in groups:
+            new.update(zip(group_keys, _run_group(cfgs, after, 1, results_path, group_keys, prevs, requires)))
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
-        pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), initializer=_worker_init,
-                                   mp_context=multiprocessing.get_context("spawn"))
+        from concurrent.futures.process import BrokenProcessPool
+        _make_data.cache_clear()   # the workers generate their own documents: free the parent's copy
+        pool = ProcessPoolExecutor(max_workers=min(jobs, len(groups)), initializer=_worker_init,
+                                   initargs=(os.getpid(),), mp_context=multiprocessing.get_context("spawn"))
         try:
-            futures = {pool.submit(_run_one, cfg, after, jobs): key for key, cfg in todo}
+            futures = {pool.submit(_run_group, cfgs, after, jobs, results_path, group_keys, prevs, requires): group_keys
+                       for cfgs, group_keys, prevs in groups}
             for future in as_completed(futures):
-                finish(futures[future], future.result())
-        except BaseException:      # Ctrl-C (or a crash): keep what is written, stop the runs in flight
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
-                process.terminate()  # no public API for this before Python 3.14 (terminate_workers)
-            pool.shutdown(wait=False, cancel_futures=True)
+                new.update(zip(futures[future], future.result()))
+        except BrokenProcessPool:  # a worker was killed: stop the others, keep what is written
+            _stop_workers(pool, results_path)
+            raise WorkerLost(f"a worker process died (killed by a signal, or out of memory); finished runs "
+                             f"are kept in {results_path}; rerun to continue") from None
+        except BaseException:      # Ctrl-C, SIGTERM (run.py raises it as KeyboardInterrupt), a crash
+            _stop_workers(pool, results_path)
             raise
         pool.shutdown(wait=True)
+
+    claimed = [k for k in keys if k in new and new[k]["status"] == "claimed"]
+    if claimed:                                # another process may have finished them by now
+        latest = {run_key(r["config"]): r for r in read_results(results_path, warn=False)}
+        for key in claimed:
+            holder = new.pop(key)["claimed_by"]
+            if key in latest and is_complete(latest[key], requires):
+                new[key] = latest[key]
+            else:
+                log(f"sweep: {unique[key].name()} is being trained by {holder.get('host')} pid "
+                    f"{holder.get('pid')}; not done here (rerun once it has finished to include it)")
     return [new.get(k) or done[k] for k in keys if k in new or k in done]
 
 
@@ -867,12 +1601,17 @@ def best_by_lr(results, metric="acc"):
     the best mean final `metric` over seeds (PROTOCOL §6: max over LR). Returns one row per group:
     arch, d_model, best_lr, mean, std, n_seeds, values (per seed), per_lr {lr: mean}, and the chosen
     run records (`runs`). With a held-out split the choice uses dev accuracy ("acc") and the row also
-    carries test_mean (PROTOCOL §6, generalisation). Runs with status "error" are ignored; "failed"
-    runs count with their last metrics (None -> 0)."""
-    groups = {}
+    carries test_mean (PROTOCOL §6, generalisation). Only records with status "ok" or "failed" count
+    ("error", "claimed" are not results), and each run once (its last record, e.g. when a results file
+    holds it twice). "failed" runs (loss NaN/inf) count with their last metrics (None -> 0) but never
+    win: an lr with fewer failed runs always ranks first, so the chosen lr is one whose runs all
+    finished whenever one exists, whatever a failed run's last evaluation said."""
+    latest = {}
     for r in results:
-        if r is None or r.get("status") == "error":
-            continue
+        if r is not None and r.get("status") in ("ok", "failed"):
+            latest[run_key(r["config"])] = r
+    groups = {}
+    for r in latest.values():
         c = r["config"]
         gkey = run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(c["lr"], []).append(r)
@@ -882,7 +1621,8 @@ def best_by_lr(results, metric="acc"):
             v = (r.get("final") or {}).get(m)
             return v if v is not None else 0.0
         means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
-        best = max(means, key=lambda lr: (means[lr], -lr))   # ties: the smaller lr
+        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
+        best = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
         runs = per_lr[best]
         values = [score(r) for r in runs]
         mean = sum(values) / len(values)
@@ -915,6 +1655,9 @@ def run_interventions(model, data, cfg, result):
         path = os.path.join(cfg.out_dir, "mechanism", cfg.name() + ".json")
         write_json(path, mech)
     return {"mechanism": mechanism_summary(mech), "mechanism_path": path}
+
+
+run_interventions.adds = ("mechanism",)   # what a record must carry to count as patched (sweep's resume)
 
 
 def mechanism_summary(mech):

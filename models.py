@@ -10,9 +10,13 @@ arXiv 2505.15105), Sec. 4 and App. B, as specified from the upstream modules in 
 Shape glossary (used in every comment of this file):
   b batch   l sequence length   d d_model   e Mamba inner width (2d)   n SSM state size
   h heads   k head width (d/h)  f Based feature dim   v vocabulary   c channels of a conv
+  r members of a torch.func.vmap (an ensemble of models trained as one, mechsm.train_group)
 """
 
+import difflib
+import inspect
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -89,23 +93,66 @@ class _one_thread:
             torch.set_num_threads(self.threads)
 
 
+class kernel_form:
+    """`with kernel_form("gpu"):` makes scan and selective_scan pick the form they use off the CPU
+    (parallel scan, materialised selective scan) even for CPU tensors, and "cpu" the loop forms on
+    any device; the choice by device comes back on exit, exceptions included. Tests use it to run
+    the GPU code paths on a CPU."""
+
+    forced = None  # "cpu" | "gpu" | None (choose by device)
+
+    def __init__(self, form):
+        if form not in ("cpu", "gpu"):
+            raise ValueError(f"kernel_form: got {form!r}, expected 'cpu' or 'gpu'")
+        self.form = form
+
+    def __enter__(self):
+        self.previous, kernel_form.forced = kernel_form.forced, self.form
+        return self
+
+    def __exit__(self, *exc):
+        kernel_form.forced = self.previous
+
+    @staticmethod
+    def of(x):
+        """The form for tensor x: the forced one, else "cpu" for CPU tensors and "gpu" otherwise."""
+        return kernel_form.forced or ("cpu" if x.device.type == "cpu" else "gpu")
+
+
+def _fold_into_batch(info, in_dims, tensors):
+    """A custom autograd.Function's vmap rule, first half: each tensor (..., b, ...) with its vmapped
+    dim at in_dims[i] (None: not vmapped) -> (r*b, ...), the r members stacked along the batch dim
+    (member-major), so that the plain kernel runs once on all members and regular autograd records
+    it. The rule's second half unflattens the output back to (r, b, ...). An unvmapped tensor is
+    expanded to every member (a copy, made only when another input is vmapped)."""
+    folded = []
+    for x, dim in zip(tensors, in_dims):
+        x = x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)  # (r, b, ...)
+        folded.append(x.reshape(-1, *x.shape[2:]))                                         # (r*b, ...)
+    return folded
+
+
 class _LoopScanFn(torch.autograd.Function):
     """Sequential scan with a hand-written backward: no autograd graph of l small ops.
 
     Forward: the loop of sequential_scan, each step written in place into one preallocated output.
     Backward: with g = dLoss/dh, the gradient flowing into h_t is  c_t = g_t + a_{t+1} * c_{t+1}
     (a reverse scan), and then dLoss/db_t = c_t and dLoss/da_t = c_t * h_{t-1}.
+    Under torch.func.vmap the vmapped dim is folded into the batch dim (_fold_into_batch).
     """
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(a, b):
         h = torch.empty_like(b)
         h[:, 0] = b[:, 0]
         with _one_thread():
             for t in range(1, h.shape[1]):
                 torch.addcmul(b[:, t], a[:, t], h[:, t - 1], out=h[:, t])  # h_t = a_t h_{t-1} + b_t
-        ctx.save_for_backward(a, h)
         return h
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -120,6 +167,11 @@ class _LoopScanFn(torch.autograd.Function):
         torch.mul(grad_b[:, 1:], h[:, :-1], out=grad_a[:, 1:])             # dL/da_t = c_t h_{t-1}
         return grad_a, grad_b
 
+    @staticmethod
+    def vmap(info, in_dims, a, b):
+        h = _LoopScanFn.apply(*_fold_into_batch(info, in_dims, (a, b)))    # (r*b, l, ...)
+        return h.unflatten(0, (info.batch_size, -1)), 0                     # (r, b, l, ...)
+
 
 def loop_scan(a, b):
     """sequential_scan's loop with a hand-written backward (fastest pure-PyTorch form on a CPU)."""
@@ -133,13 +185,17 @@ class _ParallelScanFn(torch.autograd.Function):
     of the time in their backward ops. The gradient of a linear recurrence is a linear recurrence
     (see _LoopScanFn): c_t = g_t + a_{t+1} c_{t+1}. Reversed in time, s = l-1-t, that reads
     c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s} (a'_0 unused), i.e. parallel_scan(a', g') flipped back.
+    Under torch.func.vmap the vmapped dim is folded into the batch dim (_fold_into_batch).
     """
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(a, b):
         h = parallel_scan(a, b)
-        ctx.save_for_backward(a, h)
-        return h
+        return b.clone() if h is b else h    # l = 1 hands b back as is: saving it needs a fresh tensor
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -148,6 +204,11 @@ class _ParallelScanFn(torch.autograd.Function):
         grad_b = parallel_scan(a_reversed, grad_h.flip(1)).flip(1)          # c_t
         grad_a = grad_b * _shift_right(h, 1, 0.0)                           # dL/da_t = c_t h_{t-1}
         return grad_a, grad_b
+
+    @staticmethod
+    def vmap(info, in_dims, a, b):
+        h = _ParallelScanFn.apply(*_fold_into_batch(info, in_dims, (a, b)))  # (r*b, l, ...)
+        return h.unflatten(0, (info.batch_size, -1)), 0                       # (r, b, l, ...)
 
 
 def parallel_scan_custom_grad(a, b):
@@ -162,7 +223,7 @@ def scan(a, b, reference=False):
     """
     if reference:
         return sequential_scan(a, b)
-    if a.device.type == "cpu":
+    if kernel_form.of(a) == "cpu":                 # kernel_form("gpu") forces the parallel form
         return loop_scan(a, b)
     return parallel_scan_custom_grad(a, b)
 
@@ -182,8 +243,9 @@ def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
 
 
 def _selective_states(u, delta, A, B):
-    """decay = exp(Δ A) and the states h (both (b, l, e, n)) of h_t = decay_t h_{t-1} + Δ_t u_t B_t."""
-    decay = (delta[..., None] * A).exp_()                                # (b,l,e,n)
+    """decay = exp(Δ A) and the states h (both (b, l, e, n)) of h_t = decay_t h_{t-1} + Δ_t u_t B_t.
+    A is (e, n), or (b, e, n): one A per batch row (an ensemble's members folded into the batch)."""
+    decay = (delta[..., None] * (A if A.dim() == 2 else A[:, None])).exp_()  # (b,l,e,n)
     states = (delta * u)[..., None] * B[:, :, None, :]                    # drive (b,l,e,n), becomes h
     with _one_thread():
         for t in range(1, u.shape[1]):
@@ -212,16 +274,26 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
     Fresh multi-megabyte tensors cost a page fill each on a CPU, so the big ones are reused in place
     (measured at the paper's shape: 20 ms forward+backward per layer, vs 35 ms for a per-step loop
     that rebuilt decay_t and drive_t from (b, e, n) slices, and 73 ms for the reference).
+
+    apply() returns (y, decay, states); the last two are what the backward reads (the functorch-
+    compatible form keeps intermediates as outputs), so call it through selective_scan_loop. A may be
+    (e, n) or per batch row (b, e, n); the vmap rule folds an ensemble's members into the batch and
+    hands each row its member's A (the expand's backward sums the rows' dL/dA back per member).
     """
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C):
+    def forward(u, delta, A, B, C):
         decay, states = _selective_states(u, delta, A, B)
-        ctx.save_for_backward(u, delta, A, B, C, decay, states)
-        return _selective_readout(states, C)
+        return _selective_readout(states, C), decay, states
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def setup_context(ctx, inputs, output):
+        _, decay, states = output
+        ctx.mark_non_differentiable(decay, states)
+        ctx.save_for_backward(*inputs, decay, states)
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_decay, _grad_states):
         u, delta, A, B, C, decay, states = ctx.saved_tensors
         g = grad_y[..., None] * C[:, :, None, :]                          # C_t dy_t (b,l,e,n), becomes g
         with _one_thread():
@@ -233,21 +305,38 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         g[:, 1:].mul_(states[:, :-1])                                     # g becomes dL/d(Δ A):
         g[:, 0].zero_()                                                   #   g_t h_{t-1} decay_t, h_{-1} = 0
         g.mul_(decay)
-        grad_A = torch.einsum("blen,ble->en", g, delta)
-        grad_delta = torch.einsum("blen,en->ble", g, A).addcmul_(grad_drive, u)
+        per_row = A.dim() == 3                                            # A (b, e, n): dL/dA per row
+        grad_A = torch.einsum("blen,ble->ben" if per_row else "blen,ble->en", g, delta)
+        grad_delta = torch.einsum("blen,ben->ble" if per_row else "blen,en->ble", g, A).addcmul_(grad_drive, u)
         return grad_drive * delta, grad_delta, grad_A, grad_B, grad_C
+
+    @staticmethod
+    def vmap(info, in_dims, u, delta, A, B, C):
+        r = info.batch_size
+        u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))  # (r*b, l, .)
+        if in_dims[2] is not None:                                        # one A per member: one per row
+            A = A.movedim(in_dims[2], 0)                                   # (r, e, n)
+            A = A[:, None].expand(r, u.shape[0] // r, *A.shape[1:]).reshape(u.shape[0], *A.shape[1:])  # (r*b, e, n)
+        outputs = _SelectiveScanLoopFn.apply(u, delta, A, B, C)
+        return tuple(x.unflatten(0, (r, -1)) for x in outputs), (0, 0, 0)  # (r, b, l, ...) each
+
+
+def selective_scan_loop(u, delta, A, B, C):
+    """The CPU form of selective_scan: y (b, l, e) from _SelectiveScanLoopFn (its intermediates dropped)."""
+    return _SelectiveScanLoopFn.apply(u, delta, A, B, C)[0]
 
 
 def selective_scan(u, delta, A, B, C, reference=False):
     """Mamba's selective scan as the model runs it.
 
     CPU: the in-place loop above. Other devices: the same maths materialised and run through the
-    parallel scan with its reverse-scan backward (~2 log2(l) launches instead of l). reference=True: the oracle.
+    parallel scan with its reverse-scan backward (~2 log2(l) launches instead of l). reference=True:
+    the oracle. kernel_form("gpu") / ("cpu") forces a form whatever the device.
     """
     if reference:
         return selective_scan_reference(u, delta, A, B, C)
-    if u.device.type == "cpu":
-        return _SelectiveScanLoopFn.apply(u, delta, A, B, C)  # under no_grad: the forward alone
+    if kernel_form.of(u) == "cpu":
+        return selective_scan_loop(u, delta, A, B, C)  # under no_grad: the forward alone
     return selective_scan_reference(u, delta, A, B, C, plain_scan=parallel_scan_custom_grad)
 
 
@@ -687,6 +776,7 @@ class LM(nn.Module):
 
     def hidden(self, tokens):
         """The final residual stream (b, l, d), before ln_f."""
+        check_tokens(tokens, self.embed.num_embeddings)
         b, l = tokens.shape
         r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
         if self.pos_emb is not None:
@@ -706,6 +796,31 @@ class LM(nn.Module):
         if readout is not None:
             r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
         return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
+
+
+def check_tokens(tokens, vocab_size):
+    """Raise ValueError (one line naming `tokens`) unless tokens is a (b, l) integer tensor of ids in
+    [0, vocab_size): a 1-D row or an id beyond the vocabulary would otherwise surface as a bare unpack
+    error or an IndexError deep inside nn.Embedding.
+
+    The range is read only for CPU tensors outside torch.compile: on a GPU it would cost a host sync
+    per forward (the embedding's own device-side assert still stops a bad id there), and a compiled
+    graph cannot branch on tensor values. Under torch.func.vmap over the tokens, .item() is not
+    allowed and the range check is skipped.
+    """
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be a (batch, length) tensor of token ids; got {shape}.")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
+    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+        try:
+            low, high = (x.item() for x in torch.aminmax(tokens))
+        except RuntimeError:          # vmap over the tokens: no .item() inside the transform
+            return
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary); "
+                             f"got {low if low < 0 else high}.")
 
 
 def count_parameters(model, trainable_only=False):
@@ -942,8 +1057,10 @@ class H3(Mixer):
         log_A = torch.log(A_bar)                                                    # log|A_bar| + i arg A_bar
         decay = torch.exp(log_A.real[..., None] * lags)                             # (h, n/2, l)
         angle = log_A.imag[..., None] * lags                                        # (h, n/2, l)
-        kernel = (torch.einsum("hn,hnl->lh", W.real, decay * torch.cos(angle))
-                  - torch.einsum("hn,hnl->lh", W.imag, decay * torch.sin(angle)))   # (l, h)
+        # A sum over n rather than an einsum: as a batched matrix-vector product (one row per head)
+        # a CPU bmm loops over the heads, h (times the members of a vmapped ensemble) small matmuls.
+        terms = decay * (W.real[..., None] * torch.cos(angle) - W.imag[..., None] * torch.sin(angle))
+        kernel = terms.sum(1).T                                                     # (h, n/2, l) -> (l, h)
         return (2 * kernel).to(self.log_dt.dtype)
 
     def mix(self, x):
@@ -1162,11 +1279,52 @@ MIXER_CLASSES = {
     "deltanet": DeltaNet,
 }
 MAMBA_BLOCK_ARCHS = {"mamba"}  # archs built from MambaBlocks (no MLP, RMSNorm, Mamba init rules)
+# Classes the factories above build and hand their **options to (base_conv and based make BaseConv and
+# BasedAttention layers): their keyword parameters are build options too. Add a class here when a new
+# factory forwards options to a class that is not itself in MIXER_CLASSES.
+MIXER_PARTS = (BaseConv, BasedAttention)
+NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
+
+
+def mixer_options():
+    """The extra keywords build_model accepts (hyena_order, h3_d_state, feature_dim, freeze_features, ...):
+    every keyword parameter with a default of a MIXER_CLASSES factory or of a MIXER_PARTS class, read
+    from their signatures, so that a new mixer option needs no list to be updated. Any one of them is
+    accepted for every arch (a sweep passes the same options to all), but a keyword no mixer takes
+    (n_head for n_heads) is a mistake that build_model must not build around silently."""
+    names = set()
+    for factory in (*MIXER_CLASSES.values(), *MIXER_PARTS):
+        for p in inspect.signature(factory).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty:
+                names.add(p.name)
+    return frozenset(names.difference(NOT_OPTIONS))
+
+
+def position_limit(arch, pos_emb, n_positions):
+    """The longest sequence arch's model accepts, or None for any length: learned positions (pos_emb;
+    None = attention only, as build_model) and Hyena's implicit filter are tables of n_positions rows.
+    The other mixers (BaseConv's long filter included: a shorter filter is still a causal conv) run
+    on any length."""
+    if pos_emb is None:
+        pos_emb = arch == "attention"
+    return n_positions if pos_emb or arch == "hyena" else None
 
 
 def _check(condition, message):
     if not condition:
         raise ValueError(message)
+
+
+def _too_big(error, arch, vocab_size, d_model, n_layers):
+    """A ValueError naming the sizes for an allocation failure while building (None for other errors):
+    a width or vocabulary too large to allocate is bad input, not a crash."""
+    text = " ".join(str(error).split())
+    if not (isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text.lower()):
+        return None
+    asked = re.search(r"allocate (\d+) bytes", text)
+    size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
+    return ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} model "
+                      f"is too large to allocate{size}")
 
 
 def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
@@ -1192,6 +1350,12 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         _check(d_conv is None or (isinstance(d_conv, int) and d_conv >= 1),
                f"d_conv must be an int >= 1 for {arch} (the short-conv kernel size); got {d_conv!r}.")
         _check(not (long_only and d_conv is not None), "d_conv and long_only cannot both be set: long_only removes the short conv.")
+    unknown = sorted(set(options) - mixer_options())
+    if unknown:
+        known = sorted(mixer_options() | {"pos_emb", "n_positions", "n_heads", "d_conv", "long_only", "kernels", "seed"})
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        raise ValueError(f"build_model: unknown option {unknown[0]!r}"
+                        + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
     if pos_emb is None:
         pos_emb = arch == "attention"
 
@@ -1204,11 +1368,17 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         if seed is not None:
             torch.manual_seed(seed)
         make_mixer = MIXER_CLASSES[arch]
-        blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
-                                            d_conv=d_conv, long_only=long_only, n_positions=n_positions,
-                                            **options))
-                  for i in range(n_layers)]
-        model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
+        try:
+            blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
+                                                d_conv=d_conv, long_only=long_only, n_positions=n_positions,
+                                                **options))
+                      for i in range(n_layers)]
+            model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
+        except (RuntimeError, MemoryError) as e:
+            too_big = _too_big(e, arch, vocab_size, d_model, n_layers)
+            if too_big is None:
+                raise
+            raise too_big from None
         init_weights(model, n_layers, mamba_blocks)
     model.build_args = build_args
     return model

@@ -19,16 +19,24 @@ GPU examples:
 Outputs under --out (default out/): results.jsonl (one JSON line per finished run, with the config,
 metrics, history and mechanism summary; reruns skip what is there), results.md (the table),
 mechanism_<arch>.json (the full patching result of the run in the table), ckpt/*.pt (checkpoints),
-mechanism/*.json (the patching result of every run).
-Bad input prints one line "error: ..." and exits with status 2.
+mechanism/*.json (the patching result of every run), claims/ (which process trains which run, so
+that several processes can share one --out). --checkpoint writes only under
+checkpoint_eval/<checkpoint name>-<hash>/ (result.json, mechanism.json).
+Bad input prints one line "error: ..." and exits with status 2. Ctrl-C (130) and SIGTERM (143) stop
+the workers and keep every finished run; a rerun resumes.
 """
 
 import argparse
+import contextlib
+import difflib
+import hashlib
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -52,6 +60,34 @@ import models
 class Parser(argparse.ArgumentParser):
     def error(self, message):           # argparse would print usage + message and exit 2; we want one line
         raise ValueError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        self.check_options(argv)
+        return super().parse_known_args(argv, namespace)
+
+    def check_options(self, argv):
+        """Name an unknown option as such. argparse would hand the value after a typo'd flag (--lrr 1e-3)
+        to the optional positional subcommand and report "invalid choice: '1e-3'", hiding the typo.
+        A token is an option when it starts with '-' and is not a number (-1e-3 is a value)."""
+        known = list(self._option_string_actions)
+        for token in argv:
+            if token == "--":
+                break
+            if not token.startswith("-") or token == "-":
+                continue
+            try:
+                float(token)
+                continue
+            except ValueError:
+                pass
+            name = token.split("=", 1)[0]
+            if name in known or (self.allow_abbrev and name.startswith("--")
+                                 and any(option.startswith(name) for option in known)):
+                continue
+            close = difflib.get_close_matches(name, known, n=1)
+            raise ValueError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+                             + "; see run.py --help")
 
 
 def comma_list(kind, what):
@@ -136,6 +172,9 @@ def build_parser():
     # where and how
     a("--device", default="auto", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
     a("--jobs", type=int, help="runs trained in parallel (default: 2 on a CPU with >= 2 cores, 1 on cuda)")
+    a("--group-size", type=int, metavar="K",
+      help="train up to K runs that differ only in lr and seed as one batched model (default: 1 on a CPU, "
+           "where groups do not pay; a whole (arch, width) cell on cuda); lower it if a group runs out of memory")
     a("--bench-size", default="full", choices=["full", "tiny"], help="bench only: full (minutes on CPU) or tiny (seconds)")
     a("--bench-threads", type=int, default=None, metavar="N",
       help="bench only: torch threads for the run (default: 1 on a CPU, as run.py's training workers use; all on a GPU)")
@@ -251,27 +290,71 @@ def bench_command(args):
     return 0
 
 
-def checkpoint_command(args, use_interventions):
-    """Evaluate (and patch) one saved model: the table with a single row."""
+# The options --checkpoint honours. The saved model fixes its task, architecture, data and training, so
+# any other option given with it (--task, --arch, --steps, --jobs, ...) is refused, not silently ignored.
+CHECKPOINT_OPTIONS = {"command", "checkpoint", "device", "out", "eval_size", "no_interventions"}
+
+
+def explicit_options(argv):
+    """The dests of the options given on the command line: the parsed namespace alone cannot tell
+    `--task ar` from no --task, since argparse fills in defaults."""
+    parser = build_parser()
+    for action in parser._actions:           # parse again with no defaults: only what was typed remains
+        if action.option_strings:            # (a positional keeps its default: argparse checks it)
+            action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command"}
+
+
+def checkpoint_folder(out, checkpoint):
+    """OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>: the outputs of one
+    --checkpoint evaluation, apart from every file a sweep writes (two checkpoints of the same name
+    in different folders get different folders)."""
+    stem = os.path.splitext(os.path.basename(checkpoint))[0]
+    digest = hashlib.sha1(os.path.abspath(checkpoint).encode()).hexdigest()[:8]
+    return os.path.join(out, "checkpoint_eval", f"{stem}-{digest}")
+
+
+def checkpoint_command(args, use_interventions, explicit=frozenset()):
+    """Evaluate (and patch) one saved model: the table with a single row. Its outputs (result.json and
+    mechanism.json) go to checkpoint_folder(), never to the sweep's results.jsonl, results_*.md,
+    mechanism_*.json or mechanism/; explicit (the options given) outside CHECKPOINT_OPTIONS is refused
+    with one line. The checkpoint's vocabulary must match its task (mechsm.load checks it)."""
     t0 = time.time()
-    device = mechsm.resolve_device(args.device)
+    refused = sorted(explicit - CHECKPOINT_OPTIONS)
+    if refused:
+        raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in refused)}: cannot be used with "
+                         "--checkpoint, which evaluates the saved model on its own task and data (with it: "
+                         "--device, --out, --eval-size, --no-interventions)")
+    device = mechsm.resolve_device(args.device)          # --device cuda without CUDA: one line, first
     model, cfg = mechsm.load(args.checkpoint, device=device)
-    cfg = replace(cfg, out_dir=args.out, device=device)
-    print(f"device: {device} | {mechsm.models.count_parameters(model):,} parameters | {cfg.name()}", file=sys.stderr)
+    cfg = replace(cfg, out_dir=None, device=device, save_checkpoint=False,
+                  eval_size=args.eval_size if args.eval_size is not None else cfg.eval_size).check()
+    folder = checkpoint_folder(args.out, args.checkpoint)
+    prepare_out(folder)
+    n_params = mechsm.models.count_parameters(model)
+    print(f"device: {device} | {n_params:,} parameters | {cfg.name()} | outputs in {folder}/", file=sys.stderr)
     data = mechsm.make_data(cfg)
-    final = mechsm.evaluate_all(model, data)
-    record = {"config": asdict(cfg), "status": "ok", "n_params": mechsm.models.count_parameters(model),
-              "final": final}
+    novel = None
+    if cfg.task == "atr":                                 # as train() reports it
+        novel = {"eval": mechsm.novel_mask(data.train, data.eval)}
+        if data.test is not None:
+            novel["test"] = mechsm.novel_mask(data.train, data.test)
+    final = mechsm.evaluate_all(model, data, novel)
+    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "n_params": n_params, "final": final,
+              "checkpoint": os.path.abspath(args.checkpoint)}
     if use_interventions:
-        prepare_out(args.out)
-        record.update(mechsm.run_interventions(model, data, cfg, record))
-        mechsm.write_json(os.path.join(args.out, f"mechanism_{cfg.arch}.json"), read_json(record["mechanism_path"]))
-    rows = [{"arch": cfg.arch, "d_model": cfg.d_model, "best_lr": cfg.lr, "mean": final["acc"], "std": 0.0,
-             "n_seeds": 1, "runs": [record]}]
+        import interventions
+        mech = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
+        record.update(mechanism=mechsm.mechanism_summary(mech),
+                      mechanism_path=mechsm.write_json(os.path.join(folder, "mechanism.json"), mech))
+    mechsm.write_json(os.path.join(folder, "result.json"), record)
+    rows = [{"arch": cfg.arch, "d_model": cfg.d_model, "best": record, "mean": final["acc"], "std": 0.0,
+             "n_seeds": 1, "label": cfg.arch}]
     print(markdown_table(table_rows(rows)))
-    if use_interventions and record.get("mechanism_path"):
+    if use_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n" + render_heatmap(record["mechanism_path"]))
-    print(f"\ntotal wall time {time.time() - t0:.1f}s", file=sys.stderr)
+    print(f"\nresults in {folder}/ (result.json{', mechanism.json' if use_interventions else ''}) | "
+          f"total wall time {time.time() - t0:.1f}s", file=sys.stderr)
     return 0
 
 
@@ -296,10 +379,23 @@ def experiment_runs(args, name):
               for flag, field in OVERRIDES.items() if getattr(args, flag) is not None}
     if args.epochs is not None and args.steps is None:
         fields["steps"] = None
-    archs = mechsm.ALL_ARCHS if args.arch == ["all"] else args.arch
-    return mechsm.experiment_configs(name, args.preset, archs=archs, widths=args.d_model, lrs=args.lr,
-                                     seeds=args.seeds, device=args.device, out_dir=args.out,
+    archs = mechsm.ALL_ARCHS if args.arch == ["all"] else collapse(args.arch, "--arch")
+    return mechsm.experiment_configs(name, args.preset, archs=archs, widths=collapse(args.d_model, "--d-model"),
+                                     lrs=collapse(args.lr, "--lr"), seeds=collapse(args.seeds, "--seeds"),
+                                     device=args.device, out_dir=args.out,
                                      save_checkpoint=not args.no_save, **fields)
+
+
+def collapse(values, flag):
+    """values (None: the flag was not given) without repeats, in order, with a note on stderr when some
+    were repeated: --seeds 0,0 is one seed, never two runs of the same seed counted as two seeds."""
+    if values is None:
+        return None
+    unique = list(dict.fromkeys(values))           # 1e-3 and 0.001 are the same learning rate
+    if len(unique) < len(values):
+        print(f"note: {flag}: repeated values collapsed: {','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in values)}"
+              f" -> {','.join(f'{v:g}' if isinstance(v, float) else str(v) for v in unique)}", file=sys.stderr)
+    return unique
 
 
 def list_command():
@@ -315,6 +411,18 @@ def list_command():
     return 0
 
 
+def print_plan(configs, group_size, jobs, device, warmup_steps=0):
+    """One stderr line: runs, groups (runs that differ only in lr and seed train as one batched model,
+    mechsm.train_group) and, after a short timed warm-up when warmup_steps > 0, the expected wall time."""
+    if warmup_steps:
+        print(f"plan: timing {warmup_steps} steps of one group per architecture...", file=sys.stderr)
+    plan = mechsm.plan(configs, group_size, jobs, warmup_steps)
+    expected = "" if plan["seconds"] is None else \
+        f" | expected ~{mechsm.fmt_hours(plan['seconds'])} on {device} (from a {warmup_steps}-step warm-up)"
+    print(f"plan: {plan['runs']} runs in {plan['groups']} group{'s' * (plan['groups'] != 1)} of at most "
+          f"{plan['largest']} (--group-size) | {jobs} job{'s' * (jobs > 1)}{expected}", file=sys.stderr)
+
+
 def run(argv=None):
     t0 = time.time()
     args = build_parser().parse_args(argv)
@@ -326,7 +434,7 @@ def run(argv=None):
         raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
     use_interventions = not args.no_interventions
     if args.checkpoint:
-        return checkpoint_command(args, use_interventions)
+        return checkpoint_command(args, use_interventions, explicit_options(argv))
 
     # -- the runs: the experiment's grid, then the command-line overrides ------------------------
     name = args.experiment or args.task          # --task atr is the experiment "atr"
@@ -340,21 +448,28 @@ def run(argv=None):
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs: got {args.jobs}, expected a positive integer")
     jobs = args.jobs or (min(2, os.cpu_count() or 1) if device == "cpu" else 1)
+    if args.group_size is not None and args.group_size < 1:
+        raise ValueError(f"--group-size: got {args.group_size}, expected a positive integer")
+    group_size = args.group_size or mechsm.default_group_size(device)
     vocab = mechsm.probe_task(base)        # raises tasks' ValueError if the task cannot be generated
+    for cfg in configs:                    # documents longer than a model's positions: one line, now
+        mechsm.check_length(cfg)
+    labels = {}
+    for cfg in configs:
+        labels.setdefault(mechsm.row_label(cfg, configs), cfg)
+    # built before anything is printed, so that a model too large to allocate is the only line
+    counts = " | ".join(f"{label} {mechsm.count_parameters(cfg, vocab):,}" for label, cfg in labels.items())
     prepare_out(args.out)                  # an unwritable --out fails now, not after an hour of training
     print(f"mechsm | experiment {name} ({mechsm.EXPERIMENTS[name].section}) | preset {args.preset} | "
           f"{len(configs)} runs | device {device} | {jobs} job{'s' * (jobs > 1)} | vocabulary {vocab}",
           file=sys.stderr)
-    labels = {}
-    for cfg in configs:
-        labels.setdefault(mechsm.row_label(cfg, configs), cfg)
-    print("parameters: " + " | ".join(f"{label} {mechsm.count_parameters(cfg, vocab):,}"
-                                      for label, cfg in labels.items()), file=sys.stderr)
+    print("parameters: " + counts, file=sys.stderr)
+    print_plan(configs, group_size, jobs, device, warmup_steps=20 if args.preset == "paper" else 0)
 
     # -- train (every finished run lands in results.jsonl at once) -------------------------------
     results_path = os.path.join(args.out, "results.jsonl")
     after = mechsm.run_interventions if use_interventions else None
-    records = mechsm.sweep(configs, results_path=results_path, jobs=jobs, after=after)
+    records = mechsm.sweep(configs, results_path=results_path, jobs=jobs, after=after, group_size=group_size)
     errors = [r for r in records if r["status"] == "error"]
     for r in errors:
         print(f"error in run {r['name']}: {r['error']} (not recorded; a rerun retries it)", file=sys.stderr)
@@ -428,12 +543,14 @@ SIZES = {
         conv_lengths=(64, 256, 1024, 4096), conv_shape=dict(b=32, d=128),
         toeplitz_mib=64,                     # cap on direct_conv's (l, l, d) tensor (x16 on a GPU)
         repeats=5, train_steps=10, train_repeats=5, train_batch=32,
-        archs=None, mech_docs=320),
+        archs=None, mech_docs=320,
+        ensemble_sizes=(1, 7, 35), ensemble_width=64, ensemble_steps=2, ensemble_repeats=3),
     "tiny": dict(
         scan_lengths=(37, 64), scan_shape=dict(b=2, e=8, n=4), scan_batch_cpu={},
         conv_lengths=(16, 64), conv_shape=dict(b=2, d=8), toeplitz_mib=512,
         repeats=1, train_steps=2, train_repeats=1, train_batch=4,
-        archs=("attention", "mamba"), mech_docs=8),
+        archs=("attention", "mamba"), mech_docs=8,
+        ensemble_sizes=(1, 35), ensemble_width=16, ensemble_steps=1, ensemble_repeats=1),
 }
 
 AR_VOCAB, AR_LENGTH = 8195, 37    # the paper's AR configuration: 4096 keys + 4096 values + 3 specials
@@ -444,9 +561,9 @@ AR_VOCAB, AR_LENGTH = 8195, 37    # the paper's AR configuration: 4096 keys + 40
 # ----------------------------------------------------------------------------------------------
 
 def _pick_device(device):
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """bench's device as a torch.device; mechsm.resolve_device turns "auto" into cuda or cpu and a CUDA
+    device on a machine without one into a one-line ValueError."""
+    return torch.device(mechsm.resolve_device(str(device)))
 
 
 def _sync(device):
@@ -568,7 +685,7 @@ def scan_candidates():
 def selective_candidates():
     """Name -> kernel(u, delta, A, B, C) for Mamba's whole selective scan; "reference" is the baseline."""
     return {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan,
-            "cpu_loop": lambda *x: models._SelectiveScanLoopFn.apply(*x)}  # the CPU path, reported on every device
+            "cpu_loop": models.selective_scan_loop}  # the CPU path, reported on every device
 
 
 def _time_kernels(kernels, inputs, grad_out, reference, repeats, device):
@@ -801,10 +918,75 @@ def _count_cells(result):
 
 
 # ----------------------------------------------------------------------------------------------
+# 5. Groups: K runs of one (arch, width) cell trained as one batched model
+# ----------------------------------------------------------------------------------------------
+
+# Operators that only make a view or read metadata: no kernel on any device, so not counted as work.
+VIEW_OPS = frozenset("aten::" + name for name in (
+    "view as_strided _reshape_alias reshape t transpose permute expand squeeze unsqueeze select slice detach "
+    "alias empty empty_strided empty_like movedim unflatten flatten split split_with_sizes chunk unbind narrow "
+    "_unsafe_view view_as lift_fresh resolve_conj resolve_neg item _local_scalar_dense result_type").split())
+
+
+def ops_per_call(fn):
+    """Operators that do work dispatched by fn(), counted by torch.profiler on the CPU side of any device
+    (second call; the first warms up): the aten:: events with no aten:: event inside them (what is left
+    once composite ops and vmap's batching rules are taken apart), less VIEW_OPS. On a GPU each is
+    about one kernel launch, the cost that dominates runs this small."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    outer = {e.cpu_parent.id for e in events if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")}
+    return sum(1 for e in events if e.id not in outer and e.name not in VIEW_OPS)
+
+
+def bench_ensemble(device, cfg, print_fn=print):
+    """Table 5: K members of one group (mechsm.Ensemble) against the same K models trained one after
+    another (answer_loss + torch.optim.AdamW, as mechsm.train steps), at the paper's AR shape."""
+    batch, width, n = cfg["train_batch"], cfg["ensemble_width"], cfg["ensemble_steps"]
+    data = _ar_dataset(batch, seed=0)
+    x, q, y = data.tokens.to(device), data.positions["query"].to(device), data.answers.to(device)
+
+    def alone(model, optimizer):
+        loss = mechsm.answer_loss(model, x, q, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    rows = []
+    for arch in _archs(cfg):
+        separate_ops = None
+        for k in cfg["ensemble_sizes"]:
+            members = [models.build_model(arch, AR_VOCAB, width, 2, seed=s).to(device) for s in range(k)]
+            ensemble, lrs = mechsm.Ensemble(members), [1e-3] * k
+            optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0) for m in members]
+            separate = lambda: [alone(m, o) for m, o in zip(members, optimizers) for _ in range(n)][-1].item()
+            group = lambda: [ensemble.step(x, q, y, lrs, 1) for _ in range(n)][-1].sum().item()
+            times = interleaved_medians({"group": group, "separate": separate}, cfg["ensemble_repeats"], device)
+            separate_ops = separate_ops or ops_per_call(lambda: alone(members[0], optimizers[0]))  # one per arch
+            group_ops = ops_per_call(lambda: ensemble.step(x, q, y, lrs, 1)) / k
+            rows.append(dict(arch=arch, k=k, group_steps_s=k * n / times["group"], separate_steps_s=k * n / times["separate"],
+                             speedup=times["separate"] / times["group"], group_ops=group_ops,
+                             separate_ops=separate_ops, ops_ratio=group_ops / separate_ops))
+            del members, ensemble, optimizers
+    format_table(rows, [("arch", "arch", None), ("k", "K", None), ("group_steps_s", "group model-steps/s", "{:.1f}"),
+                        ("separate_steps_s", "separate model-steps/s", "{:.1f}"), ("speedup", "x separate", "{:.2f}"),
+                        ("group_ops", "ops/model-step", "{:.1f}"), ("separate_ops", "separate ops", "{:.0f}"),
+                        ("ops_ratio", "ops ratio", "{:.3f}")], print_fn,
+                 title=f"5. Groups: K runs of one cell (width {width}, 2 layers, batch {batch}) as one batched model "
+                       "(mechsm.Ensemble: vmap over functional_call, one AdamW over the stacked parameters) vs the same "
+                       "K models trained one after another (torch.optim.AdamW); model-steps/s = K x steps/s; ops = "
+                       "operators that do work dispatched per model-step (torch.profiler), optimizer included")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # The whole benchmark
 # ----------------------------------------------------------------------------------------------
 
-def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4), threads=None):
+def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5), threads=None):
     """Run the benchmark, print aligned tables, return every number as a JSON-serialisable dict.
 
     device: "auto" (cuda if available, else cpu), "cpu", "cuda", ...
@@ -838,7 +1020,7 @@ def _bench(device, cfg, size, print_fn, parts):
                  "another process is busy")
     print_fn("  each time is the median of interleaved repeats; ratios compare against the reference "
              "timed in the same loop\n")
-    result = dict(env=env, scan=[], selective_scan=[], conv=[], train=[], mechanism=[])
+    result = dict(env=env, scan=[], selective_scan=[], conv=[], train=[], mechanism=[], ensemble=[])
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if 1 in parts:
             result["scan"], result["selective_scan"] = bench_scan(device, cfg, print_fn)
@@ -848,16 +1030,51 @@ def _bench(device, cfg, size, print_fn, parts):
             result["train"] = bench_train(device, cfg, print_fn)
         if 4 in parts:
             result["mechanism"] = bench_mechanism(device, cfg, print_fn)
+        if 5 in parts:
+            result["ensemble"] = bench_ensemble(device, cfg, print_fn)
     return result
 
 
-def main(argv=None):
-    """Exit status: 0 ok, 1 some run crashed, 2 bad input (one line on stderr), 130 interrupted."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what timeout, SLURM, systemd and kill send) raised in the main thread. A KeyboardInterrupt,
+    so that it takes Ctrl-C's path everywhere: the sweep stops its workers and drops their claims,
+    finished runs stay in results.jsonl, and a rerun resumes."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While the block runs, SIGTERM raises Terminated in the main thread (Python's default for SIGTERM
+    is to die at once, leaving the worker processes training as orphans); the previous handler comes
+    back after. Outside the main thread (no signal handlers there) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
-        return run(argv)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv=None):
+    """Exit status: 0 ok, 1 some run crashed (or a worker process died), 2 bad input (one line on
+    stderr), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
+    try:
+        with sigterm_as_interrupt():
+            return run(argv)
     except (ValueError, OSError) as e:     # bad input, tasks that cannot be generated, corrupt checkpoints
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
+    except mechsm.WorkerLost as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 1
+    except Terminated:
+        print("\nterminated (SIGTERM): finished runs are kept in results.jsonl; rerun to continue", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("\ninterrupted: finished runs are kept in results.jsonl; rerun to continue", file=sys.stderr)
         return 130

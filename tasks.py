@@ -48,6 +48,14 @@ def _check(ok, name, allowed):
         raise ValueError(f"{name} must be {allowed}")
 
 
+def _check_ints(**values):
+    """Each value must be an int (not a bool): "8" or 8.0 would otherwise fail later as a TypeError in a
+    comparison, or silently build a float-sized task."""
+    for name, value in values.items():
+        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
+               f"an int, got {value!r}")
+
+
 def _check_common(n, split, holdout, seed):
     _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
     _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
@@ -158,6 +166,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     excludes held-out pairs everywhere, so its "test" tests nothing new: PROTOCOL §10.2. Fixed here.)
     """
     _check_common(n, split, holdout, seed)
+    _check_ints(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs)
     _check(num_keys >= 1 and num_values >= 1, "num_keys/num_values", "positive ints")
     _check(1 <= num_pairs <= min(num_keys, num_values), "num_pairs",
            f"in [1, min(num_keys, num_values)] = [1, {min(num_keys, num_values)}], got {num_pairs}")
@@ -232,6 +241,8 @@ class PCFG:
 
     def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5, max_depth=10,
                  terminal_weight=20, head="right", seed=0):
+        _check_ints(num_terminals=num_terminals, num_nonterminals=num_nonterminals, max_rhs_len=max_rhs_len,
+                    max_rules=max_rules, max_depth=max_depth)
         _check(num_terminals >= 1, "num_terminals", f">= 1, got {num_terminals}")
         _check(num_nonterminals >= 1, "num_nonterminals", f">= 1, got {num_nonterminals}")
         _check(max_rhs_len >= 2, "max_rhs_len", f">= 2 (head + at least one dependent), got {max_rhs_len}")

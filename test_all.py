@@ -8,11 +8,13 @@ learns, a rerun trains nothing, bad input exits with one line). Run: pytest -q t
 
 from dataclasses import asdict, replace
 import collections
+import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -444,6 +446,54 @@ def test_selective_scan_inference_path_matches_reference():
     with torch.no_grad():
         fast = models.selective_scan(u, delta, A, B, C)
     torch.testing.assert_close(fast, models.selective_scan_reference(u, delta, A, B, C), rtol=1e-5, atol=1e-6)
+
+
+@contextlib.contextmanager
+def vmap_fallback_is_an_error():
+    """Inside: any op that torch.func.vmap runs through its slow per-member fallback (no batching rule)
+    raises instead of warning."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+
+
+def test_vmap_fallback_guard_catches_a_fallback():
+    with vmap_fallback_is_an_error(), pytest.raises(UserWarning, match="batching rule"):
+        torch.func.vmap(lambda x: torch.histc(x, 4))(torch.randn(3, 5))   # histc has no batching rule
+
+
+@pytest.mark.parametrize("form", ["cpu", "gpu"])
+def test_kernel_vmap_rules_equal_a_loop_over_members(form):
+    """The hand-written vmap rules (vmapped dim folded into the batch) give each member what the kernel
+    gives it alone, values and gradients, for any position of the vmapped dim and unvmapped inputs."""
+    gen = torch.Generator().manual_seed(0)
+    r, b, l, e, n = 3, 2, 9, 4, 3
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+    a, h0 = torch.rand(b, r, l, e, generator=gen, dtype=torch.float64), rand(r, b, l, e)   # a: vmapped at dim 1
+    u, delta, B, C = rand(r, b, l, e), rand(r, b, l, e).sigmoid(), rand(r, b, l, n), rand(b, l, n)  # C shared
+    A_per_member, A_shared = -rand(r, e, n).abs(), -rand(e, n).abs()
+    cases = [(models.loop_scan, (a, h0), (1, 0)), (models.parallel_scan_custom_grad, (a, h0), (1, 0)),
+             (models.scan, (a, h0[0]), (1, None)),
+             (models.selective_scan, (u, delta, A_per_member, B, C), (0, 0, 0, 0, None)),
+             (models.selective_scan, (u, delta, A_shared, B, C), (0, 0, None, 0, None))]
+    with models.kernel_form(form), vmap_fallback_is_an_error():
+        for kernel, inputs, dims in cases:
+            leaves = [x.clone().requires_grad_() for x in inputs]
+            out = torch.func.vmap(kernel, in_dims=dims)(*leaves)                # (r, b, l, ...)
+            weight = rand(*out.shape)
+            grads = torch.autograd.grad((out * weight).sum(), leaves)
+            loop_leaves = [x.clone().requires_grad_() for x in inputs]
+            members = [kernel(*[x if d is None else x.select(d, i) for x, d in zip(loop_leaves, dims)])
+                       for i in range(r)]
+            loop_grads = torch.autograd.grad((torch.stack(members) * weight).sum(), loop_leaves)
+            torch.testing.assert_close(out, torch.stack(members), rtol=1e-12, atol=1e-12)
+            for g, g_loop in zip(grads, loop_grads):
+                torch.testing.assert_close(g, g_loop, rtol=1e-10, atol=1e-12)
+    assert models.kernel_form.forced is None                                # restored on exit
 
 
 # ==================================================================================================
@@ -1436,6 +1486,7 @@ def test_run_bad_inputs_exit_2_and_leave_results_untouched(tmp_path, capsys):
         (["--lr", "fast"], "--lr"),
         (["--d-model", "sixty"], "--d-model"),
         (["--seeds", "a-b"], "--seeds"),
+        (["--group-size", "0"], "--group-size"),
         (["--task", "mqar"], "--task"),
         (["--num-pairs", "40", "--num-keys", "16"], "num_pairs"),          # the task cannot be generated
         (["--arch", "attention", "--out", str(blocker / "sub")] + tiny_run, "--out"),
@@ -1483,6 +1534,130 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
     assert (out / "mechanism_ar_attention.json").exists() and (out / "mechanism_ar_deltanet.json").exists()
 
 # ==================================================================================================
+# Groups: runs that differ only in lr and seed, trained as one batched model (mechsm.train_group)
+# ==================================================================================================
+
+# eval_every=1: every step's training loss is in the history, so the runs are compared step by step
+GROUP = dict(num_keys=16, num_values=16, num_pairs=4, d_model=16, batch_size=16, train_size=320, steps=30,
+             eval_every=1, eval_size=16, timeline_docs=0)
+
+
+@pytest.fixture
+def float64_models(monkeypatch):
+    """mechsm.train and mechsm.train_group build float64 models."""
+    build = mechsm.build
+    monkeypatch.setattr(mechsm, "build", lambda cfg, vocab_size: build(cfg, vocab_size).double())
+
+
+def _assert_same_run(lone, member, loss_tol, weight_tol, weight_rtol=0.0):
+    """A group member's (record, model) is the lone run's: same record keys (plus "group"), status,
+    error and steps; the same history steps, keys and losses within loss_tol; weights within weight_tol."""
+    (r1, m1), (r2, m2) = lone, member
+    assert set(r2) == set(r1) | {"group"}
+    assert [r1[k] for k in ("status", "error", "steps_done", "total_steps", "n_params")] == \
+           [r2[k] for k in ("status", "error", "steps_done", "total_steps", "n_params")]
+    assert [h["step"] for h in r1["history"]] == [h["step"] for h in r2["history"]]
+    for h1, h2 in zip(r1["history"], r2["history"]):
+        assert h1.keys() == h2.keys() and h1["lr"] == h2["lr"]
+        for key in ("train_loss", "loss"):
+            assert (h1[key] is None) == (h2[key] is None)
+            assert h1[key] is None or abs(h1[key] - h2[key]) <= loss_tol, (h1["step"], key, h1[key], h2[key])
+    for (name, w1), w2 in zip(m1.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(w2, w1, rtol=weight_rtol, atol=weight_tol, msg=name)
+
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_group_trains_each_member_as_it_would_train_alone(arch, float64_models):
+    """float64, 30 steps: every member of a group of 3 has the lone run's loss at every step (1e-9) and
+    its final weights (1e-8). Three learning rates, or two seeds at one learning rate plus a third run."""
+    base = tiny(arch=arch, **GROUP)
+    members = ([(1e-3, 0), (3e-3, 0), (1e-2, 0)] if ARCH_UNDER_TEST.index(arch) % 2 == 0
+               else [(3e-3, 0), (3e-3, 1), (1e-2, 1)])
+    cfgs = [replace(base, lr=lr, seed=seed) for lr, seed in members]
+    group = mechsm.train_group(cfgs, log=quiet)
+    assert [r["group"] for r, _ in group] == [{"size": 3, "index": i} for i in range(3)]
+    for cfg, member in zip(cfgs, group):
+        _assert_same_run(mechsm.train(cfg, log=quiet), member, 1e-9, 1e-8)
+
+
+def test_group_in_float32_agrees_to_rounding():
+    """float32: the batched kernels add in another order than the lone ones (one matmul over all
+    members, scans folded into the batch), so gradients differ by rounding, ~1e-7 relative. Adam
+    divides each gradient by its running RMS: where a gradient is near 0, rounding can change the
+    update by up to lr in that weight at that step. Measured over 30 steps at lr <= 1e-2: at most
+    4.4e-5 in any weight and 3.7e-5 in any loss (DeltaNet; 7e-7 for Mamba); the bounds are 20x/2.7x that."""
+    for arch in ("deltanet", "mamba"):
+        cfgs = [tiny(arch=arch, **GROUP, lr=lr) for lr in (3e-3, 1e-2)]
+        for cfg, member in zip(cfgs, mechsm.train_group(cfgs, log=quiet)):
+            _assert_same_run(mechsm.train(cfg, log=quiet), member, 1e-4, 1e-3)
+
+
+def test_nan_member_fails_and_the_others_finish_as_alone(float64_models):
+    base = tiny(**{**GROUP, "steps": 12, "eval_every": 4})
+    cfgs = [replace(base, lr=lr, seed=seed) for lr, seed in [(1e-3, 0), (1e200, 0), (3e-3, 1)]]
+    group = mechsm.train_group(cfgs, log=quiet)
+    assert [r["status"] for r, _ in group] == ["ok", "failed", "ok"]
+    failed = group[1][0]
+    assert "loss is" in failed["error"] and failed["steps_done"] < failed["total_steps"] and failed["history"]
+    for cfg, member in zip(cfgs, group):   # the failed one too: same error, step and weights as alone
+        _assert_same_run(mechsm.train(cfg, log=quiet), member, 1e-9, 1e-8, weight_rtol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["cpu", "gpu"])
+@pytest.mark.parametrize("arch,options", VARIANTS[:len(ARCH_UNDER_TEST)] + [("mamba", {"d_conv": 0}),
+                                                                           ("base_conv", {"long_only": True})],
+                         ids=VARIANT_IDS[:len(ARCH_UNDER_TEST)] + ["mamba-d_conv=0", "base_conv-long_only"])
+def test_every_arch_runs_under_vmap_with_no_fallback(arch, options, form):
+    """The group's vmapped loss and its backward, with the CPU kernels and with the GPU forms forced on
+    the CPU, hit no vmap fallback, and give each member its own loss and gradient (float64)."""
+    members = [small_model(arch, seed=s, **options) for s in range(3)]
+    ensemble = mechsm.Ensemble(members)
+    tokens, queries = random_tokens(4, 12), torch.tensor([3, 5, 11, 7])
+    answers = torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(1))
+    with models.kernel_form(form), vmap_fallback_is_an_error():
+        losses = ensemble.losses(ensemble.flat, tokens, queries, answers)            # (3,)
+        losses.sum().backward()
+    for i, model in enumerate(members):
+        with models.kernel_form(form):
+            mechsm.answer_loss(model, tokens, queries, answers).backward()
+            loss = mechsm.answer_loss(model, tokens, queries, answers)
+        grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in model.parameters()])
+        torch.testing.assert_close(losses[i], loss.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ensemble.flat.grad[i], grad, rtol=1e-9, atol=1e-12)
+
+
+def test_groups_are_cells_split_by_size_and_bad_groups_are_refused():
+    cfgs = [tiny(arch=arch, d_model=d, lr=lr, seed=seed) for arch in ("attention", "mamba") for d in (16, 32)
+            for lr in (1e-3, 3e-3) for seed in (0, 1, 2)]
+    groups = mechsm.make_groups(cfgs)
+    assert [len(g) for g in groups] == [6] * 4                       # one group per (arch, width) cell
+    assert all(len({(c.arch, c.d_model) for c in g}) == 1 for g in groups)
+    assert [len(g) for g in mechsm.make_groups(cfgs, 4)] == [4, 2] * 4
+    assert sum(mechsm.make_groups(cfgs, 1), []) == cfgs              # size 1: every run alone, in order
+    for bad in ([cfgs[0], cfgs[6]], [cfgs[0], cfgs[0]]):             # two widths; the same run twice
+        with pytest.raises(ValueError, match="train_group"):
+            mechsm.train_group(bad, log=quiet)
+    with pytest.raises(ValueError, match="group_size"):
+        mechsm.make_groups(cfgs, 0)
+
+
+def test_sweep_trains_groups_records_each_run_and_resumes(tmp_path, monkeypatch):
+    path = str(tmp_path / "results.jsonl")
+    base = tiny(eval_every=100, timeline_docs=0)
+    records = mechsm.sweep(base, ["attention"], [16], [1e30, 1e-3], [0, 1], results_path=path, log=quiet,
+                           group_size=3)
+    assert [(r["config"]["lr"], r["config"]["seed"]) for r in records] == [(1e30, 0), (1e30, 1), (1e-3, 0), (1e-3, 1)]
+    assert [(r.get("group") or {}).get("size") for r in records] == [3, 3, 3, None]   # the 4th trained alone
+    assert [r["status"] for r in records] == ["failed", "failed", "ok", "ok"]
+    assert len(open(path).read().splitlines()) == 4 and mechsm.best_by_lr(records)[0]["best_lr"] == 1e-3
+    monkeypatch.setattr(mechsm, "train_group", lambda *a, **k: pytest.fail("a finished group was trained again"))
+    monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("a finished run was trained again"))
+    again = mechsm.sweep(base, ["attention"], [16], [1e30, 1e-3], [0, 1], results_path=path, log=quiet, group_size=3)
+    assert [r["name"] for r in again] == [r["name"] for r in records]
+
+
+# ==================================================================================================
 # run.py bench: the benchmark at a tiny size (no timing assertions)
 # ==================================================================================================
 
@@ -1515,6 +1690,15 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
         assert row["fast_steps_s"] > 0 and row["reference_steps_s"] > 0 and math.isfinite(row["speedup"])
     for row in result["mechanism"]:
         assert math.isfinite(row["seconds"]) and row["seconds"] > 0 and row["cells"] > 0
+
+    # Groups: a row per (arch, K); operators per model-step fall as 1/K: at K = 35 at most 1/15 of a
+    # separate run's, the optimizer included (a count, not a timing)
+    assert [(row["arch"], row["k"]) for row in result["ensemble"]] == [("attention", 1), ("attention", 35),
+                                                                       ("mamba", 1), ("mamba", 35)]
+    for row in result["ensemble"]:
+        assert row["group_steps_s"] > 0 and row["separate_steps_s"] > 0 and math.isfinite(row["speedup"])
+        assert row["group_ops"] > 0 and row["separate_ops"] > 0
+    assert all(row["ops_ratio"] <= 1 / 15 for row in result["ensemble"] if row["k"] == 35)
 
 
 # ==================================================================================================
@@ -1591,3 +1775,296 @@ def test_base_conv_positional_features_train_by_default():
         assert Z.requires_grad is not frozen
         moved[frozen] = (Z.detach() - models.hyena_positional_features(Z.shape[0])).abs().max().item()
     assert moved[False] > 1e-4 and moved[True] == 0.0
+
+
+# ==================================================================================================
+# Long runs: results that are never lost, resume, best-LR selection, signals, claims, checkpoints,
+# and one-line errors for what used to be a traceback
+# ==================================================================================================
+
+# A run.py grid of tiny runs (each well under a second per 100 steps on one core).
+TINY_TASK = ["--num-keys", "16", "--num-values", "16", "--num-pairs", "4", "--train-size", "320", "--eval-size", "32",
+             "--eval-every", "100000"]
+TINY_CLI = ["--arch", "attention", "--d-model", "16", "--lr", "3e-3"] + TINY_TASK
+
+
+def fake_record(cfg, acc=0.5, status="ok", **extra):
+    """A run record as train() writes it, without training (for resume and selection tests)."""
+    cfg = cfg.resolved()
+    return {"config": asdict(cfg), "name": cfg.name(), "status": status, "n_params": 1, "error": None,
+            "final": {"acc": acc}, "history": [], **extra}
+
+
+def one_error_line(err, needle):
+    lines = [line for line in err.splitlines() if line.strip()]
+    return len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+
+
+def test_append_starts_on_a_new_line_and_reading_skips_bad_lines_with_one_warning(tmp_path, capsys, monkeypatch):
+    """A results file whose last line lacks its newline (or is torn) keeps the old record and the new
+    one; a torn line, garbage, and valid JSON of another shape ({}, null, a list) are each skipped
+    with one warning naming the file and the line, and a sweep over such a file does not fail."""
+    path = str(tmp_path / "results.jsonl")
+    a, b, c = (fake_record(tiny(seed=s)) for s in (0, 1, 2))
+    with open(path, "w") as f:
+        f.write(json.dumps(a))                                  # a complete line, no final newline
+    mechsm.append_result(path, b)
+    assert [r["config"]["seed"] for r in mechsm.read_results(path)] == [0, 1]
+    with open(path, "a") as f:
+        f.write('{"config": {"arch": "attent')                  # a crash mid-write
+    mechsm.append_result(path, c)
+    with open(path, "a") as f:
+        f.write("{}\nnull\n[1, 2]\n\"text\"\n42\n\x00\x01 garbage\n")
+    capsys.readouterr()
+    records = mechsm.read_results(path)
+    assert [r["config"]["seed"] for r in records] == [0, 1, 2]
+    warnings_ = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert [w.split(":")[0] for w in warnings_] == ["warning"] * 7
+    assert [int(w.split(f"{path}:")[1].split(":")[0]) for w in warnings_] == [3, 5, 6, 7, 8, 9, 10]
+    monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("a recorded run was trained again"))
+    again = mechsm.sweep([tiny(seed=s) for s in (0, 1, 2)], results_path=path, log=quiet)
+    assert [r["config"]["seed"] for r in again] == [0, 1, 2]
+
+
+def test_resume_patches_runs_recorded_without_interventions_and_ignores_the_checkpoint_flag(tmp_path, monkeypatch):
+    """A run recorded without interventions is patched (from its checkpoint) or trained again (no
+    checkpoint) when interventions are now wanted, and the log says so; whether a checkpoint is saved
+    does not make it another run."""
+    path = str(tmp_path / "results.jsonl")
+    saved = tiny(seed=0, out_dir=str(tmp_path), save_checkpoint=True, timeline_docs=0)
+    unsaved = tiny(seed=1, out_dir=str(tmp_path), save_checkpoint=False, timeline_docs=0)
+    first = mechsm.sweep([saved, unsaved], results_path=path, log=quiet)
+    assert all("mechanism" not in r for r in first)
+    trained, real_train = [], mechsm.train
+    monkeypatch.setattr(mechsm, "train", lambda cfg, **k: trained.append(cfg.seed) or real_train(cfg, **k))
+    lines = []
+    second = mechsm.sweep([saved, unsaved], results_path=path, after=mechsm.run_interventions, log=lines.append)
+    assert trained == [1]                                      # seed 0 patched from its checkpoint
+    assert all(r["mechanism"]["verdict"] for r in second) and any("recorded without mechanism" in x for x in lines)
+    assert second[0]["history"] == first[0]["history"]         # the same run, not a new one
+    latest = {r["config"]["seed"]: r for r in mechsm.read_results(path)}
+    assert all("mechanism" in r for r in latest.values())
+    flipped = [replace(saved, save_checkpoint=False), replace(unsaved, save_checkpoint=True)]
+    third = mechsm.sweep(flipped, results_path=path, after=mechsm.run_interventions, log=quiet)
+    assert trained == [1] and [r["config"]["seed"] for r in third] == [0, 1]
+
+
+def test_repeated_grid_values_are_trained_and_counted_once(tmp_path, capsys):
+    """--seeds 0,0 --lr 1e-3,0.001 --arch attention,attention --d-model 16,16 is one run, with a note;
+    in the Python API a grid with the same config twice is one run and one seed."""
+    out = tmp_path / "out"
+    argv = TINY_TASK + ["--arch", "attention,attention", "--d-model", "16,16", "--seeds", "0,0", "--lr", "1e-3,0.001",
+                        "--steps", "20", "--no-interventions", "--jobs", "1", "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert all(f"note: {flag}: repeated values collapsed" in err for flag in ("--arch", "--d-model", "--seeds", "--lr"))
+    assert len((out / "results.jsonl").read_text().splitlines()) == 1
+    records = mechsm.sweep([tiny(seed=0, steps=20), tiny(seed=0, steps=20)],
+                           results_path=str(tmp_path / "api.jsonl"), log=quiet)
+    assert len(records) == 1 and len((tmp_path / "api.jsonl").read_text().splitlines()) == 1
+    assert mechsm.best_by_lr(records + records)[0]["n_seeds"] == 1   # a record given twice is one seed
+
+
+def test_best_lr_never_picks_a_failed_run():
+    """A run whose loss went NaN ranks below every finished run, whatever its last evaluation said."""
+    failed = fake_record(tiny(lr=1e-2), acc=0.9, status="failed", error="loss is nan at step 7")
+    finished = fake_record(tiny(lr=1e-3), acc=0.2)
+    row, = mechsm.best_by_lr([failed, finished])
+    assert row["best_lr"] == 1e-3 and [r["status"] for r in row["runs"]] == ["ok"] and row["best"] is finished
+    # over seeds: an lr with a failed seed loses to one whose seeds all finished, however low
+    runs = [fake_record(tiny(lr=1e-2, seed=0), acc=0.95, status="failed"), fake_record(tiny(lr=1e-2, seed=1), acc=0.95),
+            fake_record(tiny(lr=1e-3, seed=0), acc=0.3), fake_record(tiny(lr=1e-3, seed=1), acc=0.3)]
+    row, = mechsm.best_by_lr(runs)
+    assert row["best_lr"] == 1e-3 and row["n_seeds"] == 2
+    row, = mechsm.best_by_lr([failed])                         # nothing finished: the failed run is all there is
+    assert row["best_lr"] == 1e-2
+
+
+def test_checkpoint_writes_nothing_of_the_sweep_refuses_flags_and_checks_its_vocabulary(tmp_path, capsys):
+    """--checkpoint on a sweep's own checkpoint leaves every file of the sweep as it was (its outputs go
+    to OUT/checkpoint_eval/...), refuses flags it cannot honour, honours --eval-size, and refuses a
+    checkpoint whose vocabulary is not its task's. The sweep's heatmap of an attention-only grid is
+    not called "the most accurate non-attention model"."""
+    out = tmp_path / "out"
+    assert run_cli.main(TINY_CLI + ["--steps", "30", "--seeds", "0", "--jobs", "1", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert "heatmap of attention" in stdout and "non-attention" not in stdout
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert out / "mechanism_ar_attention.json" in before
+    ckpt, = (out / "ckpt").glob("*.pt")
+    assert run_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--eval-size", "16"]) == 0
+    capsys.readouterr()
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert all(after[p] == content for p, content in before.items())          # nothing of the sweep touched
+    added = [p.relative_to(out).parts for p in set(after) - set(before)]
+    assert added and all(parts[0] == "checkpoint_eval" for parts in added)
+    result = json.loads(next(p for p in after if p.name == "result.json").read_text())
+    assert result["config"]["eval_size"] == 16 and result["mechanism"]["verdict"]
+    for flags, needle in [(["--task", "atr"], "--task"), (["--arch", "mamba"], "--arch"), (["--steps", "5"], "--steps"),
+                          (["--jobs", "2"], "--jobs"), (["--lrr", "1"], "unknown option --lrr")]:
+        assert run_cli.main(["--checkpoint", str(ckpt), "--out", str(out)] + flags) == 2, flags
+        assert one_error_line(capsys.readouterr().err, needle), flags
+    if not torch.cuda.is_available():
+        assert run_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--device", "cuda"]) == 2
+        assert one_error_line(capsys.readouterr().err, "cuda")
+    blob = torch.load(ckpt, weights_only=True)
+    for num_keys in (32, 8):                 # a larger task vocabulary (was an IndexError), a smaller one
+        blob["config"]["num_keys"] = num_keys
+        torch.save(blob, tmp_path / f"keys{num_keys}.pt")
+        assert run_cli.main(["--checkpoint", str(tmp_path / f"keys{num_keys}.pt"), "--out", str(out)]) == 2
+        assert one_error_line(capsys.readouterr().err, "vocabulary"), num_keys
+    assert all(after[p] == p.read_bytes() for p in after)
+
+
+def _proc(pid):
+    """(state letter, parent pid) of a process from Linux /proc, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        return state, int(ppid)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _running(pid):
+    """Whether process pid exists and is not a zombie (an exited child its parent has not reaped)."""
+    info = _proc(pid)
+    return info is not None and info[0] != "Z"
+
+
+def _children(pid):
+    """The pids whose parent is pid."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and (_proc(int(e)) or (None, None))[1] == pid]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or sys.platform != "linux", reason="reads /proc")
+def test_sigterm_stops_the_workers_keeps_finished_runs_and_a_rerun_resumes(tmp_path, capsys):
+    """SIGTERM to `run.py --jobs 2` (what timeout, SLURM and systemd send): no worker survives it,
+    finished runs stay in results.jsonl, no claim is left behind, and a rerun trains only the rest."""
+    import signal
+    import time
+    out = tmp_path / "out"
+    argv = TINY_CLI + ["--steps", "100", "--seeds", "0-3", "--no-interventions", "--no-save", "--out", str(out)]
+    results = out / "results.jsonl"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen([sys.executable, "run.py", *argv, "--jobs", "2"], cwd=HERE, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers, deadline = set(), time.time() + 120
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            workers |= set(_children(proc.pid))
+            if results.exists() and results.read_text().count("\n") >= 1:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the sweep ended before a run finished"
+        workers |= set(_children(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "terminated" in err and "Traceback" not in err, err[-2000:]
+    assert len(workers) >= 2
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_running(pid) for pid in workers):
+        time.sleep(0.1)
+    alive = [pid for pid in workers if _running(pid)]
+    assert not alive, f"worker processes still running after SIGTERM: {alive}"
+    kept = mechsm.read_results(str(results))
+    assert 1 <= len(kept) <= 4 and not list((out / "claims").glob("*.claim"))
+    capsys.readouterr()
+    assert run_cli.main(argv + ["--jobs", "1"]) == 0
+    err = capsys.readouterr().err
+    assert len(kept) == 4 or f"{len(kept)} of 4 runs already in" in err
+    final = mechsm.read_results(str(results))
+    assert sorted(r["config"]["seed"] for r in final) == [0, 1, 2, 3]          # each run once
+    assert [r for r in final[:len(kept)]] == kept                               # the kept ones untouched
+
+
+def test_claims_skip_a_live_claimant_and_take_over_a_stale_one(tmp_path):
+    """A run claimed by another live process is skipped and reported; once that process is gone, the
+    claim is stale and the run is trained; a claim from another host is trusted."""
+    import socket
+    path = str(tmp_path / "results.jsonl")
+    configs = [tiny(seed=s, steps=10, timeline_docs=0) for s in (0, 1, 2)]
+    keys = [mechsm.run_key(asdict(c.resolved())) for c in configs]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        live = {"host": socket.gethostname(), "pid": other.pid}              # another live process here
+        mechsm.write_json(mechsm.claim_path(path, keys[0]), live)
+        mechsm.write_json(mechsm.claim_path(path, keys[2]), {"host": "elsewhere.example", "pid": 1})
+        lines = []
+        records = mechsm.sweep(configs, results_path=path, log=lines.append)
+        assert [r["config"]["seed"] for r in records] == [1]
+        assert sum("is being trained by" in x for x in lines) == 2 and any(f"pid {other.pid}" in x for x in lines)
+    finally:
+        other.kill()
+        other.wait()
+    records = mechsm.sweep(configs, results_path=path, log=quiet)               # the stale claim is taken over
+    assert [r["config"]["seed"] for r in records] == [0, 1]
+    assert not os.path.exists(mechsm.claim_path(path, keys[0]))                 # and released when done
+    assert os.path.exists(mechsm.claim_path(path, keys[2]))
+
+
+def test_two_run_py_processes_on_one_out_train_each_run_once(tmp_path):
+    out = tmp_path / "out"
+    argv = [sys.executable, "run.py"] + TINY_CLI + ["--steps", "50", "--seeds", "0-3", "--no-interventions",
+                                                    "--no-save", "--jobs", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    procs = [subprocess.Popen(argv, cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    records = mechsm.read_results(str(out / "results.jsonl"))
+    assert sorted(r["config"]["seed"] for r in records) == [0, 1, 2, 3]         # each run trained once
+
+
+def test_what_used_to_be_a_traceback_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.jsonl").write_text('{"keep": "me"}\n')
+    base = TINY_CLI[:2] + ["--steps", "2", "--train-size", "64", "--eval-size", "8", "--no-interventions",
+                           "--out", str(out)]
+    cases = [(["--lrr", "1e-3"], "unknown option --lrr (did you mean --lr?)"),
+             (["--arch", "attention", "--lrr", "3"], "unknown option --lrr"),
+             (["--num-keys", "1000", "--num-values", "1000", "--num-pairs", "600"], "n_positions"),
+             (["--d-model", "100000000", "--num-keys", "16", "--num-values", "16", "--num-pairs", "4"],
+              "d_model=100000000"),
+             (["--num-keys", "2000000000", "--num-values", "2000000000", "--num-pairs", "4"], "vocab_size=4000000003")]
+    if not torch.cuda.is_available():
+        cases.append((["bench", "--device", "cuda", "--bench-size", "tiny"], "cuda"))
+    for argv, needle in cases:
+        assert run_cli.main(base + argv) == 2, argv
+        assert one_error_line(capsys.readouterr().err, needle), argv
+    assert (out / "results.jsonl").read_text() == '{"keep": "me"}\n'
+
+
+def test_python_api_errors_name_the_parameter(monkeypatch):
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        model(torch.tensor([[1, data.vocab_size]]))
+    with pytest.raises(ValueError, match="tokens"):
+        model(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="num_keys"):
+        make_ar(8, num_keys="8")
+    with pytest.raises(ValueError, match="num_terminals"):
+        PCFG(num_terminals="8")
+    with pytest.raises(ValueError, match="n_docs"):
+        iv.mechanism(model, data, n_docs=0)
+    with pytest.raises(ValueError, match="n_head.*did you mean 'n_heads'"):
+        models.build_model("attention", 20, 16, 2, n_head=4)
+    for arch, options in [("hyena", dict(hyena_order=8, hyena_skip=True)), ("h3", dict(h3_d_state=8, h3_head_dim=2)),
+                          ("based", dict(feature_dim=4)), ("base_conv", dict(freeze_features=True)),
+                          ("mamba", dict(d_state=4, expand=1))]:
+        models.build_model(arch, 20, 16, 2, **options)                  # every mixer's own options still work
+    assert {"hyena_order", "h3_d_state", "feature_dim", "freeze_features"} <= models.mixer_options()
+    with pytest.raises(ValueError, match="d_model=100000000"):
+        models.build_model("attention", 20, 100_000_000, 2)
+    monkeypatch.setattr(mechsm, "answer_loss", lambda *a: pytest.fail("trained a model its documents do not fit"))
+    with pytest.raises(ValueError, match="n_positions"):
+        mechsm.train(tiny(num_keys=1000, num_values=1000, num_pairs=600), log=quiet)
+    mechsm.check_length(tiny(arch="mamba", num_keys=1000, num_values=1000, num_pairs=600))   # no position limit
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device"):
+            mechsm.resolve_device("cuda")
