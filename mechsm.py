@@ -387,6 +387,11 @@ class Config:
         """A short human name for logs and files, e.g. 'ar_attention_d64_L2_lr0.001_s42'."""
         return f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}"
 
+    def file_name(self):
+        """name() plus 8 hex digits of the run's identity, for its checkpoint and mechanism files: runs
+        that differ only in fields name() leaves out (d_conv, pos_emb, ...) must not share a file."""
+        return f"{self.name()}_{run_hash(run_key(asdict(self.resolved())))[:8]}"
+
 
 # Where and on what a run happens, and whether its checkpoint is kept, do not change what it is: a rerun
 # that differs only in these finds the run done. Every other field changes the trained model or what
@@ -679,7 +684,7 @@ def train(cfg, *, data=None, log=None):
     wall = time.time() - t_start
     checkpoint = None
     if cfg.save_checkpoint and cfg.out_dir and status == "ok":
-        checkpoint = os.path.join(cfg.out_dir, "ckpt", cfg.name() + ".pt")
+        checkpoint = os.path.join(cfg.out_dir, "ckpt", cfg.file_name() + ".pt")
         save(model, cfg, checkpoint)
     final = {k: v for k, v in (history[-1] if history else {}).items() if k not in ("lr",)}
     result = {"config": asdict(cfg), "name": cfg.name(), "status": status, "error": error,
@@ -952,7 +957,7 @@ def train_group(configs, *, data=None, log=None):
     for i, c in enumerate(cfgs):
         model, checkpoint = ens.member(i), None
         if c.save_checkpoint and c.out_dir and status[i] == "ok":
-            checkpoint = save(model, c, os.path.join(c.out_dir, "ckpt", c.name() + ".pt"))
+            checkpoint = save(model, c, os.path.join(c.out_dir, "ckpt", c.file_name() + ".pt"))
         final = {k: v for k, v in (histories[i][-1] if histories[i] else {}).items() if k != "lr"}
         result = {"config": asdict(c), "name": c.name(), "status": status[i], "error": errors[i],
                   "n_params": n_params, "device": device, "final": final, "history": histories[i],
@@ -1652,7 +1657,7 @@ def run_interventions(model, data, cfg, result):
     mech = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
     path = None
     if cfg.out_dir:
-        path = os.path.join(cfg.out_dir, "mechanism", cfg.name() + ".json")
+        path = os.path.join(cfg.out_dir, "mechanism", cfg.file_name() + ".json")
         write_json(path, mech)
     return {"mechanism": mechanism_summary(mech), "mechanism_path": path}
 

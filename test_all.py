@@ -2068,3 +2068,12 @@ def test_python_api_errors_name_the_parameter(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device"):
             mechsm.resolve_device("cuda")
+
+
+def test_runs_that_share_a_name_get_their_own_files():
+    """name() leaves out d_conv, pos_emb, long_only, ...: the checkpoint and mechanism files of runs
+    that differ only there must not overwrite each other (mamba-conv, ar-nope, based-ablation)."""
+    configs = mechsm.experiment_configs("mamba-conv") + mechsm.experiment_configs("ar-nope")
+    assert len({c.name() for c in configs}) < len(configs)
+    assert len({c.file_name() for c in configs}) == len(configs)
+    assert configs[0].file_name() == replace(configs[0], device="cuda", save_checkpoint=True).file_name()
