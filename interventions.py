@@ -1,11 +1,11 @@
 """interventions.py: interchange interventions (activation patching) that show HOW a model solves recall.
 
 Follows "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105), Sec. 3-4:
-  [1] PROTOCOL.md §7.1-7.4  clean / corrupted / patched runs and the attribution score
-  [2] PROTOCOL.md §7.5      headline: block input of layer 1 at Key / Value / Query
-  [3] PROTOCOL.md §7.6      Mamba follow-up: layer-0 short-conv output at the next key
-  [4] PROTOCOL.md §10.16-22 pitfalls (one corruption per document; ratio of means; 0.01 filter)
-  [5] ARCHITECTURES.md §5   the hook sites (every models.HookPoint with a seq_dim)
+the clean / corrupted / patched runs and the attribution score of Sec. 3-4, the headline pair of
+Sec. 5 (the block input of layer 1 at the value and at the query), and the later version's Mamba
+follow-up (arXiv v3: layer 0's short-conv output at the token after the value). The reference runs
+them with pyvene (tinylang: experiment.py); here they are forward hooks on models.HookPoint sites.
+Where we differ from the reference on purpose: README, differences 1, 6 and 17.
 
 One interchange intervention: the base run is the corrupted document (one token, by default the
 queried key in context, replaced by another token of its class), the source is the clean document.
@@ -28,7 +28,7 @@ the batch dim); copy p patches position p. One forward per site, in chunks of CH
 exact shortcuts: rows whose clean and corrupted vectors are bitwise equal are not run (the patch
 would change nothing), and the forward starts at the site's layer from the cached corrupted
 residual stream. The result equals one-position-at-a-time patching with a full forward
-(`interchange_reference`; test_interventions_part checks this for every arch and site).
+(`interchange_reference`; test_all.py checks this for every arch and site).
 
 Shape glossary: b batch, l sequence length, d d_model, e Mamba inner width, n state size,
 h heads, k head width, v vocab; here also P patched positions, N documents.
@@ -59,7 +59,7 @@ BLOCK_SITES = {  # name inside blocks.{i} -> table label, in forward order
 INDUCTION_MIN_VALUE = 0.5    # Attrib@Value >= this, and > Attrib@Query -> "induction"
 DIRECT_MIN_QUERY = 0.5       # Attrib@Query >= this ...
 DIRECT_MAX_VALUE = 0.25      # ... and Attrib@Value < this -> "direct retrieval"
-LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt at or below this -> "no signal" (§10.18)
+LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt at or below this -> "no signal" (the paper's 0.01 filter)
 CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l, e, n) scan tensors
                              # near the cache: 2x faster on CPU than one 1920-row batch (measured)
 
@@ -169,9 +169,9 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     """A corrupted copy of dataset.tokens (N, l): the token at positions[role] of each document is
     replaced by a uniformly drawn other token of the same class (dataset.classes[role], [lo, hi)).
 
-    Same class: an AR value is replaced by a value (fixes PROTOCOL §10.1). strict=True also excludes
-    every token already in the document, so the corrupted key cannot point elsewhere (§10.20).
-    One draw per document; mechanism() reuses it for every site (fixes §10.16: the paper re-drew
+    Same class: an AR value is replaced by a value (README, difference 1). strict=True also excludes
+    every token already in the document, so the corrupted key cannot point to another answer.
+    One draw per document; mechanism() reuses it for every site (README, difference 6: the paper re-drew
     per site, so its sites compared different corrupted documents).
     """
     lo, hi = dataset.classes[role]
@@ -239,7 +239,7 @@ def _start(site):
 
     The layers before the patched site see only the corrupted input, so the forward can start from
     the cached corrupted residual stream. Block input i and block output i-1 are the same tensor
-    (PROTOCOL §10.22), so both are patched directly on the start tensor of layer i."""
+    (the residual stream between them), so both are patched directly on the start tensor of layer i."""
     layer = site_layer(site)
     if layer is None:
         return 0, False
@@ -325,9 +325,9 @@ def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answer
 
 
 def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
-    """Ratio of means over documents (PROTOCOL §7.4, §10.17), not a mean of per-document ratios:
+    """Ratio of means over documents (as the paper's code computes it), not a mean of per-document ratios:
         score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt).
-    Inputs are per-document probabilities (N,). low_signal when the gap is <= threshold (§10.18);
+    Inputs are per-document probabilities (N,). low_signal when the gap is <= threshold;
     score is nan when the gap is exactly 0."""
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted

@@ -811,8 +811,10 @@ class Ensemble:
 
     def step(self, tokens, queries, answers, lrs, step):
         """One AdamW step of every live member on the same batch, member i with learning rate lrs[i]
-        (this step's value). Returns the losses (r,), detached. No host sync: a member whose loss is
-        not finite is recorded in failed_step / failed_loss, read when the caller next looks."""
+        (this step's value; a list, or a float64 tensor (r,) already on the device, which keeps the
+        step free of host-to-device copies). Returns the losses (r,), detached. No host sync: a
+        member whose loss is not finite is recorded in failed_step / failed_loss, read when the
+        caller next looks."""
         self.flat.grad = None
         losses = self.losses(self.flat, tokens, queries, answers)         # (r,)
         finite = torch.isfinite(losses.detach())
@@ -826,8 +828,8 @@ class Ensemble:
         bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
         with torch.no_grad():
             grad = torch.where(self.alive[:, None], self.flat.grad, 0.0)  # (r, P): dead rows get 0
-            neg_step = torch.tensor([-lr / bias1 for lr in lrs], dtype=self.flat.dtype, device=self.flat.device)
-            neg_step = (neg_step * self.alive)[:, None]                   # (r, 1): 0 for dead members
+            lrs = torch.as_tensor(lrs, dtype=torch.float64, device=self.flat.device)   # (r,)
+            neg_step = ((-lrs / bias1).to(self.flat.dtype) * self.alive)[:, None]     # (r, 1): 0 when dead
             self.exp_avg.lerp_(grad, 1 - beta1)
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
@@ -912,6 +914,8 @@ def train_group(configs, *, data=None, log=None):
         f"lr {','.join(f'{c.lr:g}' for c in cfgs)} | seeds {','.join(str(c.seed) for c in cfgs)}")
     histories, status, errors = [[] for _ in cfgs], ["ok"] * r, [None] * r
     steps_done, timeline_s = [total] * r, [0.0] * r
+    lr_table = torch.tensor([[lr_at(step, total, cfg.warmup_frac, cfg.schedule, c.lr) for c in cfgs]
+                             for step in range(total)], dtype=torch.float64).to(device)   # (steps, r), one copy
     loss_sum, loss_count = torch.zeros(r, device=device), 0
     t_loop, step = time.time(), 0
 
@@ -945,8 +949,8 @@ def train_group(configs, *, data=None, log=None):
                 break
         s = step % S
         rows, width = slice(s * B, s * B + B), batch_width[s]
-        lrs = [lr_at(step, total, cfg.warmup_frac, cfg.schedule, c.lr) for c in cfgs]
-        loss_sum = loss_sum + ens.step(train_tokens[rows, :width], train_queries[rows], train_answers[rows], lrs, step)
+        loss_sum = loss_sum + ens.step(train_tokens[rows, :width], train_queries[rows], train_answers[rows],
+                                       lr_table[step], step)
         loss_count += 1
     else:
         step = total

@@ -1279,6 +1279,7 @@ MIXER_CLASSES = {
     "deltanet": DeltaNet,
 }
 MAMBA_BLOCK_ARCHS = {"mamba"}  # archs built from MambaBlocks (no MLP, RMSNorm, Mamba init rules)
+BUILT_IN_ARCHS = tuple(MIXER_CLASSES)
 # Classes the factories above build and hand their **options to (base_conv and based make BaseConv and
 # BasedAttention layers): their keyword parameters are build options too. Add a class here when a new
 # factory forwards options to a class that is not itself in MIXER_CLASSES.
@@ -1298,6 +1299,28 @@ def mixer_options():
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty:
                 names.add(p.name)
     return frozenset(names.difference(NOT_OPTIONS))
+
+
+def register(name, mixer, description, mamba_block=False):
+    """Make a new sequence mixer buildable as arch `name`: build_model, mechsm.Config and
+    `python run.py --arch name` accept it from then on (README, "Add your own mixer").
+
+    mixer: a Mixer subclass, or any factory (d_model, layer_idx, n_layers, reference, **options) ->
+    Mixer. mamba_block=True puts it in Mamba's blocks (RMSNorm, no MLP) instead of Transformer blocks.
+    """
+    _check(isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES,
+           f"register: the arch name must be a new identifier; got {name!r}.")
+    MIXER_CLASSES[name] = mixer
+    ARCHS[name] = description
+    if mamba_block:
+        MAMBA_BLOCK_ARCHS.add(name)
+
+
+def unregister(name):
+    """Undo register(name) (the built-in architectures cannot be removed)."""
+    _check(name in MIXER_CLASSES and name not in BUILT_IN_ARCHS, f"unregister: {name!r} was not registered.")
+    del MIXER_CLASSES[name], ARCHS[name]
+    MAMBA_BLOCK_ARCHS.discard(name)
 
 
 def position_limit(arch, pos_emb, n_positions):

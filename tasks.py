@@ -1,12 +1,11 @@
 """tasks.py: the two synthetic retrieval tasks, Associative Recall (AR) and Associative Treecall (ATR).
 
 Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 3 and 5, as specified in PROTOCOL.md:
-  [1] PROTOCOL.md §1    token ids (PAD 0, BOS 1, EOS 2) and the named positions
-  [2] PROTOCOL.md §2    AR documents, and the held-out-pair split of §2.3
-  [3] PROTOCOL.md §3    ATR: the PCFG (§3.1), right-headed sentences (§3.2), rejection (§3.3),
-                        parent queries (§3.4) and the (parent, child) label-pair split (§3.5)
-  [4] PROTOCOL.md §4    fixed pre-generated sets;  §10.2 and §10.6 are fixed here (see comments)
+arXiv 2505.15105), Sec. 3 (the tasks) and Sec. 5.3 (held-out pairs), and the reference generators
+of tinylang (github.com/aryamanarora/tinylang: tinylang/language/ar.py for AR and
+tinylang/language/pcfg.py for the PCFG), whose conventions are kept: PAD 0, BOS 1, EOS 2, content
+ids from 3, one query per document. Two of the reference's bugs are fixed here (README, differences
+2 and 3).
 
 Every document is  BOS <context> EOS <query> <answer> EOS , right-padded with PAD. The model reads its
 prediction at positions["query"] (= answer position - 1) and is scored against `answers`.
@@ -32,7 +31,7 @@ import torch
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST = 3                      # first content id: AR keys, ATR terminals
-MAX_TERMINALS = 1024           # PROTOCOL §3.3: sentences over 1024 terminals are rejected
+MAX_TERMINALS = 1024           # the reference rejects sentences of more than 1024 terminals
 MAX_TRIES = 1000               # consecutive rejections before we call a setting impossible
 SPLITS = {None: 0, "train": 1, "dev": 2, "test": 3}
 _DOCS, _HELDOUT = 0, 1         # RNG stream tags: documents vs the held-out-pair matrix
@@ -126,7 +125,7 @@ class Dataset:
 
 
 # ----------------------------------------------------------------------------------------------
-# AR (PROTOCOL §2): fully vectorised over documents.
+# AR: fully vectorised over documents.
 # ----------------------------------------------------------------------------------------------
 
 def sample_distinct_slow(n, m, size, gen):
@@ -141,7 +140,7 @@ def sample_distinct(n, m, size, gen):
     Floyd's algorithm run on all rows at once: at step j (j = size-m .. size-1) draw t in [0, j];
     take t unless this row already has it, then take j. That gives a uniform m-subset in m vectorised
     steps, O(n m^2) work and no (n, size) tensor; a random argsort of the m columns then gives a
-    uniform order. Equal in distribution to sample_distinct_slow (test_tasks_part.py checks it).
+    uniform order. Equal in distribution to sample_distinct_slow (test_all.py checks it).
     """
     out = torch.empty(n, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
@@ -163,7 +162,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     larger holdout holds out a superset). With holdout > 0, each (key, value) pair is held
     out with probability `holdout`; train/dev query only pairs not held out and test only held-out
     ones, resampling documents that have no eligible pair. (The reference ignores the split and
-    excludes held-out pairs everywhere, so its "test" tests nothing new: PROTOCOL §10.2. Fixed here.)
+    excludes held-out pairs everywhere, so its "test" tests nothing new: README, difference 2.)
     """
     _check_common(n, split, holdout, seed)
     _check_ints(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs)
@@ -206,7 +205,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     divider = torch.full((n,), 2 * m + 1)
     positions = dict(key=2 * q + 1, value=2 * q + 2, next_key=2 * q + 3,  # next_key of the last pair = divider
                      divider=divider, query=divider + 1, answer=divider + 2)
-    # vocab_size counts the ids in use (8195 by default); the reference reports 8196 (PROTOCOL §10.8).
+    # vocab_size counts the ids in use (8195 by default); the reference reports 8196 (README, difference 9).
     return Dataset("ar", tokens, answers, positions, FIRST + K + V,
                    {"key": (FIRST, FIRST + K), "value": (FIRST + K, FIRST + K + V)},
                    torch.full((n,), 2 * m + 5), dict(split=split, holdout=holdout, seed=seed, num_keys=K,
@@ -214,7 +213,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
 
 
 # ----------------------------------------------------------------------------------------------
-# ATR (PROTOCOL §3): the grammar, one sentence, one query, then the dataset.
+# ATR: the grammar, one sentence, one query, then the dataset.
 # ----------------------------------------------------------------------------------------------
 
 class Uniforms:
@@ -236,7 +235,8 @@ def _pick(cum, u):
 
 
 class PCFG:
-    """The random grammar of PROTOCOL §3.1. Symbols: nonterminal A is int A in [0, N); terminal t is
+    """A random PCFG with heads on the right, drawn in the reference's RNG order (tinylang's
+    pcfg.py). Symbols: nonterminal A is int A in [0, N); terminal t is
     int N + t. `rules[A]` lists RHS tuples of non-head symbols; the head is drawn at generation time."""
 
     def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5, max_depth=10,
@@ -260,8 +260,8 @@ class PCFG:
         # 1. depth scores in {1..d_max}; children must score strictly higher -> acyclic, depth <= d_max
         self.depth = rng.integers(1, max_depth + 1, size=N).tolist()
         # 2. rules: 1..R_max per nonterminal, each with 1..L_max-1 non-head symbols (so 2..L_max
-        #    children with the head, PROTOCOL §10.3), drawn from the deeper nonterminals (weight 1
-        #    each) and one TERMINAL placeholder of weight r_Σ (the explicit scheme of §10.5).
+        #    children with the head: README, difference 4), drawn from the deeper nonterminals
+        #    (weight 1 each) and one TERMINAL placeholder of weight r_Σ (README, difference 5).
         self.rules = []
         for a in range(N):
             deeper = [b for b in range(N) if self.depth[b] > self.depth[a]]
@@ -289,7 +289,7 @@ class PCFG:
         return [rhs, 0, _pick(self.head_cum[a], draw()), []]
 
     def sample_sentence(self, draw, max_terminals=MAX_TERMINALS):
-        """One right-headed sentence (PROTOCOL §3.2) -> (labels, parents, depth), or None if it grew past
+        """One right-headed sentence -> (labels, parents, depth), or None if it grew past
         max_terminals. labels: terminal indices; parents: position of each terminal's parent (-1 for the
         root head); depth: dependency-tree depth (= deepest stack). Iterative, emits depth-first,
         left to right, each constituent's head after its dependents so parents stand to the right."""
@@ -323,7 +323,7 @@ class PCFG:
         return labels, parents, depth
 
     def sample_sentence_slow(self, draw):
-        """Recursive twin of sample_sentence, literally the pseudocode of PROTOCOL §3.2 (ids, then ids ->
+        """Recursive twin of sample_sentence, literally the reference's recursion (ids, then ids ->
         positions). Consumes `draw` in the same order, so it returns the same sentence."""
         emitted = []                                   # (label, own id or None, parent id)
 
@@ -344,8 +344,8 @@ class PCFG:
 
 
 def eligible_queries(labels, parents, allowed=None):
-    """PROTOCOL §3.4: {parent position: [child positions]} over children that are the rightmost
-    instance of their label, have a parent, and (if given) pass allowed[parent label][child label]."""
+    """The queries a sentence allows: {parent position: [child positions]} over children that are the
+    rightmost instance of their label, have a parent, and (if given) pass allowed[parent label][child label]."""
     rightmost = {lab: pos for pos, lab in enumerate(labels)}
     groups = {}
     for c in sorted(rightmost.values()):
@@ -370,14 +370,13 @@ def atr_document(labels, child, parent):
 
 
 def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_TERMINALS):
-    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar` (PROTOCOL §3.2-§3.5).
+    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`.
 
     Rejects sentences over max_terminals or under 3 terminals, and those without an eligible query.
     Split: the (parent label, child label) matrix of held-out pairs (P = holdout) comes from its own
     RNG stream seeded by grammar.seed alone, so it is a property of the language (the same for every
     split and document seed), and the grammar is the same with or without a split. (The reference
-    draws it before the grammar, so its split language is a different PCFG: PROTOCOL §10.6. Fixed
-    here.) train/dev query only allowed pairs, test only held-out ones; contexts may contain anything.
+    draws it before the grammar, so its split language is a different PCFG: README, difference 3.) train/dev query only allowed pairs, test only held-out ones; contexts may contain anything.
     As in make_ar the split name is mixed into the document seed, so use the same seed for all splits.
     """
     _check_common(n, split, holdout, seed)
@@ -421,14 +420,14 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
                      divider=s + 1, query=s + 2, answer=s + 3)
     tokens = torch.from_numpy(tokens)
     answers = tokens[torch.arange(n), positions["answer"]]
-    # vocab: PAD, BOS, EOS, S terminals and the reference's 3 unused query-type ids (PROTOCOL §3.6).
+    # vocab: PAD, BOS, EOS, S terminals and the reference's 3 unused query-type ids.
     return Dataset("atr", tokens, answers, positions, S + 6, {"key": (FIRST, FIRST + S), "value": (FIRST, FIRST + S)},
                    t(lengths), dict(split=split, holdout=holdout, seed=seed, max_terminals=max_terminals,
                                     grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
 
 
 # ----------------------------------------------------------------------------------------------
-# Summary statistics (compare with PROTOCOL §3.3 / §3.2).
+# Summary statistics (the README's task section quotes them).
 # ----------------------------------------------------------------------------------------------
 
 def _summary(x):
@@ -438,7 +437,7 @@ def _summary(x):
 
 def stats(dataset):
     """Length, key-value distance and (ATR) tree shape of a dataset, as nested dicts of
-    mean/median/min/max. ATR lengths are also given in terminals (tokens - 5), the unit of §3.3."""
+    mean/median/min/max. ATR lengths are also given in terminals (tokens - 5), the unit of max_terminals."""
     lengths = dataset.lengths.cpu().numpy()
     dist = (dataset.positions["value"] - dataset.positions["key"]).cpu().numpy()
     out = dict(n=len(dataset), length_tokens=_summary(lengths), kv_distance=_summary(dist),
