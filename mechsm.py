@@ -1,24 +1,23 @@
 """mechsm.py: the experiment: config, the paper's training recipe, evaluation, sweeps, checkpoints.
 
 Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 4-5 and App. C, as specified from the reference code in PROTOCOL.md:
-  [1] PROTOCOL.md §4    fixed pre-generated training set, walked in order (no shuffling), 320 eval docs
-  [2] PROTOCOL.md §5.1  AdamW (0.9, 0.999, eps 1e-8, no weight decay), 10% linear warmup, cosine to 0,
-                        cross-entropy on the answer token only, fp32, no clipping, no dropout
-  [3] PROTOCOL.md §5.3  evaluation cadence (every eval_every steps, step 0 included)
-  [4] PROTOCOL.md §6    accuracy = argmax over the full vocabulary; likelihood = mean p(answer)
-  [5] PROTOCOL.md §8    the sweeps (widths x learning rates), best learning rate per (arch, width)
-  [6] PROTOCOL.md §10   items 9 (eval/train overlap), 11 (schedule), 12 (no shuffling), 13 (the final
-                        step is evaluated here, unlike the reference)
+arXiv 2505.15105), Sec. 4-5 and App. C, and the reference training loop (tinylang: experiment.py):
+  * a fixed pre-generated training set of 100,032 documents, walked in the same order every epoch
+    (no shuffling), batch 32; 320 fresh evaluation documents;
+  * AdamW (0.9, 0.999, eps 1e-8, no weight decay), 10% linear warmup from 0, then cosine decay to 0
+    (HuggingFace's schedule), cross-entropy on the answer token only, float32, no clipping, no dropout;
+  * evaluation every eval_every steps, step 0 included; accuracy = argmax over the full vocabulary at
+    the query position, and the mean probability of the answer;
+  * sweeps over widths and learning rates, reporting the best run per (arch, width).
 
-Where we differ from the reference on purpose:
-  * the final checkpoint IS evaluated (the reference evaluates every 200 steps and never the last
-    16-32 updates, PROTOCOL §10.13); the reported metrics are those of the final model;
-  * ATR accuracy is also reported on the evaluation documents that do not appear verbatim in the
-    training set ("novel_acc", PROTOCOL §10.9);
-  * with a held-out split, "test" really holds out pairs (tasks.py fixes PROTOCOL §10.2).
+Where we differ from the reference on purpose (README, differences 7, 8, 11, 18): the final model is
+evaluated (the reference never evaluates its last 16-32 updates); ATR accuracy is also reported on the
+evaluation documents that do not appear verbatim in the training set ("novel_acc"); the
+generalisation runs decay with a cosine, as the paper says (its configs decay linearly).
 
-Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents.
+Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents, r members of a
+group (runs that differ only in lr and seed, trained as one batched model: Ensemble, train_group),
+P parameters of one model.
 
 Using it from Python:
     import mechsm
@@ -26,6 +25,7 @@ Using it from Python:
                         train_size=8000, epochs=1, lr=3e-3)
     result, model = mechsm.train(cfg)            # result["final"]["acc"], result["history"], ...
     mechsm.save(model, cfg, "attn.pt"); model, cfg = mechsm.load("attn.pt")
+    pairs = mechsm.train_group([dataclasses.replace(cfg, lr=lr) for lr in (1e-3, 3e-3)])  # [(result, model)]
 """
 
 import contextlib
@@ -261,7 +261,7 @@ def row_label(cfg, configs):
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
-DEFAULT_EPOCHS = {"ar": 16, "atr": 32}       # PROTOCOL §5.1
+DEFAULT_EPOCHS = {"ar": 16, "atr": 32}       # the paper: 50,016 AR steps, 100,032 ATR steps
 TASKS = ("ar", "atr")
 SCHEDULES = ("cosine", "linear")
 DEVICES = ("auto", "cpu", "cuda")
@@ -274,7 +274,7 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass
 class Config:
     # task (tasks.py); data_seed fixes the language and its documents, so every model of a sweep
-    # trains on the same documents (PROTOCOL §4)
+    # trains on the same documents
     task: str = "ar"                 # "ar" | "atr"
     num_keys: int = 4096             # AR: key vocabulary
     num_values: int = 4096           # AR: value vocabulary
@@ -300,19 +300,19 @@ class Config:
     freeze_features: bool = False    # base_conv's long conv: keep its positional features Z frozen
                                      # (zoology's form; the paper's runs trained them, README difference 13)
     kernels: str = "fast"            # "fast" | "reference" (slow loop scan / direct convolutions)
-    # training (PROTOCOL §5.1)
+    # training (the paper's recipe)
     lr: float = 1e-3                 # peak learning rate
     batch_size: int = 32
     train_size: int = 100_032        # documents in the fixed training set (3126 batches of 32)
     epochs: int | None = None        # passes over the training set; None = 16 for AR, 32 for ATR
     steps: int | None = None         # total optimizer steps; overrides epochs (the set is walked cyclically)
     warmup_frac: float = 0.1         # linear warmup over int(warmup_frac * total) steps
-    schedule: str = "cosine"         # decay to 0 after warmup: "cosine" | "linear" (PROTOCOL §10.11)
+    schedule: str = "cosine"         # decay to 0 after warmup: "cosine" | "linear" (README, difference 11)
     seed: int = 42                   # model init seed (torch)
     device: str = "auto"             # "auto" (cuda if available) | "cpu" | "cuda"
     # evaluation and output
-    eval_every: int = 200            # steps between evaluations (PROTOCOL §5.3); the last step is always evaluated
-    eval_size: int = 320             # evaluation documents per split (PROTOCOL §4)
+    eval_every: int = 200            # steps between evaluations; the last step is always evaluated
+    eval_size: int = 320             # evaluation documents per split (the paper: 320)
     timeline_docs: int = 64          # at every evaluation, Attrib@Value/Query on this many eval docs (0: off)
     gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper: 0.01
                                      # for AR, 0.1 for the ATR box plots)
@@ -432,7 +432,7 @@ def set_threads_for_jobs(jobs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Data: the fixed training set and the evaluation set(s) of one config (PROTOCOL §4).
+# Data: the fixed training set and the evaluation set(s) of one config.
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -513,7 +513,7 @@ def check_length(cfg, data=None):
 
 
 def novel_mask(train, dataset):
-    """(n,) bool: which documents of `dataset` do not appear verbatim in `train` (PROTOCOL §10.9).
+    """(n,) bool: which documents of `dataset` do not appear verbatim in `train` (README, difference 8).
     Each document is hashed as its unpadded token row."""
     seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
     return torch.tensor([row[:n].tobytes() not in seen
@@ -525,7 +525,7 @@ def novel_mask(train, dataset):
 # ----------------------------------------------------------------------------------------------
 
 def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
-    """The learning rate used for optimizer step `step` (0-based) of `total` (HF-style, PROTOCOL §5.1).
+    """The learning rate used for optimizer step `step` (0-based) of `total` (HuggingFace's schedule).
 
     Linear warmup from 0 over w = int(warmup_frac * total) steps (step 0 uses lr 0, as in the
     reference), then cosine (or linear) decay that reaches 0 at step == total.
@@ -550,7 +550,7 @@ def answer_loss(model, tokens, queries, answers):
 @torch.no_grad()
 def evaluate(model, dataset, batch_size=64):
     """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the full vocabulary at the query position
-    == answer; mean softmax probability of the answer; mean cross-entropy (PROTOCOL §6)."""
+    == answer; mean softmax probability of the answer; mean cross-entropy."""
     n = len(dataset)
     if n == 0:
         return {"acc": float("nan"), "prob": float("nan"), "loss": float("nan"), "n": 0}
@@ -623,7 +623,7 @@ def train(cfg, *, data=None, log=None):
     n_params = models.count_parameters(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
-    # the fixed training set, walked in order: batch s is rows [(s mod S)*B, (s mod S)*B + B) (§4, §10.12)
+    # the fixed training set, walked in order: batch s is rows [(s mod S)*B, (s mod S)*B + B), as the reference
     B, S, total = cfg.batch_size, cfg.steps_per_epoch(), cfg.total_steps()
     train_tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
     train_queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
@@ -679,7 +679,7 @@ def train(cfg, *, data=None, log=None):
         loss_sum, loss_count = loss_sum + loss.detach(), loss_count + 1
     else:
         step = total
-        record(total)   # the final model is always evaluated (the reference skips it, §10.13)
+        record(total)   # the final model is always evaluated (the reference skips it: README, difference 7)
 
     wall = time.time() - t_start
     checkpoint = None
@@ -1607,10 +1607,10 @@ def sweep(base_cfg, archs=None, widths=None, lrs=None, seeds=None, *, results_pa
 
 def best_by_lr(results, metric="acc"):
     """Per group of runs that differ only in lr and seed (in practice: per (arch, width)), the lr with
-    the best mean final `metric` over seeds (PROTOCOL §6: max over LR). Returns one row per group:
+    the best mean final `metric` over seeds (the paper: max over learning rates). Returns one row per group:
     arch, d_model, best_lr, mean, std, n_seeds, values (per seed), per_lr {lr: mean}, and the chosen
     run records (`runs`). With a held-out split the choice uses dev accuracy ("acc") and the row also
-    carries test_mean (PROTOCOL §6, generalisation). Only records with status "ok" or "failed" count
+    carries test_mean (generalisation). Only records with status "ok" or "failed" count
     ("error", "claimed" are not results), and each run once (its last record, e.g. when a results file
     holds it twice). "failed" runs (loss NaN/inf) count with their last metrics (None -> 0) but never
     win: an lr with fewer failed runs always ranks first, so the chosen lr is one whose runs all

@@ -1,11 +1,12 @@
 """models.py: the language-model backbone, seven sequence mixers and the kernels they need, in plain PyTorch.
 
 Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 4 and App. B, as specified from the upstream modules in ARCHITECTURES.md:
-  [1] ARCHITECTURES.md §1  the two convolution primitives (short causal conv, long causal conv)
-  [2] ARCHITECTURES.md §2  backbone: embedding, pre-norm blocks, tied head, the global init pass
-  [3] ARCHITECTURES.md §3  mixers: attention, base_conv, based, hyena, h3, mamba, deltanet
-  [4] ARCHITECTURES.md §5  intervention sites (every HookPoint below)
+arXiv 2505.15105), Sec. 4 and App. B. The paper's models are zoology's (github.com/HazyResearch/zoology:
+zoology/model.py for the backbone, zoology/mixers/*.py for attention, base_conv, based, hyena and h3),
+mamba-ssm's (github.com/state-spaces/mamba: mamba_ssm/modules/mamba_simple.py) and, for DeltaNet,
+flash-linear-attention's (github.com/fla-org/flash-linear-attention: fla/layers/delta_net.py). Every
+mixer here keeps their parameter names, shapes and initialisation, in plain PyTorch with a HookPoint
+on every tensor an intervention may patch (README, difference 10).
 
 Shape glossary (used in every comment of this file):
   b batch   l sequence length   d d_model   e Mamba inner width (2d)   n SSM state size
@@ -375,7 +376,7 @@ def long_conv(u, k, reference=False):
 
 
 def short_conv(x, weight, bias=None):
-    """Causal depthwise short convolution SC_K (ARCHITECTURES.md §1.2).
+    """Causal depthwise short convolution SC_K (zoology's ShortConvolution, mamba-ssm's conv1d).
 
     x: (b, l, c), weight: (c, 1, K), bias: (c,) or None. weight[:, 0, K-1] multiplies the current
     token, weight[:, 0, K-2] the previous one, and so on (PyTorch's Conv1d layout, so weights move
@@ -442,11 +443,11 @@ class Mixer(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# The state mixer of TransformerBlocks (ARCHITECTURES.md §2.5).
+# The state mixer of TransformerBlocks (zoology's MLP).
 # ----------------------------------------------------------------------------------------------
 
 class MLP(nn.Module):
-    """GELU(x W1^T + b1) W2^T + b2 with hidden width 4d; both biases always present (§2.5)."""
+    """GELU(x W1^T + b1) W2^T + b2 with hidden width 4d; both biases always present."""
 
     def __init__(self, d_model):
         super().__init__()
@@ -466,7 +467,7 @@ class MLP(nn.Module):
 # ----------------------------------------------------------------------------------------------
 
 class Attention(Mixer):
-    """Causal multi-head softmax attention (zoology MHA, ARCHITECTURES.md §3.1).
+    """Causal multi-head softmax attention (zoology/mixers/attention.py, MHA).
 
     The pattern is computed explicitly (not with scaled_dot_product_attention) so that it is a
     patchable site: z uses whatever hook_pattern returns.
@@ -499,7 +500,7 @@ class Attention(Mixer):
 
 
 class BaseConv(Mixer):
-    """BaseConv (zoology, ARCHITECTURES.md §3.2): y = c * p + u with p a linear projection and c a
+    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u with p a linear projection and c a
     causal convolution of the input u: a short depthwise conv (kernel_size K >= 1) or, for
     kernel_size=-1, an implicit long conv LC(u; kappa) + u whose filter kappa is a small ReLU MLP of
     fixed positional features Z.
@@ -541,7 +542,7 @@ class BaseConv(Mixer):
 
 
 def taylor_features(a):
-    """Based's 2nd-order Taylor feature map (§3.3): phi(a) = [1, a / f^(1/4), vec(a a^T) / (sqrt2 sqrt f)].
+    """Based's 2nd-order Taylor feature map: phi(a) = [1, a / f^(1/4), vec(a a^T) / (sqrt2 sqrt f)].
 
     a: (..., f) -> (..., 1 + f + f^2). All f^2 ordered products are kept (row-major), so that
     phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(f): the Taylor expansion of exp(s).
@@ -553,7 +554,7 @@ def taylor_features(a):
 
 
 class BasedAttention(Mixer):
-    """Based linear attention with the Taylor feature map (ARCHITECTURES.md §3.3).
+    """Based linear attention with the Taylor feature map (zoology/mixers/based.py).
 
     y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), out = y W_o^T.
     `mix` uses the quadratic view (what the paper trained); `step` is the recurrent view with state
@@ -621,7 +622,7 @@ class BasedAttention(Mixer):
 
 
 class Mamba(Mixer):
-    """Mamba selective SSM (mamba-ssm 2.2.4 Mamba, ARCHITECTURES.md §3.6), same parameter names and shapes.
+    """Mamba selective SSM (mamba-ssm 2.2.4, mamba_simple.py), same parameter names and shapes.
 
     [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
     h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T.
@@ -713,11 +714,11 @@ class Mamba(Mixer):
 
 
 # ----------------------------------------------------------------------------------------------
-# Blocks and the language model (ARCHITECTURES.md §2).
+# Blocks and the language model (zoology/model.py).
 # ----------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean_c x_c^2 + eps) * g, no bias (MambaBlock's norm, §2.3)."""
+    """x / sqrt(mean_c x_c^2 + eps) * g, no bias (MambaBlock's norm)."""
 
     def __init__(self, d_model, eps=1e-5):
         super().__init__()
@@ -729,7 +730,7 @@ class RMSNorm(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))  (§2.2)."""
+    """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
 
     def __init__(self, d_model, mixer):
         super().__init__()
@@ -748,7 +749,7 @@ class TransformerBlock(nn.Module):
 
 
 class MambaBlock(nn.Module):
-    """r += Mamba(RMSNorm(r)); no MLP (§2.3)."""
+    """r += Mamba(RMSNorm(r)); no MLP (zoology's MambaBlock)."""
 
     def __init__(self, d_model, mixer):
         super().__init__()
@@ -829,7 +830,7 @@ def count_parameters(model, trainable_only=False):
 
 
 def init_weights(model, n_layers, mamba_blocks):
-    """The global initialisation pass of ARCHITECTURES.md §2.6, applied by name/type to any mixer.
+    """zoology's global initialisation pass (model.py, _init_weights), applied by name/type to any mixer.
 
     TransformerBlock models: every Linear weight N(0, 0.02^2) and bias 0 (this overrides mixer-internal
     inits, filter MLPs included), every Embedding N(0, 0.02^2), then any "out_proj.weight" or
@@ -871,7 +872,7 @@ ARCHS = {
 
 
 # ----------------------------------------------------------------------------------------------
-# Hyena (ARCHITECTURES.md §3.4)
+# Hyena (zoology/mixers/hyena.py)
 # ----------------------------------------------------------------------------------------------
 
 def hyena_positional_features(n_positions):
@@ -893,7 +894,7 @@ class HyenaFilter(nn.Module):
 
     def __init__(self, d_model, order=64, n_positions=1024):
         super().__init__()
-        # Trainable: upstream tags it lr 1e-5, but the paper's optimizer ignored the tag (§2.6).
+        # Trainable: upstream tags it lr 1e-5, but the paper's optimizer ignored the tag.
         self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3)
         self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (P,) tau_n = n/(P-1)
         self.lin1 = nn.Linear(3, order)
@@ -920,7 +921,7 @@ class Hyena(Mixer):
 
     U = x W_in + b_in, U^ = SC_3(U), [x1 | x2 | v] = U^, s = v*x1, y = LC(s; h), out = (y*x2) W_out + b_out.
     Upstream adds a skip beta*s inside the filter, but the paper's `bias=False` multiplied beta by 0: beta is
-    a counted, inert parameter (ARCHITECTURES.md §7.2). hyena_skip=True turns it on.
+    a counted, inert parameter. hyena_skip=True turns it on.
     """
 
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
@@ -936,7 +937,7 @@ class Hyena(Mixer):
         self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)
         self.filter = HyenaFilter(d, hyena_order, n_positions)
         self.skip = nn.Parameter(torch.randn(d))   # beta
-        self.out_proj = nn.Linear(d, d)             # named out_proj so the global init pass down-scales it (§2.6)
+        self.out_proj = nn.Linear(d, d)             # named out_proj so the global init pass down-scales it
         self.hook_in_proj = HookPoint()             # (b, l, 3d)
         self.hook_short = HookPoint()               # (b, l, 3d): short-filter output, the token-shift carrier
         self.hook_pregate = HookPoint()             # (b, l, d)
@@ -960,7 +961,7 @@ class Hyena(Mixer):
 
 
 # ----------------------------------------------------------------------------------------------
-# H3 (ARCHITECTURES.md §3.5)
+# H3 (zoology/mixers/h3.py)
 # ----------------------------------------------------------------------------------------------
 
 class H3(Mixer):
@@ -1000,7 +1001,7 @@ class H3(Mixer):
         self.diag_B = nn.Parameter(diag_B)                                          # (h, n/2, re/im)
         self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))      # standard complex normal
         self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
-        self.output_linear = nn.Linear(d, d)  # not called out_proj upstream, so NOT down-scaled (§2.6)
+        self.output_linear = nn.Linear(d, d)  # not called out_proj upstream, so NOT down-scaled
         self.hook_q = HookPoint()                         # (b, l, d)
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -1111,7 +1112,7 @@ class H3(Mixer):
 
 
 # ----------------------------------------------------------------------------------------------
-# DeltaNet (ARCHITECTURES.md §3.7; defaults of §7.8: 1 head, K=4 convs, beta on, no gate)
+# DeltaNet (fla/layers/delta_net.py; our configuration, README difference 15: 1 head, K=4 convs, beta on, no gate)
 # ----------------------------------------------------------------------------------------------
 
 def l2_normalize(x, eps=1e-6):
@@ -1164,7 +1165,7 @@ def delta_rule_parallel(q, k, v, beta):
 
 
 class DeltaNet(Mixer):
-    """DeltaNet (zoology's fla DeltaNet, defaults of ARCHITECTURES.md §7.8).
+    """DeltaNet (flash-linear-attention's DeltaNet layer, README difference 15 for the configuration).
 
     q, k, v = SiLU(SC_4(x W)) each; q, k L2-normalised per head; beta = sigmoid(x W_beta) per head;
     the delta rule (delta_rule_recurrent); per-head RMSNorm with one weight shared by the heads; W_o.
@@ -1193,7 +1194,7 @@ class DeltaNet(Mixer):
             self.k_conv = nn.Conv1d(d, d, self.conv_size, groups=d, bias=False)
             self.v_conv = nn.Conv1d(d, d, self.conv_size, groups=d, bias=False)
         self.o_norm = RMSNorm(d // h)                          # per head, one weight shared by the heads
-        self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass (§2.6)
+        self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
         self.hook_q = HookPoint()     # (b, l, h, k): after conv, SiLU and L2 norm
         self.hook_k = HookPoint()     # (b, l, h, k): after conv, SiLU and L2 norm
         self.hook_v = HookPoint()     # (b, l, h, k): after conv and SiLU
@@ -1352,7 +1353,7 @@ def _too_big(error, arch, vocab_size, d_model, n_layers):
 
 def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
                 d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """Build the language model for `arch` with the paper's defaults (ARCHITECTURES.md §2-3).
+    """Build the language model for `arch` with the paper's defaults.
 
     pos_emb: learned absolute positions; None means on for attention only. d_conv: Mamba's short-conv
     size (0..4, 0 removes it) or the short-conv size of based/base_conv. long_only: based/base_conv

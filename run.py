@@ -3,8 +3,8 @@
 Replicates the central finding of "Mechanistic evaluation of Transformers and state space models"
 (Arora et al. 2025, arXiv 2505.15105, Sec. 5): accuracy alone does not tell how a model retrieves;
 interchange interventions do (attention/based: induction through the value token; mamba: direct
-retrieval at the query). The recipe is mechsm.py's (PROTOCOL.md §4-§6, §8); the patching is
-interventions.py's (PROTOCOL.md §7).
+retrieval at the query). The recipe is mechsm.py's (paper Sec. 4 and App. C); the patching is
+interventions.py's (paper Sec. 3-4).
 
 CPU examples:
   python run.py                                    # quick preset on AR: 7 archs in 2 parallel jobs
@@ -15,6 +15,8 @@ CPU examples:
 GPU examples:
   python run.py --device cuda                      # quick preset, one job on the GPU
   python run.py --preset paper --device cuda       # the paper's full grid (7 archs x 5 widths x 7 lrs)
+                                                   # each cell's lrs and seeds as one batched model;
+                                                   # --group-size 7 caps a group at 7 models (memory)
 
 Outputs under --out (default out/): results.jsonl (one JSON line per finished run, with the config,
 metrics, history and mechanism summary; reruns skip what is there), results.md (the table),
@@ -515,7 +517,7 @@ def run(argv=None):
 
 # ----------------------------------------------------------------------------------------------
 # `python run.py bench`: how fast the kernels, training steps and patching are, each against its
-# slow reference (issue 7). The paper reports 0.5-5 GPU-hours per training run; our models are tiny,
+# slow reference. The paper reports 0.5-5 GPU-hours per training run; our models are tiny,
 # so the cost lies in the scan, the long convolutions and framework overhead. Measured:
 #   1. the scan as Mamba uses it: (a) the plain scan, shipped `scan` (auto-selected per device) vs the
 #      plain-autograd loop `sequential_scan`, with `loop_scan`, `parallel_scan_custom_grad` and plain
@@ -652,7 +654,7 @@ def _repeats(cfg, length):
 
 
 def mamba_like_scan_inputs(b, l, e, n, device, seed=0):
-    """Selective-scan inputs distributed like a freshly initialised Mamba layer's (ARCHITECTURES.md §3.6).
+    """Selective-scan inputs distributed like a freshly initialised Mamba layer's (Mamba's own init, models.Mamba).
 
     Δ log-uniform in [1e-3, 1e-1] (Mamba's Δ init range), A = -(1..n) (S4D-real), u, B, C standard
     normal. Returns dict(u, delta (b,l,e), A (e,n), B, C (b,l,n), a, b (b,l,e,n)) where a = exp(Δ A)

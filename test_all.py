@@ -35,7 +35,7 @@ import tasks
 # ==================================================================================================
 
 def check_common_layout(ds):
-    """Properties every document of either task must have (PROTOCOL §1)."""
+    """Properties every document of either task must have (the tasks' shared layout)."""
     n, rows = len(ds), torch.arange(len(ds))
     pos = ds.positions
     assert set(pos) >= set(tasks.ROLES)
@@ -77,7 +77,7 @@ def test_ar_layout():
 
 
 def test_ar_docstring_example_and_describe():
-    # BOS k5 v9 k2 v7 EOS k2 v7 EOS, 2 pairs, query the second (module docstring, PROTOCOL §2.2)
+    # BOS k5 v9 k2 v7 EOS k2 v7 EOS, 2 pairs, query the second (the module docstring's example)
     K = V = 10
     k, v = lambda j: 3 + j, lambda j: 3 + K + j
     toks = torch.tensor([[BOS, k(5), v(9), k(2), v(7), EOS, k(2), v(7), EOS]])
@@ -201,7 +201,7 @@ def test_sentence_matches_recursive_twin():
 
 
 def test_atr_worked_example():
-    # a b c g h with a->h, b->g, c->g, g->h (module docstring, PROTOCOL §3.2); labels a..h = 0..4
+    # a b c g h with a->h, b->g, c->g, g->h (the module docstring's example); labels a..h = 0..4
     labels, parents = [0, 1, 2, 3, 4], [4, 3, 3, 4, -1]
     assert tasks.eligible_queries(labels, parents) == {3: [1, 2], 4: [0, 3]}
     assert tasks.atr_document(labels, 1, 3) == [BOS, 3, 4, 5, 6, 7, EOS, 4, 6, EOS]  # ... EOS b g EOS
@@ -261,7 +261,7 @@ def test_atr_split_on_label_pairs():
     assert all(not held[p, c] for p, c in pairs(train)) and all(held[p, c] for p, c in pairs(test))
     assert not set(pairs(train)) & set(pairs(test))
     check_common_layout(test)
-    # the split does not change the grammar (PROTOCOL §10.6): the unsplit sample of the same grammar
+    # the split does not change the grammar (README, difference 3): the unsplit sample of the same grammar
     # and seed uses the same stream of sentences as before (only the query filter differs)
     assert PCFG(seed=2).rules == g.rules
 
@@ -307,7 +307,7 @@ def test_atr_bad_input():
 
 
 def test_stats_ranges():
-    # PROTOCOL §3.3 (reference, one grammar): L_max=5 median ~9 / mean ~15 terminals; L_max=10: 21 / 39.
+    # the reference's own grammars (one per setting): L_max=5 median ~9 / mean ~15 terminals; L_max=10: 21 / 39.
     # Stats vary a lot with the grammar draw (over 60 seeds at L_max=5: medians 6-9, means 8-12 for
     # the 10-90% range), so seed 0 gets loose bounds and seeds 125 / 124, the closest of 150 seeds
     # to the reference numbers, get tight ones.
@@ -502,7 +502,7 @@ def test_kernel_vmap_rules_equal_a_loop_over_members(form):
 
 ARCH_UNDER_TEST = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet"]
 
-# ARCHITECTURES.md §4: totals at v=8195, P=1024, 2 layers, pos_emb on, tied head counted once.
+# Parameter totals of the upstream modules at v=8195, P=1024, 2 layers, pos_emb on, tied head counted once.
 PARAM_COUNTS = {  # d_model: {arch: count}
     16: {"attention": 154_000, "base_conv": 155_936, "based": 153_024, "hyena": 179_984, "h3": 268_848, "mamba": 154_288},
     32: {"attention": 320_288, "base_conv": 317_952, "based": 315_776, "hyena": 348_832, "h3": 549_984, "mamba": 314_976},
@@ -786,7 +786,7 @@ def inputs(b=2, l=11, d=16, seed=1):
     return torch.randn(b, l, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-# --- parameter counts (ARCHITECTURES.md §4) ---------------------------------------------------
+# --- parameter counts (the upstream modules') ---------------------------------------------------
 
 @pytest.mark.parametrize("cls,options,expected", [
     (Hyena, {}, 33_280), (H3, {}, 246_144),
@@ -816,7 +816,7 @@ def test_registry_and_init_pass():
     assert 0.008 < mixer.out_proj.weight.std() < 0.012
     assert 0.018 < models.build_model("h3", 50, 64, 2, seed=0).blocks[0].mixer.output_linear.weight.std() < 0.022
     assert 0.018 < models.build_model("deltanet", 50, 64, 2, seed=0).blocks[0].mixer.o_proj.weight.std() < 0.022
-    # The filter MLP is a set of Linears, so the init pass makes the filter start near zero (§3.4).
+    # The filter MLP is a set of Linears, so the init pass makes the filter start near zero.
     assert mixer.filter(40).abs().max() < 1e-2
     assert torch.all(mixer.filter.freq == 1)
     decay = mixer.filter.decay
@@ -871,7 +871,7 @@ def test_delta_rule_parallel_equals_loop_with_gradients():
 
 @pytest.mark.parametrize("delta_rule", [delta_rule_recurrent, delta_rule_parallel])
 def test_delta_rule_retrieves_and_overwrites(delta_rule):
-    """beta = 1 and orthonormal keys: S_t^T k_s = v_s for every stored pair (§8.7), and writing a key
+    """beta = 1 and orthonormal keys: S_t^T k_s = v_s for every stored pair, and writing a key
     again replaces its value instead of adding to it (what distinguishes the delta rule)."""
     k_dim, n_pairs = 8, 5
     basis = torch.linalg.qr(torch.randn(k_dim, k_dim, dtype=torch.float64))[0]      # orthonormal columns
@@ -902,7 +902,7 @@ def test_h3_kernels_at_init():
 
 
 def test_h3_m1_closed_form_and_channel_order():
-    """m = 1: y = q * (K^d * (k~ v) + D^d k~ v) (§8.4). m = 2: y[..., j*H + h] = sum_i q_{h,i} w_{h,i,j}."""
+    """m = 1: y = q * (K^d * (k~ v) + D^d k~ v). m = 2: y[..., j*H + h] = sum_i q_{h,i} w_{h,i,j}."""
     x = inputs()
     h3 = make("h3_m1")
     cache = {}
@@ -1100,8 +1100,8 @@ def test_corrupt_keeps_class_and_changes_one_token(data, role, strict):
     assert changed[rows, pos].all()
     lo, hi = data.classes[role]
     new = corrupted[rows, pos]
-    assert ((new >= lo) & (new < hi)).all()  # a value is replaced by a value (PROTOCOL §10.1)
-    if strict:  # the replacement occurs nowhere in the clean document (§10.20)
+    assert ((new >= lo) & (new < hi)).all()  # a value is replaced by a value (README, difference 1)
+    if strict:  # the replacement occurs nowhere in the clean document (the strict variant)
         assert not (data.tokens == new[:, None]).any()
     assert torch.equal(corrupted, iv.corrupt(data, role, seed=1, strict=strict))
     assert not torch.equal(corrupted, iv.corrupt(data, role, seed=2, strict=strict))
@@ -1323,8 +1323,8 @@ def test_evaluate_counts_argmax_over_full_vocab():
     assert m["prob"] == pytest.approx(0.5, abs=1e-6)
 
 
-# The >= 90% test of issue 4. Attention's AR learning curve has a plateau at 1/pairs ("some value from
-# the context") that lasts until the two-layer induction circuit lines up (PROBES.md), so the tiny task
+# A tiny model must learn. Attention's AR learning curve has a plateau at 1/pairs ("some value from
+# the context") that lasts until the two-layer induction circuit lines up, so the tiny task
 # has 2 pairs (plateau 50%: reaching 90% means the model retrieves) from 16 keys and 16 values.
 # What worked was the smallest vocabulary with a low learning rate. Measured through mechsm.train,
 # one thread per run, fresh documents every step, 6000 steps: at lr 1e-3 or 3e-3, 2-pair tasks ended
