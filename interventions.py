@@ -65,7 +65,7 @@ CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l
 
 
 # ----------------------------------------------------------------------------------------------
-# Sites
+# Sites: every HookPoint with a seq_dim, named as in model.named_modules()
 # ----------------------------------------------------------------------------------------------
 
 def hook_points(model):
@@ -141,11 +141,6 @@ def record(model, tokens, sites):
     return store
 
 
-def _positions_view(act, seq_dim):
-    """View of act with the position dim moved to dim 1: (b, ..., l, ...) -> (b, l, ...)."""
-    return act.movedim(seq_dim, 1)
-
-
 def _answer_prob(logits, answers):
     """Softmax probability of answers (b,) under logits (b, v), as float64: exp(z_y - logsumexp z),
     without materialising the (b, v) softmax."""
@@ -162,7 +157,7 @@ def answer_prob(model, tokens, answers, query, chunk_rows=CHUNK_ROWS):
 
 
 # ----------------------------------------------------------------------------------------------
-# Corruption
+# Corruption: one token of each document replaced by another of its class
 # ----------------------------------------------------------------------------------------------
 
 def corrupt(dataset, role="key", seed=0, strict=False):
@@ -194,8 +189,65 @@ def corrupt(dataset, role="key", seed=0, strict=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# Interchange interventions
+# One interchange intervention, by definition: one site, one position, a plain loop.
+# Then its score (attribution) and what the headline pair of scores says (verdict).
 # ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
+    """Slow, obviously correct twin of interchange for ONE position tensor pos (N,): record the
+    whole clean activation, then patch document by document in a Python loop."""
+    model.eval()
+    seq_dim = hook_points(model)[site].seq_dim
+    clean = record(model, clean_tokens, [site])[site]
+
+    def restore(act):
+        out = act.clone()
+        for r in range(out.shape[0]):
+            out.select(0, r).select(seq_dim - 1, int(pos[r])).copy_(
+                clean.select(0, r).select(seq_dim - 1, int(pos[r])))
+        return out
+
+    with patch(model, {site: restore}):
+        return answer_prob(model, corrupt_tokens, answers, query)
+
+
+def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
+    """Ratio of means over documents (as the paper's code computes it), not a mean of per-document ratios:
+        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt).
+    Inputs are per-document probabilities (N,). low_signal when the gap is <= threshold;
+    score is nan when the gap is exactly 0."""
+    clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
+    gap = clean - corrupted
+    return {
+        "score": (patched - corrupted) / gap if gap != 0 else float("nan"),
+        "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
+        "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
+        "low_signal": gap <= threshold,
+    }
+
+
+def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
+    """(verdict, reason) from the headline pair Attrib@Value, Attrib@Query (thresholds above)."""
+    if low_signal:
+        return "no signal", f"P̄_clean − P̄_corrupt <= {threshold}: nothing to attribute"
+    pair = f"Attrib@Value {value:.2f}, Attrib@Query {query:.2f}"
+    if value >= INDUCTION_MIN_VALUE and value > query:
+        return "induction", f"{pair}: layer 0 wrote the association into the value token"
+    if query >= DIRECT_MIN_QUERY and value < DIRECT_MAX_VALUE:
+        return "direct retrieval", f"{pair}: the association is computed at the query"
+    return "mixed", f"{pair}: neither rule applies"
+
+
+# ----------------------------------------------------------------------------------------------
+# The same, batched: every position of a site in one forward, from cached activations.
+# interchange() equals interchange_reference() for every site and position (test_all.py).
+# ----------------------------------------------------------------------------------------------
+
+def _positions_view(act, seq_dim):
+    """View of act with the position dim moved to dim 1: (b, ..., l, ...) -> (b, l, ...)."""
+    return act.movedim(seq_dim, 1)
+
 
 @torch.no_grad()
 def gather_positions(model, tokens, sites, positions):
@@ -305,55 +357,9 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     return {name: probs[p] for p, name in enumerate(names)}
 
 
-@torch.no_grad()
-def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
-    """Slow, obviously correct twin of interchange for ONE position tensor pos (N,): record the
-    whole clean activation, then patch document by document in a Python loop."""
-    model.eval()
-    seq_dim = hook_points(model)[site].seq_dim
-    clean = record(model, clean_tokens, [site])[site]
-
-    def restore(act):
-        out = act.clone()
-        for r in range(out.shape[0]):
-            out.select(0, r).select(seq_dim - 1, int(pos[r])).copy_(
-                clean.select(0, r).select(seq_dim - 1, int(pos[r])))
-        return out
-
-    with patch(model, {site: restore}):
-        return answer_prob(model, corrupt_tokens, answers, query)
-
-
-def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
-    """Ratio of means over documents (as the paper's code computes it), not a mean of per-document ratios:
-        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt).
-    Inputs are per-document probabilities (N,). low_signal when the gap is <= threshold;
-    score is nan when the gap is exactly 0."""
-    clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
-    gap = clean - corrupted
-    return {
-        "score": (patched - corrupted) / gap if gap != 0 else float("nan"),
-        "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
-        "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
-        "low_signal": gap <= threshold,
-    }
-
-
 # ----------------------------------------------------------------------------------------------
-# The whole table and the verdict
+# The whole table and the headline pair
 # ----------------------------------------------------------------------------------------------
-
-def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
-    """(verdict, reason) from the headline pair Attrib@Value, Attrib@Query (thresholds above)."""
-    if low_signal:
-        return "no signal", f"P̄_clean − P̄_corrupt <= {threshold}: nothing to attribute"
-    pair = f"Attrib@Value {value:.2f}, Attrib@Query {query:.2f}"
-    if value >= INDUCTION_MIN_VALUE and value > query:
-        return "induction", f"{pair}: layer 0 wrote the association into the value token"
-    if query >= DIRECT_MIN_QUERY and value < DIRECT_MAX_VALUE:
-        return "direct retrieval", f"{pair}: the association is computed at the query"
-    return "mixed", f"{pair}: neither rule applies"
-
 
 def _float(x):
     """JSON-safe float (nan -> None)."""
@@ -459,26 +465,35 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
         "low_signal": base["low_signal"], "rows": rows,
     }
-    head = {name: score[head_site, name] for name in ("key", "value", "query")}
+    result.update(_summary(score, n_layers, base["low_signal"], threshold))
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def _summary(score, n_layers, low_signal, threshold):
+    """The headline pair and the verdict from the table's scores {(site, position): attribution}:
+    headline (2+ layers) or mixer_out (1 layer), verdict, verdict_reason, later_layers (3+ layers),
+    conv_next_key (Mamba: layer 0's short-conv output at the token after the value)."""
+    head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
+    out = {}
     if n_layers > 1:
-        result["headline"] = head
-        result["verdict"], result["verdict_reason"] = verdict(
+        out["headline"] = head
+        out["verdict"], out["verdict_reason"] = verdict(
             head["value"] if head["value"] is not None else float("nan"),
-            head["query"] if head["query"] is not None else float("nan"), base["low_signal"], threshold)
-        result["later_layers"] = {
+            head["query"] if head["query"] is not None else float("nan"), low_signal, threshold)
+        out["later_layers"] = {
             f"blocks.{i}.hook_resid_pre": {n: score[f"blocks.{i}.hook_resid_pre", n]
                                            for n in ("value", "query")}
             for i in range(2, n_layers)}
     else:
-        result["headline"] = None
-        result["mixer_out"] = head
-        result["verdict"] = "n/a (1 layer)"
-        result["verdict_reason"] = ("one layer has no layer-1 block input: induction and direct "
-                                    "retrieval both end inside the same block; see mixer_out")
-    if "blocks.0.mixer.hook_conv_out" in sites:
-        result["conv_next_key"] = score["blocks.0.mixer.hook_conv_out", "next_key"]
-    result["seconds"] = time.perf_counter() - start
-    return result
+        out["headline"] = None
+        out["mixer_out"] = head
+        out["verdict"] = "n/a (1 layer)"
+        out["verdict_reason"] = ("one layer has no layer-1 block input: induction and direct "
+                                 "retrieval both end inside the same block; see mixer_out")
+    if ("blocks.0.mixer.hook_conv_out", "next_key") in score:
+        out["conv_next_key"] = score["blocks.0.mixer.hook_conv_out", "next_key"]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
