@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -56,7 +57,7 @@ import tasks
 # arch "*" is the default; quick grids also give each arch its step count ("steps").
 # ----------------------------------------------------------------------------------------------
 
-ALL_ARCHS = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet"]
+ALL_ARCHS = list(models.BUILT_IN_ARCHS)
 PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
 LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
 LR7 = LR5 + [1e-2, 3e-2]
@@ -120,7 +121,7 @@ EXPERIMENTS = {e.name: e for e in [
                _paper(PAPER_AR, _archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
                {"attention": "100% at every d >= 32", "mamba": "rises with d: 91.25% at d 256"},
-               _quick(QUICK_AR, _archs("mamba", "attention"), widths=(16, 32, 64)),
+               _quick(QUICK_AR, _archs("attention"), widths=(16, 32, 64)),   # CPU budget: attention only
                _paper(PAPER_AR, _archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
@@ -132,11 +133,11 @@ EXPERIMENTS = {e.name: e for e in [
                _paper(PAPER_AR, _archs(*PAPER_ARCHS, n_layers=1) + _archs(*PAPER_ARCHS, n_layers=3), lrs=LR7)),
     Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
                {"mamba (d_conv 0)": "fails without the conv", "mamba (default conv)": "91.25% (d 256; conv 4)"},
-               _quick(QUICK_AR, [dict(arch="mamba", d_conv=k) for k in (0, 2, None)]),
+               _quick(QUICK_AR, [dict(arch="mamba", d_conv=k) for k in (0, None)]),   # CPU budget: 0 and 4
                _paper(PAPER_AR, [dict(arch="mamba", d_conv=k) for k in (0, 1, 2, 3, None)], lrs=LR7)),
     Experiment("based-ablation", "Sec. 5.4", "Based with long convs only, and short kernels 1-4",
                {"based (default conv)": "99.06%; induction"},
-               _quick(QUICK_AR, _archs("based", long_only=True) + [dict(arch="based", d_conv=k) for k in (1, 2, None)]),
+               _quick(QUICK_AR, _archs("based", long_only=True) + [dict(arch="based", d_conv=k) for k in (1, None)]),
                _paper(PAPER_AR, _archs("based", "base_conv", long_only=True)
                       + [dict(arch="based", d_conv=k) for k in (1, 2, None, 4)])),
     Experiment("atr", "Sec. 5.2", "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
@@ -245,6 +246,19 @@ def estimate_seconds(configs, jobs=1):
 def fmt_hours(seconds):
     """'14 min' or '3.2 h'."""
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def catalogue(jobs=2):
+    """`run.py --list`: every experiment, its claim and the paper's numbers, with the runs of each preset
+    and their expected time on a 2-core CPU with `jobs` jobs (estimate_seconds)."""
+    lines = []
+    for name, exp in EXPERIMENTS.items():
+        times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, jobs))}"
+                 for preset in PRESET_NAMES for configs in [experiment_configs(name, preset)]]
+        lines += [f"{name:<19} {exp.section}: {exp.tests}",
+                  f"{'':<19} paper: " + ("; ".join(f"{k} {v}" for k, v in exp.paper.items()) or "no number quoted"),
+                  f"{'':<19} " + " | ".join(times) + f" (2 CPU cores, {jobs} jobs)"]
+    return "\n".join(lines)
 
 
 def row_label(cfg, configs):
@@ -425,12 +439,6 @@ def resolve_device(device):
     return device
 
 
-def set_threads_for_jobs(jobs):
-    """One BLAS/OpenMP thread per job, so that `jobs` parallel runs do not fight over the cores."""
-    if jobs > 1:
-        torch.set_num_threads(1)
-
-
 # ----------------------------------------------------------------------------------------------
 # Data: the fixed training set and the evaluation set(s) of one config.
 # ----------------------------------------------------------------------------------------------
@@ -518,6 +526,17 @@ def novel_mask(train, dataset):
     seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
     return torch.tensor([row[:n].tobytes() not in seen
                          for row, n in zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
+
+
+def novel_masks(cfg, data):
+    """ATR: {"eval": novel_mask of the eval documents, "test": of the test documents (with a held-out
+    split)}, which evaluate_all reports as novel_*; None for AR."""
+    if cfg.task != "atr":
+        return None
+    novel = {"eval": novel_mask(data.train, data.eval)}
+    if data.test is not None:
+        novel["test"] = novel_mask(data.train, data.test)
+    return novel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -616,46 +635,73 @@ def train(cfg, *, data=None, log=None):
     data = data or make_data(cfg)
     check_length(cfg, data)                # documents the model cannot take: before step 0, not at it
     t_start = time.time()
-
-    # model: seeded from cfg.seed alone, so the same seed gives the same init (and on CPU, the same run)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone (on a CPU: the same run)
     model = build(cfg, data.vocab_size).to(device)
-    n_params = models.count_parameters(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-    # the fixed training set, walked in order: batch s is rows [(s mod S)*B, (s mod S)*B + B), as the reference
-    B, S, total = cfg.batch_size, cfg.steps_per_epoch(), cfg.total_steps()
-    train_tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
-    train_queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
-    train_answers = data.train.answers[: S * B].to(device)                # (S*B,)
-    batch_width = data.train.lengths[: S * B].view(S, B).max(1).values.tolist()  # trim padding per batch
-    novel = None
-    if cfg.task == "atr":
-        novel = {"eval": novel_mask(data.train, data.eval)}
-        if data.test is not None:
-            novel["test"] = novel_mask(data.train, data.test)
-
-    log(f"{n_params:,} parameters on {device} | {total} steps ({S} batches of {B}, "
+    n_params, total, S = models.count_parameters(model), cfg.total_steps(), cfg.steps_per_epoch()
+    optimizer = adamw(model, cfg.lr)
+    batches, history = training_batches(cfg, data, device), _History(cfg, data, novel_masks(cfg, data))
+    log(f"{n_params:,} parameters on {device} | {total} steps ({S} batches of {cfg.batch_size}, "
         f"{total / S:g} epoch{'s' * (total != S)}) | {cfg.name()}")
-    history, status, error = [], "ok", None
+    t_loop = time.time()
+    steps_done, error = _train_steps(model, optimizer, batches, history, cfg, log)
+    wall, rate = time.time() - t_start, steps_done / max(1e-9, time.time() - t_loop)
+    return _result(model, cfg, error, n_params, device, history, steps_done, wall, rate), model
+
+
+def adamw(model, lr):
+    """The paper's optimizer for `model`: AdamW (0.9, 0.999), eps 1e-8, no weight decay."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def training_batches(cfg, data, device):
+    """The fixed training set on `device`, walked in order as the reference walks it: batch(step) is
+    (tokens, queries, answers) of rows [s*B, s*B + B) with s = step mod S (S = steps_per_epoch: a last
+    partial batch is dropped), the tokens trimmed to the batch's longest document."""
+    B, S = cfg.batch_size, cfg.steps_per_epoch()
+    tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
+    queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
+    answers = data.train.answers[: S * B].to(device)                # (S*B,)
+    widths = data.train.lengths[: S * B].view(S, B).max(1).values.tolist()
+
+    def batch(step):
+        s = step % S
+        rows = slice(s * B, s * B + B)
+        return tokens[rows, :widths[s]], queries[rows], answers[rows]
+    return batch
+
+
+class _History:
+    """The evaluations of one run as it trains: its history entries (history_entry) and the time the
+    attribution timeline took in them."""
+
+    def __init__(self, cfg, data, novel=None):
+        self.cfg, self.data, self.novel = cfg, data, novel
+        self.entries, self.timeline_s = [], 0.0
+
+    def add(self, model, step, train_loss):
+        entry = history_entry(model, self.data, self.cfg, step, train_loss, self.novel)
+        self.timeline_s += entry.pop("timeline_s", 0.0)
+        self.entries.append(entry)
+        return entry
+
+
+def _train_steps(model, optimizer, batches, history, cfg, log):
+    """train()'s loop: AdamW at lr_at(step) on batches(step), evaluated (history) every eval_every
+    steps and after the last one. Returns (steps done, error): a NaN/inf loss stops the run at that
+    step, and error says so (None when the run finished)."""
+    total, since, device = cfg.total_steps(), time.time(), next(model.parameters()).device
     loss_sum, loss_count = torch.zeros((), device=device), 0
-    t_loop, step, timeline_s = time.time(), 0, 0.0
 
     def record(step):
-        nonlocal loss_sum, loss_count, timeline_s
+        nonlocal loss_sum, loss_count
         train_loss = (loss_sum / loss_count).item() if loss_count else None
-        entry = history_entry(model, data, cfg, step, train_loss, novel)
-        timeline_s += entry.pop("timeline_s", 0.0)
-        history.append(entry)
+        entry = history.add(model, step, train_loss)
         loss_sum, loss_count = torch.zeros((), device=device), 0
-        elapsed = time.time() - t_loop
-        rate = step / elapsed if elapsed > 0 and step else 0.0
-        eta = (total - step) / rate if rate else float("nan")
+        rate, eta = _speed(step, total, since)
         log(f"step {step}/{total} | loss {'-' if train_loss is None else f'{train_loss:.3f}'} | "
             f"acc {entry['acc']:.3f}" + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
             + (f" | attrib V {fmt_attrib(entry, 'attrib_value')} Q {fmt_attrib(entry, 'attrib_query')}"
-               if "attrib_value" in entry else "")
-            + f" | {rate:.1f} steps/s | ETA {_fmt_time(eta) if rate else '?'}")
+               if "attrib_value" in entry else "") + f" | {rate:.1f} steps/s | ETA {eta}")
 
     model.train()
     for step in range(total):
@@ -663,36 +709,40 @@ def train(cfg, *, data=None, log=None):
             record(step)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr)
-        s = step % S
-        rows, width = slice(s * B, s * B + B), batch_width[s]
-        loss = answer_loss(model, train_tokens[rows, :width], train_queries[rows], train_answers[rows])
+        loss = answer_loss(model, *batches(step))
         # a NaN/inf loss would silently poison every later step: stop the run here. Checking every step
         # costs one host sync; it is cheap next to the step and keeps the failure message exact.
         if not torch.isfinite(loss).item():
-            status = "failed"
             error = f"loss is {loss.item()} at step {step} (lr {cfg.lr:g}); run stopped"
             log(f"FAILED: {error}")
-            break
+            return step, error
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         loss_sum, loss_count = loss_sum + loss.detach(), loss_count + 1
-    else:
-        step = total
-        record(total)   # the final model is always evaluated (the reference skips it: README, difference 7)
+    record(total)   # the final model is always evaluated (the reference skips it: README, difference 7)
+    return total, None
 
-    wall = time.time() - t_start
+
+def _speed(step, total, since):
+    """(steps per second since `since`, the time left at that rate as text) for a log line."""
+    elapsed = time.time() - since
+    rate = step / elapsed if elapsed > 0 and step else 0.0
+    return rate, _fmt_time((total - step) / rate) if rate else "?"
+
+
+def _result(model, cfg, error, n_params, device, history, steps_done, wall, rate, **extra):
+    """The record of one trained run (train, train_group), after saving its final model under
+    out_dir/ckpt/ when cfg asks for a checkpoint and the run finished (error None)."""
     checkpoint = None
-    if cfg.save_checkpoint and cfg.out_dir and status == "ok":
-        checkpoint = os.path.join(cfg.out_dir, "ckpt", cfg.file_name() + ".pt")
-        save(model, cfg, checkpoint)
-    final = {k: v for k, v in (history[-1] if history else {}).items() if k not in ("lr",)}
-    result = {"config": asdict(cfg), "name": cfg.name(), "status": status, "error": error,
-              "n_params": n_params, "device": device, "final": final, "history": history,
-              "wall_s": round(wall, 2), "steps_done": step, "total_steps": total,
-              "steps_per_s": round(step / max(1e-9, time.time() - t_loop), 2), "checkpoint": checkpoint,
-              "timeline_s": round(timeline_s, 3)}
-    return _json_safe(result), model
+    if cfg.save_checkpoint and cfg.out_dir and error is None:
+        checkpoint = save(model, cfg, os.path.join(cfg.out_dir, "ckpt", cfg.file_name() + ".pt"))
+    final = {k: v for k, v in (history.entries[-1] if history.entries else {}).items() if k != "lr"}
+    return _json_safe({"config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
+                       "error": error, "n_params": n_params, "device": device, "final": final,
+                       "history": history.entries, "wall_s": round(wall, 2), "steps_done": steps_done,
+                       "total_steps": cfg.total_steps(), "steps_per_s": round(rate, 2), "checkpoint": checkpoint,
+                       "timeline_s": round(history.timeline_s, 3), **extra})
 
 
 def fmt_attrib(entry, key):
@@ -714,6 +764,14 @@ def build(cfg, vocab_size):
 def count_parameters(cfg, vocab_size):
     """The parameter count of cfg's model (the tied head counted once)."""
     return models.count_parameters(build(cfg, vocab_size))
+
+
+def parameter_counts(configs, vocab_size):
+    """{row label: parameter count of its first config's model}, in order (row_label, count_parameters)."""
+    labels = {}
+    for cfg in configs:
+        labels.setdefault(row_label(cfg, configs), cfg)
+    return {label: count_parameters(cfg, vocab_size) for label, cfg in labels.items()}
 
 
 def history_entry(model, data, cfg, step, train_loss, novel=None):
@@ -896,80 +954,74 @@ def train_group(configs, *, data=None, log=None):
     data = data or make_data(cfg)
     t_start = time.time()
     ens = Ensemble([build(c, data.vocab_size).to(device) for c in cfgs])   # each from its own seed
-    n_params = models.count_parameters(ens.base)
-
-    # the fixed training set, walked in order, as train() walks it
-    B, S, total = cfg.batch_size, cfg.steps_per_epoch(), cfg.total_steps()
-    train_tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
-    train_queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
-    train_answers = data.train.answers[: S * B].to(device)                # (S*B,)
-    batch_width = data.train.lengths[: S * B].view(S, B).max(1).values.tolist()
-    novel = None
-    if cfg.task == "atr":
-        novel = {"eval": novel_mask(data.train, data.eval)}
-        if data.test is not None:
-            novel["test"] = novel_mask(data.train, data.test)
-
+    n_params, total, novel = models.count_parameters(ens.base), cfg.total_steps(), novel_masks(cfg, data)
+    histories = [_History(c, data, novel) for c in cfgs]
     log(f"{r} runs as one batched model, {n_params:,} parameters each, on {device} | {total} steps | "
         f"lr {','.join(f'{c.lr:g}' for c in cfgs)} | seeds {','.join(str(c.seed) for c in cfgs)}")
-    histories, status, errors = [[] for _ in cfgs], ["ok"] * r, [None] * r
-    steps_done, timeline_s = [total] * r, [0.0] * r
+    t_loop = time.time()
+    step, errors, steps_done = _group_steps(ens, cfgs, training_batches(cfg, data, device), histories, log)
+    wall, rate = time.time() - t_start, step / max(1e-9, time.time() - t_loop)
+    out = []
+    for i, c in enumerate(cfgs):
+        model = ens.member(i)
+        out.append((_result(model, c, errors[i], n_params, device, histories[i], steps_done[i], wall, rate,
+                            group={"size": r, "index": i}), model))
+    return out
+
+
+def _group_steps(ens, cfgs, batches, histories, log):
+    """train_group()'s loop, train()'s for every member at once: one Ensemble step per batch, member
+    i at lr_at(step) of its own lr, every live member evaluated every eval_every steps and after the
+    last one. Returns (steps done, errors, steps done per member): a member whose loss went NaN/inf
+    gets train()'s error and the step it failed at, read at the next evaluation (Ensemble.step never
+    waits for the device); the loop stops early once every member has failed."""
+    cfg, r, total, since = cfgs[0], len(cfgs), cfgs[0].total_steps(), time.time()
+    errors, steps_done, device = [None] * r, [total] * r, ens.flat.device
     lr_table = torch.tensor([[lr_at(step, total, cfg.warmup_frac, cfg.schedule, c.lr) for c in cfgs]
                              for step in range(total)], dtype=torch.float64).to(device)   # (steps, r), one copy
     loss_sum, loss_count = torch.zeros(r, device=device), 0
-    t_loop, step = time.time(), 0
 
     def record(step):
         nonlocal loss_sum, loss_count
         for i, (s, loss) in enumerate(zip(ens.failed_step.tolist(), ens.failed_loss.tolist())):
-            if s >= 0 and status[i] == "ok":
-                status[i], steps_done[i] = "failed", s
-                errors[i] = f"loss is {loss} at step {s} (lr {cfgs[i].lr:g}); run stopped"
+            if s >= 0 and errors[i] is None:
+                steps_done[i], errors[i] = s, f"loss is {loss} at step {s} (lr {cfgs[i].lr:g}); run stopped"
                 log(f"FAILED: {cfgs[i].name()}: {errors[i]}")
         train_loss = (loss_sum / loss_count).tolist() if loss_count else [None] * r
-        for i, c in enumerate(cfgs):
-            if status[i] == "ok":
-                entry = history_entry(ens.member(i), data, c, step, train_loss[i], novel)
-                timeline_s[i] += entry.pop("timeline_s", 0.0)
-                histories[i].append(entry)
+        for i in range(r):
+            if errors[i] is None:
+                histories[i].add(ens.member(i), step, train_loss[i])
         loss_sum, loss_count = torch.zeros(r, device=device), 0
-        elapsed = time.time() - t_loop
-        rate = step / elapsed if elapsed > 0 and step else 0.0
-        eta = (total - step) / rate if rate else float("nan")
-        accs = " ".join(f"{h[-1]['acc']:.3f}" if ok == "ok" else "failed" for h, ok in zip(histories, status))
-        log(f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({r * rate:.1f} model-steps/s) | "
-            f"ETA {_fmt_time(eta) if rate else '?'}")
+        rate, eta = _speed(step, total, since)
+        accs = " ".join("failed" if e else f"{h.entries[-1]['acc']:.3f}" for h, e in zip(histories, errors))
+        log(f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({r * rate:.1f} model-steps/s) | ETA {eta}")
 
     for m in ens.modules:
         m.train()
     for step in range(total):
         if step % cfg.eval_every == 0:
             record(step)
-            if "ok" not in status:
-                break
-        s = step % S
-        rows, width = slice(s * B, s * B + B), batch_width[s]
-        loss_sum = loss_sum + ens.step(train_tokens[rows, :width], train_queries[rows], train_answers[rows],
-                                       lr_table[step], step)
+            if all(errors):
+                return step, errors, steps_done
+        loss_sum = loss_sum + ens.step(*batches(step), lr_table[step], step)
         loss_count += 1
-    else:
-        step = total
-        record(total)   # the final models are always evaluated, as in train()
+    record(total)   # the final models are always evaluated, as in train()
+    return total, errors, steps_done
 
-    wall, rate = time.time() - t_start, round(step / max(1e-9, time.time() - t_loop), 2)
-    out = []
-    for i, c in enumerate(cfgs):
-        model, checkpoint = ens.member(i), None
-        if c.save_checkpoint and c.out_dir and status[i] == "ok":
-            checkpoint = save(model, c, os.path.join(c.out_dir, "ckpt", c.file_name() + ".pt"))
-        final = {k: v for k, v in (histories[i][-1] if histories[i] else {}).items() if k != "lr"}
-        result = {"config": asdict(c), "name": c.name(), "status": status[i], "error": errors[i],
-                  "n_params": n_params, "device": device, "final": final, "history": histories[i],
-                  "wall_s": round(wall, 2), "steps_done": steps_done[i], "total_steps": total,
-                  "steps_per_s": rate, "checkpoint": checkpoint, "timeline_s": round(timeline_s[i], 3),
-                  "group": {"size": r, "index": i}}
-        out.append((_json_safe(result), model))
-    return out
+
+def make_step(model, tokens, queries, answers, lr, forward=None):
+    """A closure doing one training step of `model` on one batch as train() steps (answer_loss, then
+    adamw); it returns the loss. forward(tokens, readout=), if given, stands in for model in the loss
+    (`run.py bench` times a naive full-vocabulary head that way)."""
+    optimizer = adamw(model, lr)
+
+    def step():
+        loss = answer_loss(forward or model, tokens, queries, answers)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+    return step
 
 
 def time_group(configs, steps=20):
@@ -979,19 +1031,10 @@ def time_group(configs, steps=20):
     cfgs = _group_of(configs)
     cfg, device = cfgs[0], resolve_device(cfgs[0].device)
     data = make_data(cfg)
-    width = int(data.train.lengths[: cfg.batch_size].max())
-    x, q, y = (t[: cfg.batch_size].to(device) for t in (data.train.tokens[:, :width], data.train.positions["query"],
-                                                         data.train.answers))
+    x, q, y = training_batches(cfg, data, device)(0)
     if len(cfgs) == 1:
         model = build(cfg, data.vocab_size).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-        def step():
-            loss = answer_loss(model, x, q, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            return loss
+        step = make_step(model, x, q, y, cfg.lr)
     else:
         ensemble = Ensemble([build(c, data.vocab_size).to(device) for c in cfgs])
         model, step = ensemble.base, lambda: ensemble.step(x, q, y, [c.lr for c in cfgs], 1)
@@ -1096,18 +1139,10 @@ def load(path, device="cpu"):
 # Sweeps: a grid of runs, one JSON line per finished run, resumable.
 # ----------------------------------------------------------------------------------------------
 
-def grid_configs(base_cfg, archs, widths, lrs, seeds, per_arch=None):
-    """The configs of the grid, in order arch -> width -> lr -> seed. lrs: list, or dict arch -> list.
-    per_arch: optional dict arch -> Config overrides for that architecture (e.g. its step count)."""
-    configs = []
-    for arch in archs:
-        arch_lrs = lrs[arch] if isinstance(lrs, dict) else lrs
-        arch_cfg = replace(base_cfg, **(per_arch or {}).get(arch, {}))
-        for width in widths:
-            for lr in arch_lrs:
-                for seed in seeds:
-                    configs.append(replace(arch_cfg, arch=arch, d_model=width, lr=float(lr), seed=seed))
-    return configs
+def grid_configs(base_cfg, archs, widths, lrs, seeds):
+    """The configs of the grid, in order arch -> width -> lr -> seed."""
+    return [replace(base_cfg, arch=arch, d_model=width, lr=float(lr), seed=seed)
+            for arch in archs for width in widths for lr in lrs for seed in seeds]
 
 
 RECORD_CONFIG_KEYS = ("arch", "d_model", "lr", "seed")   # what best_by_lr reads from every record's config
@@ -1311,45 +1346,181 @@ def is_complete(record, requires=()):
     return record.get("status") != "ok" or all(record.get(k) is not None for k in requires)
 
 
-def _run_one(cfg, after, jobs, results_path=None, key=None, previous=None, requires=()):
-    """One run of a sweep (in this process or a worker): claim it, train it (or patch its saved model,
-    when `previous` is its record lacking what `requires` asks), apply `after`, append the record to
-    results_path, release the claim. The record is written before the claim goes, so there is no
-    moment when another process sees the run neither claimed nor recorded.
+def sweep(base_cfg, archs=None, widths=None, lrs=None, seeds=None, *, results_path, jobs=1, after=None,
+          log=None, group_size="auto"):
+    """Train every (arch, width, lr, seed) of the grid not already in results_path; return the grid's
+    records (old and new) in grid order. base_cfg may also be the list of Configs to run (an
+    experiment's grid, experiment_configs), and then the grid arguments are not used.
 
-    Returns the record. A run that another live process holds comes back with status "claimed" (and
-    "claimed_by"), untrained; one that another process recorded since the sweep read the file comes
-    back as that record. Never raises on a bad run: a crash gives status "error" (not saved, so a
-    rerun retries). Without results_path: no claim, no file, only the run."""
-    if jobs > 1:
-        torch.set_num_threads(1)
-    if results_path is None:
-        return _produce(cfg, after, previous)
-    holder = claim(results_path, key, cfg.name())
-    if holder is not None:
-        return {"config": asdict(cfg.resolved()), "name": cfg.name(), "status": "claimed", "claimed_by": holder}
+    Each finished run is appended to results_path at once as one JSON line (by the process that trained
+    it), so Ctrl-C or SIGTERM loses only the runs in flight. Resume: a run already there (same run_key,
+    see KEY_EXCLUDED) is skipped only when its record has everything now asked for: when `after`
+    declares the record keys it adds (after.adds, e.g. ("mechanism",)), a finished run recorded
+    without them is patched from its checkpoint, or trained again when there is none, and the log
+    says so. The same run twice in the grid is done and returned once.
+
+    Several processes may share results_path: each run is claimed just before it starts (claim(); a
+    file under claims/ next to results_path), a run claimed by another live process is skipped and
+    reported, and records that other processes wrote meanwhile are picked up at the end.
+
+    jobs > 1 trains in that many worker processes ("spawn", one thread each); stopping the sweep stops
+    them (no orphans) and drops their claims. after(model, data, cfg, result) -> dict, if given, runs
+    in the worker on each successful run and its dict is merged into the record before it is written
+    (run.py uses it for the interventions); it must be a module-level function so that it can be
+    sent to a worker.
+
+    group_size: runs that differ only in lr and seed are trained as one batched model (train_group)
+    in groups of at most group_size (make_groups; None: one group per cell; "auto": 1 on a CPU, where
+    every run trains alone, one group per cell elsewhere). A group's records are written when the
+    group finishes; `jobs` groups run at once.
+    """
+    log = log or stderr_log()
+    configs = list(base_cfg) if isinstance(base_cfg, (list, tuple)) else \
+        grid_configs(base_cfg, archs, widths, lrs, seeds)
+    check_runs(configs)                        # bad input fails here, before any training
+    requires = tuple(getattr(after, "adds", ())) if after is not None else ()
+    os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
+    done, unique, todo = _pending(configs, results_path, requires, log)
+    size = default_group_size(configs[0].device) if group_size == "auto" else group_size
+    by_key = {key: (key, cfg, previous) for key, cfg, previous in todo}
+    groups = [[by_key[run_key(asdict(c.resolved()))] for c in g] for g in make_groups([c for _, c, _ in todo], size)]
+    new = _run_groups(groups, after, jobs, results_path, requires)
+    _pick_up_claimed(new, unique, results_path, requires, log)
+    return [new.get(k) or done[k] for k in unique if k in new or k in done]
+
+
+def check_runs(configs):
+    """Raise ValueError (one line) for the first bad run of `configs`: a bad field (Config.check), a task
+    that cannot be generated (probe_task, once per task) or documents longer than the model takes
+    (check_length). Cheap: call it before a long sweep. Returns the first run's vocabulary size."""
+    for cfg in configs:
+        cfg.check()
+    vocab = {}
+    for cfg in configs:
+        if _data_key(cfg) not in vocab:
+            vocab[_data_key(cfg)] = probe_task(cfg)
+        check_length(cfg)
+    return vocab[_data_key(configs[0])] if configs else None
+
+
+def _pending(configs, results_path, requires, log):
+    """(done, unique, todo) of a sweep: the latest record of every run in results_path, by run_key; the
+    grid's runs by run_key, each once, in grid order; and (key, config, previous record or None) of
+    every run still to do: not recorded, or recorded without what `requires` asks."""
+    done = {run_key(record["config"]): record for record in read_results(results_path)}   # later ones win
+    unique = {}
+    for cfg in configs:
+        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
+    if len(unique) < len(configs):
+        log(f"sweep: {len(configs) - len(unique)} repeated run(s) in the grid collapsed (same config twice)")
+    todo = [(k, cfg, done.get(k)) for k, cfg in unique.items() if not (k in done and is_complete(done[k], requires))]
+    if len(todo) < len(unique):
+        log(f"sweep: {len(unique) - len(todo)} of {len(unique)} runs already in {results_path}; skipped")
+    lacking = [previous for _, _, previous in todo if previous is not None]
+    if lacking:
+        saved = sum(1 for prev in lacking if prev.get("checkpoint") and os.path.isfile(prev["checkpoint"]))
+        log(f"sweep: {len(lacking)} run(s) in {results_path} were recorded without {', '.join(requires)}: "
+            f"{saved} will be patched from their checkpoints, {len(lacking) - saved} trained again")
+    return done, unique, todo
+
+
+def _run_groups(groups, after, jobs, results_path, requires):
+    """Run a sweep's groups (each a list of (key, config, previous)) here or, with jobs > 1, in that many
+    worker processes; {run_key: record}. Stopping the sweep stops the workers and drops their claims."""
+    new = {}
+    if jobs <= 1 or len(groups) <= 1:
+        for group in groups:
+            new.update(zip([key for key, _, _ in group], _run_group(group, after, results_path, requires)))
+        return new
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+    _make_data.cache_clear()   # the workers generate their own documents: free the parent's copy
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(groups)), initializer=_worker_init,
+                               initargs=(os.getpid(),), mp_context=multiprocessing.get_context("spawn"))
     try:
-        for record in reversed(read_results(results_path, warn=False)):   # the latest record of the run
-            if run_key(record["config"]) == key:
-                if is_complete(record, requires):
-                    return record
-                previous = record
-                break
-        record = _produce(cfg, after, previous)
+        futures = {pool.submit(_run_group, group, after, results_path, requires): [key for key, _, _ in group]
+                   for group in groups}
+        for future in as_completed(futures):
+            new.update(zip(futures[future], future.result()))
+    except BrokenProcessPool:  # a worker was killed: stop the others, keep what is written
+        _stop_workers(pool, results_path)
+        raise WorkerLost(f"a worker process died (killed by a signal, or out of memory); finished runs "
+                         f"are kept in {results_path}; rerun to continue") from None
+    except BaseException:      # Ctrl-C, SIGTERM (run.py raises it as KeyboardInterrupt), a crash
+        _stop_workers(pool, results_path)
+        raise
+    pool.shutdown(wait=True)
+    return new
+
+
+def _pick_up_claimed(new, unique, results_path, requires, log):
+    """Replace each "claimed" record of `new` (a run another process held) by the record that process
+    has written since; a run it has not finished yet is dropped from `new`, and the log says so."""
+    claimed = [key for key in unique if key in new and new[key]["status"] == "claimed"]
+    if not claimed:
+        return
+    latest = {run_key(r["config"]): r for r in read_results(results_path, warn=False)}
+    for key in claimed:
+        holder = new.pop(key)["claimed_by"]
+        if key in latest and is_complete(latest[key], requires):
+            new[key] = latest[key]
+        else:
+            log(f"sweep: {unique[key].name()} is being trained by {holder.get('host')} pid "
+                f"{holder.get('pid')}; not done here (rerun once it has finished to include it)")
+
+
+def _run_group(group, after, results_path, requires):
+    """The runs of one group of a sweep, [(key, config, previous record or None)] of configs that differ
+    only in lr and seed, in this process or a worker. Each run is claimed (one another live process
+    holds comes back as a "claimed" record, untrained) and looked up again (one another process has
+    recorded since the sweep read the file comes back as that record); a run recorded without what
+    `requires` asks is patched from its checkpoint; the rest train together (train_group; one alone:
+    train). `after` is applied, each record appended to results_path, and the claims released: a
+    record is written before its claim goes, so no other process sees a run neither claimed nor
+    recorded. Returns the records in order. Never raises on a bad run: a crash gives status "error"
+    (not saved, so a rerun retries)."""
+    records, held, fresh = [None] * len(group), [], []
+
+    def keep(i, record):
+        records[i] = record
         if record["status"] != "error":
             append_result(results_path, record)
-        return record
+
+    try:
+        for i, (key, cfg, previous) in enumerate(group):
+            holder = claim(results_path, key, cfg.name())
+            if holder is not None:
+                records[i] = _stub(cfg, "claimed", claimed_by=holder)
+                continue
+            held.append(key)
+            latest = [r for r in read_results(results_path, warn=False) if run_key(r["config"]) == key]
+            previous = latest[-1] if latest else previous
+            if previous is not None and is_complete(previous, requires):   # recorded meanwhile elsewhere
+                records[i] = previous
+            elif previous is not None:
+                keep(i, _patch(cfg, after, previous) or _train_all([cfg], after)[0])
+            else:
+                fresh.append(i)
+        for i, record in zip(fresh, _train_all([group[i][1] for i in fresh], after)):
+            keep(i, record)
     finally:
-        release(results_path, key)
+        for key in held:
+            release(results_path, key)
+    return records
 
 
-def _produce(cfg, after, previous=None):
-    """The record of one run: `previous` patched from its checkpoint when that works, else trained."""
-    if previous is not None and after is not None:
-        record = _patch(cfg, after, previous)
-        if record is not None:
-            return record
-    return _train_and_after(cfg, after)
+def _train_all(cfgs, after):
+    """The records of runs trained together (train_group; one run: train), `after` applied to each.
+    A crash gives each run a record with status "error" (never written, so a rerun retries)."""
+    if not cfgs:
+        return []
+    try:
+        pairs = [train(cfgs[0])] if len(cfgs) == 1 else train_group(cfgs)
+    except Exception as e:
+        traceback.print_exc()
+        return [_stub(cfg, "error", error=f"{type(e).__name__}: {e}") for cfg in cfgs]
+    return [_apply_after(after, model, cfg, result) for cfg, (result, model) in zip(cfgs, pairs)]
 
 
 def _patch(cfg, after, previous):
@@ -1358,7 +1529,7 @@ def _patch(cfg, after, previous):
     file of another run with the same name), and then the run is trained again."""
     path = previous.get("checkpoint")
     log = stderr_log(f"[{cfg.name()}] ")
-    if not path or not os.path.isfile(path):
+    if after is None or not path or not os.path.isfile(path):
         return None
     try:
         model, saved = load(path, device=resolve_device(cfg.device))
@@ -1369,94 +1540,25 @@ def _patch(cfg, after, previous):
         log(f"{path} holds another run with the same name; training the run again")
         return None
     log(f"recorded without {', '.join(getattr(after, 'adds', ('what is now asked',)))}: patching its saved model {path}")
-    record = {k: v for k, v in previous.items() if k != "after_error"}
-    try:
-        record.update(after(model, make_data(cfg), cfg.resolved(), record) or {})
-    except Exception as e:
-        traceback.print_exc()
-        record["after_error"] = f"{type(e).__name__}: {e}"
+    return _apply_after(after, model, cfg, {k: v for k, v in previous.items() if k != "after_error"})
+
+
+def _apply_after(after, model, cfg, record):
+    """record (JSON-safe) with after(model, data, cfg, record)'s dict merged in when the run finished;
+    an exception in `after` is printed and kept as "after_error" (the training is still worth keeping)."""
+    if after is not None and record["status"] == "ok":
+        try:
+            record.update(after(model, make_data(cfg), cfg.resolved(), record) or {})
+        except Exception as e:
+            traceback.print_exc()
+            record["after_error"] = f"{type(e).__name__}: {e}"
     return _json_safe(record)
 
 
-def _train_and_after(cfg, after):
-    """Train one config and apply `after`. Never raises on a bad run: returns a record with status
-    "error" (not saved, so a rerun retries) if training crashed."""
-    try:
-        result, model = train(cfg)
-    except KeyboardInterrupt:
-        raise
-    except Exception as e:
-        traceback.print_exc()
-        return {"config": asdict(cfg.resolved()), "name": cfg.name(), "status": "error",
-                "error": f"{type(e).__name__}: {e}"}
-    if after is not None and result["status"] == "ok":
-        try:
-            result.update(after(model, make_data(cfg), cfg.resolved(), result) or {})
-        except Exception as e:   # the training result is still worth keeping
-            traceback.print_exc()
-            result["after_error"] = f"{type(e).__name__}: {e}"
-    return _json_safe(result)
-
-
-def _run_group(cfgs, after, jobs, results_path=None, keys=None, prevs=None, requires=()):
-    """The runs of one group of a sweep (configs that differ only in lr and seed), in this process or a
-    worker: what _run_one does for each (claim, skip what another process holds or has recorded,
-    apply `after`, append the record, release), with the training of those left done by one
-    train_group. Runs that only need patching (a `prevs` record), and a group left with one run, go
-    through _run_one. Returns the records in order. Never raises on a bad run: a crash of the group
-    gives each of its runs a record with status "error" (not saved, so a rerun retries)."""
-    n = len(cfgs)
-    keys, prevs = keys or [None] * n, prevs or [None] * n
-    fresh = [i for i in range(n) if prevs[i] is None]
-    if len(fresh) <= 1:
-        return [_run_one(c, after, jobs, results_path, k, p, requires) for c, k, p in zip(cfgs, keys, prevs)]
-    if jobs > 1:
-        torch.set_num_threads(1)
-    records = [None if i in fresh else _run_one(cfgs[i], after, jobs, results_path, keys[i], prevs[i], requires)
-               for i in range(n)]
-    held, todo = [], []
-    try:
-        for i in fresh:
-            if results_path is not None:
-                holder = claim(results_path, keys[i], cfgs[i].name())
-                if holder is not None:
-                    records[i] = {"config": asdict(cfgs[i].resolved()), "name": cfgs[i].name(),
-                                  "status": "claimed", "claimed_by": holder}
-                    continue
-                held.append(keys[i])
-                latest = [r for r in read_results(results_path, warn=False) if run_key(r["config"]) == keys[i]]
-                if latest and is_complete(latest[-1], requires):          # recorded meanwhile elsewhere
-                    records[i] = latest[-1]
-                    continue
-            todo.append(i)
-        if len(todo) == 1:
-            trained = [_train_and_after(cfgs[todo[0]], after)]
-        else:
-            try:
-                pairs = train_group([cfgs[i] for i in todo])
-            except KeyboardInterrupt:
-                raise
-            except Exception as e:
-                traceback.print_exc()
-                pairs = [({"config": asdict(cfgs[i].resolved()), "name": cfgs[i].name(), "status": "error",
-                           "error": f"{type(e).__name__}: {e}"}, None) for i in todo]
-            trained = []
-            for i, (result, model) in zip(todo, pairs):
-                if after is not None and result["status"] == "ok":
-                    try:
-                        result.update(after(model, make_data(cfgs[i]), cfgs[i].resolved(), result) or {})
-                    except Exception as e:   # the training result is still worth keeping
-                        traceback.print_exc()
-                        result["after_error"] = f"{type(e).__name__}: {e}"
-                trained.append(_json_safe(result))
-        for i, record in zip(todo, trained):
-            if results_path is not None and record["status"] != "error":
-                append_result(results_path, record)
-            records[i] = record
-    finally:
-        for key in held:
-            release(results_path, key)
-    return records
+def _stub(cfg, status, **fields):
+    """The record of a run that has no result: status "error" (it crashed) or "claimed" (another process
+    trains it). Neither is ever written to results.jsonl."""
+    return {"config": asdict(cfg.resolved()), "name": cfg.name(), "status": status, **fields}
 
 
 def _worker_init(parent=None):
@@ -1506,103 +1608,29 @@ class WorkerLost(RuntimeError):
     """A sweep worker process died under the sweep (killed by a signal, or by the out-of-memory killer)."""
 
 
-def sweep(base_cfg, archs=None, widths=None, lrs=None, seeds=None, *, results_path, jobs=1, after=None,
-          log=None, per_arch=None, group_size="auto"):
-    """Train every (arch, width, lr, seed) of the grid not already in results_path; return the grid's
-    records (old and new) in grid order. base_cfg may also be the list of Configs to run (an
-    experiment's grid, experiment_configs), and then the grid arguments are not used.
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what timeout, SLURM, systemd and kill send) raised in the main thread by
+    sigterm_as_interrupt. A KeyboardInterrupt, so that it takes Ctrl-C's path everywhere: a sweep stops
+    its workers and drops their claims, finished runs stay in results.jsonl, and a rerun resumes."""
 
-    Each finished run is appended to results_path at once as one JSON line (by the process that trained
-    it), so Ctrl-C or SIGTERM loses only the runs in flight. Resume: a run already there (same run_key,
-    see KEY_EXCLUDED) is skipped only when its record has everything now asked for: when `after`
-    declares the record keys it adds (after.adds, e.g. ("mechanism",)), a finished run recorded
-    without them is patched from its checkpoint, or trained again when there is none, and the log
-    says so. The same run twice in the grid is done and returned once.
 
-    Several processes may share results_path: each run is claimed just before it starts (claim(); a
-    file under claims/ next to results_path), a run claimed by another live process is skipped and
-    reported, and records that other processes wrote meanwhile are picked up at the end.
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While the block runs, SIGTERM raises Terminated in the main thread (Python's default for SIGTERM
+    is to die at once, leaving a sweep's workers training as orphans); the previous handler comes
+    back after. Outside the main thread (no signal handlers there) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-    jobs > 1 trains in that many worker processes ("spawn", one thread each); stopping the sweep stops
-    them (no orphans) and drops their claims. after(model, data, cfg, result) -> dict, if given, runs
-    in the worker on each successful run and its dict is merged into the record before it is written
-    (run.py uses it for the interventions); it must be a module-level function so that it can be
-    sent to a worker.
+    def handler(signum, frame):
+        raise Terminated()
 
-    group_size: runs that differ only in lr and seed are trained as one batched model (train_group)
-    in groups of at most group_size (make_groups; None: one group per cell; "auto": 1 on a CPU, where
-    every run trains alone as before, one group per cell elsewhere). A group's records are written
-    when the group finishes; `jobs` groups run at once.
-    """
-    log = log or stderr_log()
-    configs = list(base_cfg) if isinstance(base_cfg, (list, tuple)) else \
-        grid_configs(base_cfg, archs, widths, lrs, seeds, per_arch)
-    for cfg in configs:                        # bad input fails here, before any training
-        cfg.check()
-    for key in {_data_key(c) for c in configs}:
-        probe_task(next(c for c in configs if _data_key(c) == key))
-    for cfg in configs:                        # documents longer than a model's positions, too
-        check_length(cfg)
-    requires = tuple(getattr(after, "adds", ())) if after is not None else ()
-    os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
-    done = {}
-    for record in read_results(results_path):  # a later record of a run supersedes an earlier one
-        done[run_key(record["config"])] = record
-    unique = {}                                # run_key -> config, in grid order, each run once
-    for cfg in configs:
-        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
-    if len(unique) < len(configs):
-        log(f"sweep: {len(configs) - len(unique)} repeated run(s) in the grid collapsed (same config twice)")
-    keys = list(unique)
-    todo = [(k, unique[k], done.get(k)) for k in keys if not (k in done and is_complete(done[k], requires))]
-    if len(todo) < len(keys):
-        log(f"sweep: {len(keys) - len(todo)} of {len(keys)} runs already in {results_path}; skipped")
-    lacking = [prev for _, _, prev in todo if prev is not None]
-    if lacking:
-        saved = sum(1 for prev in lacking if prev.get("checkpoint") and os.path.isfile(prev["checkpoint"]))
-        log(f"sweep: {len(lacking)} run(s) in {results_path} were recorded without {', '.join(requires)}: "
-            f"{saved} will be patched from their checkpoints, {len(lacking) - saved} trained again")
-    new = {}
-    by_key = {key: (key, cfg, prev) for key, cfg, prev in todo}
-    size = default_group_size(configs[0].device) if group_size == "auto" else group_size
-    groups = [[by_key[run_key(asdict(c.resolved()))] for c in g] for g in make_groups([c for _, c, _ in todo], size)]
-    groups = [([c for _, c, _ in g], [k for k, _, _ in g], [p for _, _, p in g]) for g in groups]  # (cfgs, keys, prevs)
-
-    if jobs <= 1 or len(groups) <= 1:
-        for cfgs, group_keys, prevs in groups:
-            new.update(zip(group_keys, _run_group(cfgs, after, 1, results_path, group_keys, prevs, requires)))
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-        from concurrent.futures.process import BrokenProcessPool
-        _make_data.cache_clear()   # the workers generate their own documents: free the parent's copy
-        pool = ProcessPoolExecutor(max_workers=min(jobs, len(groups)), initializer=_worker_init,
-                                   initargs=(os.getpid(),), mp_context=multiprocessing.get_context("spawn"))
-        try:
-            futures = {pool.submit(_run_group, cfgs, after, jobs, results_path, group_keys, prevs, requires): group_keys
-                       for cfgs, group_keys, prevs in groups}
-            for future in as_completed(futures):
-                new.update(zip(futures[future], future.result()))
-        except BrokenProcessPool:  # a worker was killed: stop the others, keep what is written
-            _stop_workers(pool, results_path)
-            raise WorkerLost(f"a worker process died (killed by a signal, or out of memory); finished runs "
-                             f"are kept in {results_path}; rerun to continue") from None
-        except BaseException:      # Ctrl-C, SIGTERM (run.py raises it as KeyboardInterrupt), a crash
-            _stop_workers(pool, results_path)
-            raise
-        pool.shutdown(wait=True)
-
-    claimed = [k for k in keys if k in new and new[k]["status"] == "claimed"]
-    if claimed:                                # another process may have finished them by now
-        latest = {run_key(r["config"]): r for r in read_results(results_path, warn=False)}
-        for key in claimed:
-            holder = new.pop(key)["claimed_by"]
-            if key in latest and is_complete(latest[key], requires):
-                new[key] = latest[key]
-            else:
-                log(f"sweep: {unique[key].name()} is being trained by {holder.get('host')} pid "
-                    f"{holder.get('pid')}; not done here (rerun once it has finished to include it)")
-    return [new.get(k) or done[k] for k in keys if k in new or k in done]
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def best_by_lr(results, metric="acc"):
@@ -1651,22 +1679,135 @@ def best_by_lr(results, metric="acc"):
 
 
 # ----------------------------------------------------------------------------------------------
+# The summary table (run.py prints it for a sweep, and for one --checkpoint).
+# ----------------------------------------------------------------------------------------------
+
+def markdown_table(rows, paper=None):
+    """The summary table in markdown, one line per row of best_by_lr (plus its "label"): the row's best
+    run, as the paper reports the best learning rate, with its mechanism summary; the spread over seeds
+    at the chosen learning rate (when some row has several); and the paper's number for the row from
+    `paper` ({row label or arch: text}). Test and novel accuracy columns appear when some row has them."""
+    lines = []
+    for row in rows:
+        best = row["best"]
+        final, mech = best.get("final") or {}, best.get("mechanism") or {}
+        cells = {"architecture": row.get("label", row["arch"]), "parameters": f"{best['n_params']:,}",
+                 "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
+        if any(r["n_seeds"] > 1 for r in rows):
+            cells["over seeds"] = fmt_pct(row["mean"], row["std"], row["n_seeds"]) + f" ({row['n_seeds']})"
+        if "test_acc" in final:
+            cells["test accuracy"] = fmt_pct(final["test_acc"])
+        if "novel_acc" in final:
+            cells["novel accuracy"] = fmt_pct(final["novel_acc"])
+        for name, key in (("Attrib@Key", "attrib_key"), ("Attrib@Value", "attrib_value"), ("Attrib@Query", "attrib_query")):
+            cells[name] = fmt_num(mech.get(key))
+        if any((r["best"].get("mechanism") or {}).get("conv_next_key") is not None for r in rows):
+            cells["conv@next_key"] = fmt_num(mech.get("conv_next_key"))
+        cells["verdict"] = mech.get("verdict") or "-"
+        if paper is not None:
+            cells["paper"] = paper.get(cells["architecture"], paper.get(row["arch"], "-"))
+        lines.append(cells)
+    columns = list(dict.fromkeys(c for cells in lines for c in cells))   # optional columns of any row
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+                     + ["| " + " | ".join(cells.get(c, "-") for c in columns) + " |" for cells in lines])
+
+
+def report(records, configs, name, preset, out):
+    """The summary of a sweep: the rows of best_by_lr, labelled (row_label), and the text run.py
+    prints: the table (markdown_table), a note on what it shows and the timeline (timeline_text), also
+    written to out/results_<name>.md; each row's full mechanism copied to out/mechanism_<name>_<row>.json."""
+    rows = best_by_lr(records)
+    if not rows:
+        raise ValueError("no run finished; nothing to report")
+    for row in rows:
+        row["label"] = row_label(Config(**row["best"]["config"]), configs)
+    exp = EXPERIMENTS[name]
+    table = markdown_table(rows, exp.paper)
+    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
+    note = (f"accuracy: final model on {configs[0].eval_size} fresh documents, the best run of the row's grid "
+            f"(learning rate: {chosen}); over seeds: mean ± std at that learning rate; Attrib@X: the best "
+            f"run's restoration of the clean answer probability (block input of layer 1); paper: "
+            f"{exp.section}, its largest width unless it says otherwise.")
+    timelines = "\n".join(timeline_text(row) for row in rows)
+    with open(os.path.join(out, f"results_{name}.md"), "w") as f:
+        f.write(f"# mechsm results: experiment {name}, preset {preset}\n\n{table}\n\n{note}\n\n{timelines}\n")
+    for row in rows:
+        path = row["best"].get("mechanism_path")
+        if path and os.path.exists(path):
+            slug = row["label"].replace(" ", "_").replace("(", "").replace(")", "").replace(",", "")
+            shutil.copyfile(path, os.path.join(out, f"mechanism_{name}_{slug}.json"))
+    return rows, (f"{table}\n{note}\n\ntimeline (step: accuracy, Attrib@Value / Attrib@Query on the first "
+                  f"{configs[0].timeline_docs} eval documents; '-' = too little signal to read):\n{timelines}")
+
+
+def fmt_pct(mean, std=None, n=1):
+    """'98.4%', or '50.7% ± 43.9' over n > 1 seeds; '-' when missing."""
+    if mean is None:
+        return "-"
+    return f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}" if n > 1 else "")
+
+
+def fmt_num(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def timeline_text(row, max_rows=6):
+    """The best run's history as one line: 'mamba: 0: 0% -/-; 2000: 45% 0.01/0.97; ...' with at most
+    max_rows evaluations (evenly spaced, the last one always kept): accuracy, Attrib@Value/Attrib@Query."""
+    history = row["best"].get("history") or []
+    keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
+    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {fmt_attrib(h, 'attrib_value')}/{fmt_attrib(h, 'attrib_query')}"
+             for h in (history[i] for i in keep)]
+    return f"  {row.get('label', row['arch'])}: " + "; ".join(steps)
+
+
+def pick_heatmap_row(rows):
+    """The row whose heatmap run.py prints: Mamba when it was trained and patched (the paper's central
+    contrast: it retrieves directly at the query, and its short conv carries the key forward, which
+    its internal sites show), otherwise the most accurate non-attention model, otherwise attention."""
+    candidates = [row for row in rows if row["best"].get("mechanism_path")]
+    mamba = [row for row in candidates if row["arch"] == "mamba"]
+    others = mamba or [row for row in candidates if row["arch"] != "attention"] or candidates
+    return max(others, key=lambda row: (row["best"].get("final") or {}).get("acc") or 0) if others else None
+
+
+# ----------------------------------------------------------------------------------------------
 # Interventions after training (run.py's default pipeline), as a sweep `after` hook.
 # ----------------------------------------------------------------------------------------------
 
 def run_interventions(model, data, cfg, result):
-    """Run interventions.mechanism on the eval set of a trained model; write the full result to
-    <out_dir>/mechanism/<run name>.json and return {"mechanism": summary, "mechanism_path": path}."""
+    """The sweep's `after` hook: patch_model, the full result written to
+    <out_dir>/mechanism/<file name>.json when cfg has an out_dir."""
+    path = os.path.join(cfg.out_dir, "mechanism", cfg.file_name() + ".json") if cfg.out_dir else None
+    return patch_model(model, data, cfg, path)
+
+
+run_interventions.adds = ("mechanism",)   # what a record must carry to count as patched (sweep's resume)
+
+
+def patch_model(model, data, cfg, path=None):
+    """Run interventions.mechanism on the eval set of a trained model; write the full result to `path`
+    (if given) and return {"mechanism": its summary, "mechanism_path": path}."""
     import interventions
     mech = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
-    path = None
-    if cfg.out_dir:
-        path = os.path.join(cfg.out_dir, "mechanism", cfg.file_name() + ".json")
+    if path is not None:
         write_json(path, mech)
     return {"mechanism": mechanism_summary(mech), "mechanism_path": path}
 
 
-run_interventions.adds = ("mechanism",)   # what a record must carry to count as patched (sweep's resume)
+def evaluate_saved(model, cfg, checkpoint, folder, device, eval_size=None, patch=True):
+    """The record of a saved model (model, cfg = load(checkpoint, device)) evaluated on its own task as a
+    sweep records a run: config, status, n_params, final metrics (eval_size documents; None keeps the
+    run's), checkpoint, and with patch its mechanism (patch_model, the full result in
+    folder/mechanism.json). The record is written to folder/result.json."""
+    cfg = replace(cfg, out_dir=None, device=device, save_checkpoint=False, eval_size=eval_size or cfg.eval_size).check()
+    data = make_data(cfg)
+    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "n_params": models.count_parameters(model),
+              "final": evaluate_all(model, data, novel_masks(cfg, data)), "checkpoint": os.path.abspath(checkpoint)}
+    if patch:
+        record.update(patch_model(model, data, cfg, os.path.join(folder, "mechanism.json")))
+    write_json(os.path.join(folder, "result.json"), record)
+    return record
 
 
 def mechanism_summary(mech):
@@ -1687,3 +1828,4 @@ def write_json(path, obj):
         json.dump(_json_safe(obj), f, indent=1)
     os.replace(tmp, path)
     return path
+

@@ -1,17 +1,16 @@
-"""models.py: the language-model backbone, seven sequence mixers and the kernels they need, in plain PyTorch.
+"""models.py: the language model, its seven sequence mixers and the kernels they run on, in plain PyTorch.
 
-Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 4 and App. B. The paper's models are zoology's (github.com/HazyResearch/zoology:
-zoology/model.py for the backbone, zoology/mixers/*.py for attention, base_conv, based, hyena and h3),
-mamba-ssm's (github.com/state-spaces/mamba: mamba_ssm/modules/mamba_simple.py) and, for DeltaNet,
-flash-linear-attention's (github.com/fla-org/flash-linear-attention: fla/layers/delta_net.py). Every
-mixer here keeps their parameter names, shapes and initialisation, in plain PyTorch with a HookPoint
-on every tensor an intervention may patch (README, difference 10).
+Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
+2505.15105), Sec. 4 and App. B, with the upstream modules' parameter names, shapes and initialisation:
+zoology (github.com/HazyResearch/zoology: zoology/model.py, zoology/mixers/*.py), mamba-ssm
+(github.com/state-spaces/mamba: mamba_ssm/modules/mamba_simple.py) and, for DeltaNet, flash-linear-attention
+(github.com/fla-org/flash-linear-attention: fla/layers/delta_net.py); but every mixer is plain PyTorch with
+a HookPoint on every tensor an intervention may patch (README, difference 10). Sections: 1 HookPoint and
+Mixer; 2 reference kernels, slow and obviously correct; 3 the mixers; 4 blocks, LM, init pass, registry,
+build_model; 5 fast kernels, each equal to a reference of 2 (mixers look them up by name when they run).
 
-Shape glossary (used in every comment of this file):
-  b batch   l sequence length   d d_model   e Mamba inner width (2d)   n SSM state size
-  h heads   k head width (d/h)  f Based feature dim   v vocabulary   c channels of a conv
-  r members of a torch.func.vmap (an ensemble of models trained as one, mechsm.train_group)
+Shapes: b batch, l length, d d_model, e Mamba inner width (2d), n SSM state, h heads, k head width (d/h),
+f Based features, v vocabulary, c conv channels, r members of a vmapped ensemble (mechsm.train_group).
 """
 
 import difflib
@@ -24,22 +23,75 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-# ----------------------------------------------------------------------------------------------
-# Kernels. Each fast kernel has a slow, obviously correct twin right beside it; test_all.py checks
-# that the two agree in values and gradients.
-# ----------------------------------------------------------------------------------------------
+# ============================================ 1. Hook points and the mixer interface
+
+class HookPoint(nn.Module):
+    """Identity module marking an intervention site, which interventions.py patches with a forward hook.
+    seq_dim indexes token positions (1 for (b, l, ...), 2 for the (b, h, l, l) attention patterns, whose rows
+    are query positions), or is None for tensors of parameters alone (filters, kernels)."""
+
+    def __init__(self, seq_dim=1):
+        super().__init__()
+        self.seq_dim = seq_dim
+
+    def forward(self, x):
+        return x
+
+
+class Mixer(nn.Module):
+    """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers, reference, **options)
+    (options it does not use are ignored); subclasses implement `mix`. hook_in sees the input (after the block's
+    norm), hook_out the output; INTERNAL_SITES names the inner hooks interventions.py patches by default."""
+    INTERNAL_SITES = []
+
+    def __init__(self, reference=False):
+        super().__init__()
+        self.reference = reference  # run the slow reference kernels of section 2 instead of the fast ones
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()
+
+    def mix(self, x):
+        raise NotImplementedError
+
+    def forward(self, x):
+        return self.hook_out(self.mix(self.hook_in(x)))
+
+
+def _check_heads(d_model, n_heads):
+    if d_model % n_heads:
+        raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
+
+
+# ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
-    """The reference linear recurrence h_t = a_t * h_{t-1} + b_t along dim 1, with h_{-1} = 0.
-
-    a, b: (b, l, ...) of the same shape. Returns h with that shape. A plain Python loop under
-    autograd: slow, but impossible to get wrong. `unbind` (not `x[:, t]`) keeps the backward linear in l.
-    """
+    """h_t = a_t * h_{t-1} + b_t along dim 1, h_{-1} = 0 (a, b, h: (b, l, ...)), as a Python loop under autograd:
+    slow, but impossible to get wrong. `unbind` (not `x[:, t]`) keeps the backward linear in l."""
     h, out = torch.zeros_like(b[:, 0]), []
     for a_t, b_t in zip(a.unbind(1), b.unbind(1)):
         h = a_t * h + b_t
         out.append(h)
     return torch.stack(out, dim=1)
+
+
+def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
+    """Mamba's selective scan, materialised and left to autograd (the oracle and the benchmark baseline).
+    u, delta: (b, l, e); A: (e, n); B, C: (b, l, n) -> y (b, l, e) (Mamba eqs. 2a, 2b, 4):
+      h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t  (zero-order hold for A, Euler for B),  y_t = sum_n C_t h_t.
+    plain_scan runs h_t = a_t h_{t-1} + b_t (the GPU path of selective_scan passes the parallel scan)."""
+    decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
+    drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
+    states = plain_scan(decay, drive)                         # (b,l,e,n)
+    return torch.einsum("blen,bln->ble", states, C)
+
+
+def direct_conv(u, k):
+    """Causal long convolution y_t = sum_{s<=t} k_{t-s} u_s per channel, u: (b, l, d), k: (l, d), by the (l, l, d)
+    Toeplitz tensor T[t, s] = k[t-s] (0 above the diagonal): O(l^2 d), fine for the tens of tokens of AR."""
+    length = u.shape[1]
+    t = torch.arange(length, device=u.device)
+    lag = t[:, None] - t[None, :]                         # (l, l): t - s
+    toeplitz = k[lag.clamp(min=0)] * (lag >= 0)[..., None].to(k.dtype)  # (l, l, d)
+    return torch.einsum("tsd,bsd->btd", toeplitz, u)      # (l,l,d) x (b,l,d) -> (b,l,d)
 
 
 def _shift_right(x, s, fill):
@@ -48,41 +100,836 @@ def _shift_right(x, s, fill):
     return torch.cat([pad, x[:, :-s]], dim=1)
 
 
-def parallel_scan(a, b):
-    """The same recurrence as sequential_scan with no Python loop over the length (odd-even reduction).
+def short_conv_reference(x, weight, bias=None):
+    """Causal depthwise short convolution SC_K as the sum in its definition: y_t = bias + sum_j w_j x_{t-(K-1)+j}.
+    x: (b, l, c), weight: (c, 1, K), bias: (c,) or None; weight[:, 0, K-1] multiplies the current token (Conv1d's
+    layout, so weights move to and from zoology's ShortConvolution and mamba-ssm's conv1d unchanged)."""
+    kernel = weight.shape[-1]
+    y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
+    for j in range(kernel):
+        shift = kernel - 1 - j                           # how many steps back tap j looks
+        shifted = _shift_right(x, shift, 0.0) if shift > 0 else x
+        y = y + weight[:, 0, j] * shifted
+    return y
 
-    Each step t is the affine map h -> a_t*h + b_t, and composing two such maps is again one:
-    step 2k followed by step 2k+1 is h -> (a_{2k+1} a_{2k}) h + (a_{2k+1} b_{2k} + b_{2k+1}).
-    So: pair up neighbours, solve the half-length problem for the odd positions (recursively),
-    then fill in each even position from its left neighbour, h_2k = a_2k h_{2k-1} + b_2k.
-    Every level is a few elementwise ops over whole (b, l/2^level, ...) tensors, which is where the
-    parallelism comes from: on a GPU that is ~log2(l) levels of kernel launches instead of l steps,
-    and the total work stays O(l) because each level halves the length (Blelloch-style, unlike the
-    O(l log l) Hillis-Steele doubling). On a CPU the loop in `scan` is still faster (`run.py bench`).
-    """
-    length = a.shape[1]
-    if length == 1:
-        return b
-    if length % 2:  # pad with an identity step (a = 1, b = 0), dropped at the end
-        a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
-        b = torch.cat([b, torch.zeros_like(b[:, :1])], dim=1)
-    a_even, a_odd = a[:, 0::2], a[:, 1::2]                        # steps 0, 2, 4, ... and 1, 3, 5, ...
-    b_even, b_odd = b[:, 0::2], b[:, 1::2]
-    h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
-    h_before_even = torch.cat([torch.zeros_like(h_odd[:, :1]), h_odd[:, :-1]], dim=1)  # h_{-1}=0, h_1, h_3, ...
-    h_even = torch.addcmul(b_even, a_even, h_before_even)          # h_0, h_2, h_4, ...
-    h = torch.stack([h_even, h_odd], dim=2).flatten(1, 2)         # interleave -> (b, l (+1), ...)
-    return h[:, :length]
 
+def delta_rule_step(state, q_t, k_t, v_t, beta_t):
+    """One delta-rule update. state (b, h, k, k); q_t, k_t, v_t (b, h, k); beta_t (b, h)."""
+    retrieved = torch.einsum("bhkv,bhk->bhv", state, k_t)                          # S^T k_t
+    state = state + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
+    o_t = torch.einsum("bhkv,bhk->bhv", state, q_t) / math.sqrt(k_t.shape[-1])
+    return o_t, state
+
+
+def delta_rule_recurrent(q, k, v, beta):
+    """The delta rule as a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h) -> o (b, l, h, k):
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T   (write: move S^T k_t towards v_t),
+    o_t = S_t^T q_t / sqrt(d_k)                          (read after the write)."""
+    b, l, h, dk = k.shape
+    state = k.new_zeros(b, h, dk, v.shape[-1])                                     # S_{-1} = 0: (b, h, k, k)
+    outputs = []
+    for q_t, k_t, v_t, beta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), beta.unbind(1)):
+        o_t, state = delta_rule_step(state, q_t, k_t, v_t, beta_t)
+        outputs.append(o_t)
+    return torch.stack(outputs, dim=1)
+
+
+# ============================================ 3. The backbone pieces and the mixers
+
+class MLP(nn.Module):
+    """TransformerBlock's state mixer (zoology's MLP): GELU(x W1^T + b1) W2^T + b2, hidden width 4d."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, 4 * d_model)
+        self.fc2 = nn.Linear(4 * d_model, d_model)  # "fc2.weight" is down-scaled by the init pass
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's second norm; before the residual add
+
+    def forward(self, x):
+        x = self.hook_in(x)
+        return self.hook_out(self.fc2(F.gelu(self.fc1(x))))  # exact erf GELU: (b,l,d)->(b,l,4d)->(b,l,d)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean_c x_c^2 + 1e-5) * g, no bias (MambaBlock's norm, DeltaNet's output norm)."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.eps = 1e-5
+        self.weight = nn.Parameter(torch.ones(d_model))  # g
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(Mixer):
+    """Causal multi-head softmax attention (zoology/mixers/attention.py, MHA): q, k, v = x W_qkv^T split per
+    head; z = softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is computed explicitly (not
+    by scaled_dot_product_attention) so that it is a patchable site: z uses whatever hook_pattern returns."""
+    INTERNAL_SITES = ["hook_pattern", "hook_z"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
+        super().__init__(reference)
+        _check_heads(d_model, n_heads)
+        self.n_heads = n_heads
+        self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False hits only this
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
+        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l), rows are queries; (b,l,h,k)
+
+    def mix(self, x):
+        b, l, d = x.shape
+        h = self.n_heads
+        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # three blocks of d, head outer: (b,l,h,k) each
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
+        # Upstream adds -1e4 above the diagonal; -inf gives exactly zero weight (difference ~e^-1e4).
+        future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
+        pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
+        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))      # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
+        return self.out_proj(z.reshape(b, l, d))
+
+
+def hyena_positional_features(n_positions):
+    """Z (P, 3), the input of Hyena's and BaseConv's filter MLPs: Z[n] = (n/(P-1), cos w_n, -sin w_n), w_n =
+    2 pi 1e-4 n/P (Hyena's features, one band at frequency 1e-4: Z[n] ~ (n/(P-1), 1, 0)), never rescaled to l."""
+    n = torch.arange(n_positions, dtype=torch.float32)
+    angle = 2 * math.pi * 1e-4 * n / n_positions
+    return torch.stack([n / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=1)
+
+
+class BaseConv(Mixer):
+    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, with p = u W_p^T + b_p and c a causal conv of
+    the input u: a short depthwise conv SC_K(u) (kernel_size K >= 1) or, for kernel_size=-1, an implicit
+    long conv LC(u; kappa) + u whose filter kappa (l, d) is a small ReLU MLP of fixed positional features Z."""
+    INTERNAL_SITES = ["hook_conv", "hook_gated"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
+                 freeze_features=False, **options):
+        super().__init__(reference)
+        self.kernel_size = kernel_size
+        self.projection = nn.Linear(d_model, d_model)
+        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c * p (b,l,d)
+        if kernel_size == -1:
+            # zoology freezes Z, but tinylang/experiment.py sets requires_grad=True on every parameter at each
+            # evaluation, step 0 included: Z trained in the paper (README, difference 13). freeze_features: frozen.
+            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)  # (P, 3)
+            self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
+            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d), LC(u; kappa) (b,l,d)
+        else:
+            self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, padding=kernel_size - 1)
+
+    def mix(self, u):
+        b, l, d = u.shape
+        p = self.hook_proj(self.projection(u))
+        if self.kernel_size == -1:
+            kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
+            c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # note the built-in identity
+        else:
+            conv = short_conv_reference if self.reference else short_conv
+            c = conv(u, self.conv.weight, self.conv.bias)                  # (b,l,d)
+        c = self.hook_conv(c)
+        return self.hook_gated(c * p) + u
+
+
+def taylor_features(a):
+    """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4), vec(a a^T) / sqrt(2f)]
+    (all f^2 ordered products, row-major): phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s) with s = q.k / sqrt(f)."""
+    f = a.shape[-1]
+    outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
+    ones = torch.ones_like(a[..., :1])
+    return torch.cat([ones, a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
+
+
+class BasedAttention(Mixer):
+    """Based linear attention with the Taylor feature map (zoology/mixers/based.py), no biases:
+    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), out = y W_o^T.
+    `mix` uses the quadratic view (what the paper trained); `step` the recurrent view, with state
+    S_t = sum phi(k_s) v_s^T and normaliser z_t = sum phi(k_s)."""
+    INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, eps=1e-12, **options):
+        super().__init__(reference)
+        _check_heads(d_model, n_heads)
+        self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, eps
+        self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in range(2))
+        self.proj_v = nn.Linear(d_model, d_model, bias=False)
+        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # named as upstream: NOT down-scaled at init
+        self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
+        self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
+        self.hook_v = HookPoint()                                        # (b,l,h,k)
+        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # causal phi(q).phi(k) (b,h,l,l); y (b,l,d)
+
+    def _features(self, x):
+        """q, k, v for x (b, l, d): phi-mapped queries and keys (b,l,h,F) and values (b,l,h,k)."""
+        b, l, d = x.shape
+        h, f = self.n_heads, self.feature_dim
+        q = self.hook_q(self.proj_q(x).view(b, l, h, f))
+        k = self.hook_k(self.proj_k(x).view(b, l, h, f))
+        v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
+        return self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k)), v
+
+    def mix(self, x):
+        b, l, d = x.shape
+        phi_q, phi_k, v = self._features(x)
+        kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,F) x (b,l,h,F) -> (b,h,l,l)
+        causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
+        pattern = self.hook_pattern(kernel * causal)
+        num = torch.einsum("bhts,bshk->bthk", pattern, v)       # (b,l,h,k)
+        den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
+        y = self.hook_y((num / (den + self.eps)).reshape(b, l, d))
+        return self.proj_o(y)
+
+    def init_state(self, batch, device=None, dtype=None):
+        h, d = self.n_heads, self.proj_v.out_features
+        n_features = 1 + self.feature_dim + self.feature_dim ** 2
+        S = torch.zeros(batch, h, n_features, d // h, device=device, dtype=dtype)  # sum phi(k) v^T
+        z = torch.zeros(batch, h, n_features, device=device, dtype=dtype)          # sum phi(k)
+        return S, z
+
+    def step(self, x_t, state):
+        """One token of the recurrent view: x_t (b, d) -> (y_t (b, d), state). No hooks here."""
+        b, d = x_t.shape
+        S, z = state
+        h, f = self.n_heads, self.feature_dim
+        phi_q = taylor_features(self.proj_q(x_t).view(b, h, f))     # (b,h,F)
+        phi_k = taylor_features(self.proj_k(x_t).view(b, h, f))
+        v = self.proj_v(x_t).view(b, h, d // h)                     # (b,h,k)
+        S = S + phi_k[..., None] * v[..., None, :]                  # (b,h,F,k)
+        z = z + phi_k
+        num = torch.einsum("bhf,bhfk->bhk", phi_q, S)
+        den = (phi_q * z).sum(-1, keepdim=True)                     # (b,h,1)
+        return self.proj_o((num / (den + self.eps)).reshape(b, d)), (S, z)
+
+
+class H3(Mixer):
+    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM over the m x m outer
+    products k~ v^T: k~ = LC(k; K^s) + D^k*k, w_{h,i,j} = LC(k~_{h,i} v_{h,j}; K^d_h) + D^d_h k~_{h,i} v_{h,j},
+    o_{h,j} = sum_i q_{h,i} w_{h,i,j}, out = o W_o + b_o (o's channels in the order j*H + h). As attention:
+    w_t is a per-head m x m fast-weight memory, decaying through the SSM, read by q_t. `step`: the recurrences."""
+    INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
+
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2, **options):
+        super().__init__(reference)
+        d, n, m = d_model, h3_d_state, h3_head_dim
+        if d % m or n % 2:
+            raise ValueError(f"H3 needs d_model % h3_head_dim == 0 and an even d_state (got {d}, {m}, {n})")
+        self.d_state, self.head_dim, self.n_heads = n, m, d // m
+        h = self.n_heads
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        # Shift SSM, one per channel: state = down-shift(state) + B^s k_t, output C^s . state.
+        shift_B = torch.zeros(d, n)
+        shift_B[:, 0] = 1.0                                  # at init K^s = C^s[:, :l]
+        self.shift_B = nn.Parameter(shift_B)                                        # (d, n)
+        self.shift_C = nn.Parameter(torch.empty(d, n).uniform_(-n ** -0.5, n ** -0.5))  # (d, n)
+        self.shift_D = nn.Parameter(torch.randn(d))                                 # D^k
+        # Diagonal S4D-Lin SSM, one per head: n/2 complex modes (their conjugates are the factor 2).
+        self.log_dt = nn.Parameter(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)))
+        self.log_neg_A_real = nn.Parameter(torch.full((h, n // 2), math.log(0.5)))  # rho: Re A = -1/2
+        self.A_imag = nn.Parameter(math.pi * torch.arange(n // 2).float().repeat(h, 1))  # theta: pi*n
+        diag_B = torch.zeros(h, n // 2, 2)
+        diag_B[..., 0] = 1.0                                                        # B^d = 1 + 0i
+        self.diag_B = nn.Parameter(diag_B)                                          # (h, n/2, re/im)
+        self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))      # standard complex normal
+        self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
+        self.output_linear = nn.Linear(d, d)  # not called out_proj upstream, so NOT down-scaled
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b, l, d)
+        self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()  # K^s (l, d), LC(k; K^s) (b, l, d)
+        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()                        # (b, l, d), (b, l, h, m, m)
+        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()    # K^d (l, h), w (b, l, h, m, m)
+        self.hook_y = HookPoint()                                                         # (b, l, d): before output_linear
+
+    def shift_kernel(self, length):
+        """K^s (l, d): K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag], the shift SSM's impulse response."""
+        n = self.d_state
+        if length > n:
+            raise ValueError(f"H3: sequence length {length} exceeds d_state={n}; raise h3_d_state")
+        B, C = self.shift_B, self.shift_C
+        if self.reference:
+            lags = [(B[:, :n - lag] * C[:, lag:]).sum(-1) for lag in range(length)]  # l x (d,)
+            return torch.stack(lags, dim=0)                                          # (l, d)
+        # Cross-correlation by FFT; padding to 2n keeps lags 0..n-1 free of wrap-around.
+        work = torch.promote_types(B.dtype, torch.float32)                           # no half-precision FFT on CPU
+        spectrum = torch.fft.rfft(C.to(work), n=2 * n) * torch.fft.rfft(B.to(work), n=2 * n).conj()  # (d, n+1)
+        return torch.fft.irfft(spectrum, n=2 * n)[:, :length].T.to(B.dtype)          # (l, d)
+
+    def diag_modes(self):
+        """(A_bar, W) (h, n/2) complex, the bilinear (Tustin) discretisation of the S4D-Lin modes: A_bar =
+        (1 + dt A/2) / (1 - dt A/2), W = C B dt / (1 - dt A/2), so that K^d[lag] = 2 Re sum_n W A_bar^lag."""
+        up = lambda p: p.to(torch.promote_types(p.dtype, torch.float32))  # no bfloat16 complex numbers
+        dt = up(self.log_dt).exp()[:, None]                                         # (h, 1)
+        A = torch.complex(-up(self.log_neg_A_real).exp(), up(self.A_imag))          # (h, n/2)
+        half = dt * A / 2
+        B = torch.view_as_complex(up(self.diag_B))
+        C = torch.view_as_complex(up(self.diag_C))
+        return (1 + half) / (1 - half), C * B * dt / (1 - half)
+
+    def ssm_kernel(self, length):
+        """K^d (l, h) = 2 Re sum_n W A_bar^lag (a Vandermonde product over the n/2 modes). The reference path
+        takes the complex powers as a running product; the fast path writes the same sum in real arithmetic."""
+        A_bar, W = self.diag_modes()                                                # (h, n/2) each
+        if self.reference:
+            powers = torch.cumprod(A_bar[..., None].expand(*A_bar.shape, length), dim=-1) / A_bar[..., None]
+            return (2 * torch.einsum("hn,hnl->lh", W, powers).real).to(self.log_dt.dtype)  # (l, h)
+        # Real arithmetic (half the time of a complex exp and its backward on a CPU): with A_bar^lag =
+        # |A_bar|^lag e^(i lag arg A_bar), 2 Re sum_n W A_bar^lag = 2 sum_n |A_bar|^lag (Re W cos - Im W sin)(lag arg A_bar).
+        lags = torch.arange(length, device=A_bar.device, dtype=A_bar.real.dtype)
+        log_A = torch.log(A_bar)                                                    # log|A_bar| + i arg A_bar
+        decay = torch.exp(log_A.real[..., None] * lags)                             # (h, n/2, l)
+        angle = log_A.imag[..., None] * lags                                        # (h, n/2, l)
+        # A sum over n, not an einsum: as a batched matrix-vector product a CPU bmm loops over the heads.
+        terms = decay * (W.real[..., None] * torch.cos(angle) - W.imag[..., None] * torch.sin(angle))
+        kernel = terms.sum(1).T                                                     # (h, n/2, l) -> (l, h)
+        return (2 * kernel).to(self.log_dt.dtype)
+
+    def mix(self, x):
+        b, l, d = x.shape
+        h, m = self.n_heads, self.head_dim
+        q = self.hook_q(self.q_proj(x))                                             # (b, l, d)
+        k = self.hook_k(self.k_proj(x))
+        v = self.hook_v(self.v_proj(x))
+        shift_kernel = self.hook_shift_kernel(self.shift_kernel(l))                 # (l, d)
+        shift_out = self.hook_shift_out(long_conv(k, shift_kernel, reference=self.reference))
+        k_tilde = self.hook_k_tilde(shift_out + self.shift_D * k)                   # (b, l, d)
+        # Channel c = head*m + i (head outer). z[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head.
+        kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))      # (b, l, h, m, m)
+        ssm_kernel = self.hook_ssm_kernel(self.ssm_kernel(l))                       # (l, h)
+        per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # one kernel per head
+        w = long_conv(kv.reshape(b, l, h * m * m), per_signal, reference=self.reference).view(b, l, h, m, m)
+        w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)                  # (b, l, h, m, m)
+        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)                 # read out with the query
+        y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,h,m) -> (b,l,m,h) -> (b,l,d): channel j*H+h
+        return self.output_linear(y)
+
+    def init_state(self, batch, device=None, dtype=None):
+        """Recurrent state: the shift register (b, d, n) and the diagonal SSM's modes (b, h, m, m, n/2), complex."""
+        d, n, h, m = self.shift_B.shape[0], self.d_state, self.n_heads, self.head_dim
+        dtype = dtype or self.shift_B.dtype
+        complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        return {"shift": torch.zeros(batch, d, n, device=device, dtype=dtype),
+                "diag": torch.zeros(batch, h, m, m, n // 2, device=device, dtype=complex_dtype)}
+
+    def step(self, x_t, state):
+        """One token, x_t (b, d) -> (y_t (b, d), next state), no hooks: shift state <- down-shift(state) + B^s k_t;
+        diagonal state per mode <- A_bar state + z_t, w = 2 Re sum_n W state + D^d z_t."""
+        b, d = x_t.shape
+        h, m = self.n_heads, self.head_dim
+        q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)                # (b, d)
+        shift = F.pad(state["shift"][..., :-1], (1, 0)) + self.shift_B * k[..., None]  # (b, d, n)
+        k_tilde = (self.shift_C * shift).sum(-1) + self.shift_D * k                    # (b, d)
+        kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)                             # (b, h, m, m)
+        A_bar, W = self.diag_modes()                                                   # (h, n/2)
+        diag = A_bar[:, None, None] * state["diag"] + kv[..., None]                    # (b, h, m, m, n/2)
+        w = 2 * (W[:, None, None] * diag).sum(-1).real + self.diag_D[:, None, None] * kv  # (b, h, m, m)
+        o = torch.einsum("bhi,bhij->bhj", q.view(b, h, m), w)                          # (b, h, m)
+        y = o.transpose(1, 2).reshape(b, d)                                            # channel j*H + h
+        return self.output_linear(y), {"shift": shift, "diag": diag}
+
+
+class HyenaFilter(nn.Module):
+    """Hyena's implicit long filter h (l, d), a sine MLP on positional features times a decay window:
+    h[n] = (W_4 g_3) * exp(-tau_n * alpha), g_i = sin(omega * (W_i g_{i-1} + b_i)), g_0 = Z[n]."""
+
+    def __init__(self, d_model, order, n_positions):
+        super().__init__()
+        # Trainable: upstream tags it lr 1e-5, but the paper's optimizer ignored the tag.
+        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3)
+        self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (P,) tau_n = n/(P-1)
+        self.lin1 = nn.Linear(3, order)
+        self.lin2, self.lin3 = nn.Linear(order, order), nn.Linear(order, order)
+        self.lin_out = nn.Linear(order, d_model, bias=False)
+        # omega: ONE vector shared by all three sines, because upstream reuses a single Sin module.
+        self.freq = nn.Parameter(torch.ones(order))
+        # alpha: per-channel decay rates 15.35..3.07, so the window reaches 1e-2 at 30%..150% of P. Never trained.
+        target = math.log(1e-2)
+        self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())  # (d,)
+
+    def forward(self, length):
+        g = torch.sin(self.freq * self.lin1(self.z[:length]))           # (l, 3) -> (l, o)
+        g = torch.sin(self.freq * self.lin2(g))                         # (l, o)
+        g = torch.sin(self.freq * self.lin3(g))                         # (l, o)
+        window = torch.exp(-self.tau[:length, None] * self.decay)       # (l, d)
+        return self.lin_out(g) * window                                 # (l, o) -> (l, d)
+
+
+class Hyena(Mixer):
+    """Hyena operator of order 2 (zoology/mixers/hyena.py, the paper's config): [x1 | x2 | v] = SC_3(x W_in + b_in),
+    s = v*x1, y = LC(s; h), out = (y*x2) W_out + b_out. Upstream adds a skip beta*s inside the filter, but the
+    paper's `bias=False` multiplied beta by 0: a counted, inert parameter (hyena_skip=True turns it on)."""
+    INTERNAL_SITES = ["hook_short", "hook_longconv"]
+
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_positions=1024,
+                 hyena_order=64, hyena_skip=False, **options):
+        super().__init__(reference)
+        d = d_model
+        self.n_positions = n_positions
+        self.use_skip = hyena_skip
+        self.in_proj = nn.Linear(d, 3 * d)
+        # Applied through short_conv (its forward is never called); Conv1d keeps torch's init and upstream's layout.
+        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)
+        self.filter = HyenaFilter(d, hyena_order, n_positions)
+        self.skip = nn.Parameter(torch.randn(d))   # beta
+        self.out_proj = nn.Linear(d, d)             # named out_proj so the global init pass down-scales it
+        self.hook_in_proj, self.hook_short = HookPoint(), HookPoint()  # (b, l, 3d); the short filter carries the token shift
+        self.hook_pregate, self.hook_filter = HookPoint(), HookPoint(seq_dim=None)  # s (b, l, d), h (l, d)
+        self.hook_longconv, self.hook_postgate = HookPoint(), HookPoint()          # (b, l, d) each
+
+    def mix(self, x):
+        b, l, d = x.shape
+        if l > self.n_positions:
+            raise ValueError(f"Hyena: sequence length {l} exceeds n_positions={self.n_positions}")
+        u = self.hook_in_proj(self.in_proj(x))                                            # (b, l, 3d)
+        conv = short_conv_reference if self.reference else short_conv
+        u = self.hook_short(conv(u, self.short_filter.weight, self.short_filter.bias))    # (b, l, 3d)
+        x1, x2, v = u.split(d, dim=-1)                                                    # (b, l, d) each
+        s = self.hook_pregate(v * x1)
+        kernel = self.hook_filter(self.filter(l))                                         # (l, d)
+        skip = self.skip if self.use_skip else 0 * self.skip  # 0*beta: the paper's inert skip (zero gradient)
+        y = self.hook_longconv(long_conv(s, kernel, reference=self.reference) + skip * s)  # (b, l, d)
+        return self.out_proj(self.hook_postgate(y * x2))
+
+
+class Mamba(Mixer):
+    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, mamba-ssm 2.2.4), same parameter names and shapes.
+    Read `step` first: the recurrence one token at a time, with a state h (b, e, n) per sequence:
+      [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
+      h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T,
+    with A = -exp(A_log) (e, n). `mix` computes the same for a whole sequence (selective_scan runs the
+    recurrence), hooking every intermediate. d_conv=0 removes the short conv; its weights stay, unused."""
+    INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
+
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2,
+                 dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4, **options):
+        super().__init__(reference)
+        d_conv = 4 if d_conv is None else d_conv
+        e, n = expand * d_model, d_state
+        self.d_conv, self.d_state = d_conv, d_state
+        self.dt_rank = math.ceil(d_model / 16)
+        self.in_proj = nn.Linear(d_model, 2 * e, bias=False)
+        kernel = d_conv if d_conv > 0 else 4
+        self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # used through short_conv
+        self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, e)
+        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [dt_min, dt_max]: two decades.
+        nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
+        dt = torch.exp(torch.empty(e).uniform_(math.log(dt_min), math.log(dt_max))).clamp(min=dt_floor)
+        with torch.no_grad():
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # (e,n), S4D-real
+        self.D = nn.Parameter(torch.ones(e))
+        self.out_proj = nn.Linear(e, d_model, bias=False)
+        self.hook_x, self.hook_z = HookPoint(), HookPoint()         # xi, z (b,l,e)
+        self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC_K(xi), u = SiLU(SC_K(xi)) (b,l,e)
+        self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()  # (b,l,e), (b,l,n), (b,l,n)
+        self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # sum_n C h, SiLU(z), y (b,l,e)
+
+    def _selection(self, u):
+        """Delta (..., e), B (..., n), C (..., n) from u (..., e)."""
+        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        return F.softplus(self.dt_proj(dt)), B, C
+
+    def init_state(self, batch, device=None, dtype=None):
+        e = self.D.shape[0]
+        conv_buffer = torch.zeros(batch, e, max(self.d_conv - 1, 0), device=device, dtype=dtype)  # last K-1 xi
+        ssm_state = torch.zeros(batch, e, self.d_state, device=device,
+                                dtype=torch.promote_types(dtype or torch.float32, torch.float32))
+        return conv_buffer, ssm_state
+
+    def step(self, x_t, state):
+        """One token: x_t (b, d) -> (y_t (b, d), state); equals mix() run over the whole sequence."""
+        conv_buffer, h = state
+        xi, z = self.in_proj(x_t).chunk(2, dim=-1)                # (b,e)
+        if self.d_conv > 0:
+            window = torch.cat([conv_buffer, xi[..., None]], dim=-1)  # (b,e,K): oldest first, current last
+            conv_out = (window * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias
+            conv_buffer = window[..., 1:]
+        else:
+            conv_out = xi
+        u = F.silu(conv_out)
+        delta, B, C = self._selection(u)
+        work = h.dtype
+        A = -torch.exp(self.A_log.to(work))
+        delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
+        h = torch.exp(delta[..., None] * A) * h + delta[..., None] * B[:, None, :] * u_w[..., None]  # (b,e,n)
+        y = (h * C[:, None, :]).sum(-1).to(x_t.dtype) + self.D * u
+        return self.out_proj(y * F.silu(z)), (conv_buffer, h)
+
+    def mix(self, x):
+        b, l, d = x.shape
+        xi, z = self.in_proj(x).chunk(2, dim=-1)                  # (b,l,e) each
+        xi, z = self.hook_x(xi), self.hook_z(z)
+        conv = short_conv_reference if self.reference else short_conv
+        conv_out = conv(xi, self.conv1d.weight, self.conv1d.bias) if self.d_conv > 0 else xi  # SC_K, or none
+        u = self.hook_u(F.silu(self.hook_conv_out(conv_out)))
+        delta, B, C = self._selection(u)                          # (b,l,e), (b,l,n), (b,l,n)
+        delta, B, C = self.hook_delta(delta), self.hook_B(B), self.hook_C(C)
+        # The recurrence runs in float32 at least (as the reference does), whatever the model dtype.
+        work = torch.promote_types(x.dtype, torch.float32)
+        delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
+        A = -torch.exp(self.A_log.to(work))                       # (e,n)
+        # h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  ssm_out_t = sum_n C_t h_t   (b,l,e)
+        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)
+        ssm_out = self.hook_ssm_out(ssm_out.to(x.dtype))
+        y = ssm_out + self.D * u
+        y = self.hook_y(y * self.hook_gate(F.silu(z)))
+        return self.out_proj(y)                                   # (b,l,e) -> (b,l,d)
+
+
+def l2_normalize(x):
+    """x / sqrt(|x|^2 + 1e-6) over the last dim (fla's qk_norm='l2')."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+class DeltaNet(Mixer):
+    """DeltaNet (fla/layers/delta_net.py; our configuration, README, difference 15: 1 head, K=4 convs, beta on,
+    no gate): q, k, v = SiLU(SC_4(x W)); q, k L2-normalised per head; beta = sigmoid(x W_beta) per head; the delta
+    rule (delta_rule_recurrent, or delta_rule_parallel unless reference) stores and retrieves key -> value pairs;
+    per-head RMSNorm (one shared weight); W_o. d_conv: the conv size (default 4; 0 removes the convs)."""
+    INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
+
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None, **options):
+        super().__init__(reference)
+        d, h = d_model, n_heads
+        _check_heads(d, h)
+        if not (d_conv is None or (isinstance(d_conv, int) and d_conv >= 0)):
+            raise ValueError(f"DeltaNet: d_conv must be None or an int >= 0 (0 removes the convs); got {d_conv!r}")
+        self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.b_proj = nn.Linear(d, h, bias=False)
+        if self.conv_size > 0:  # weights only, applied by short_conv; torch-default init U(+-1/sqrt(K))
+            self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False) for _ in range(3))
+        self.o_norm = RMSNorm(d // h)                          # per head, one weight shared by the heads
+        self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
+        self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b, l, h, k): after conv, SiLU and L2 norm
+        self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # v, beta (b, l, h), readout o
+
+    def _convs(self):
+        return (self.q_conv, self.k_conv, self.v_conv) if self.conv_size > 0 else (None, None, None)
+
+    def _heads(self, q, k, v, beta):
+        """(..., d) -> (..., h, k), L2 norm on q and k; beta logits -> sigmoid."""
+        h = self.n_heads
+        q, k, v = (t.unflatten(-1, (h, -1)) for t in (q, k, v))
+        return l2_normalize(q), l2_normalize(k), v, torch.sigmoid(beta)
+
+    def _norm_out(self, o):
+        """Per-head RMSNorm, heads concatenated, then W_o. o (..., h, k) -> (..., d)."""
+        return self.o_proj(self.o_norm(o).flatten(-2))
+
+    def mix(self, x):
+        b, l, d = x.shape
+        features, conv_fn = [], short_conv_reference if self.reference else short_conv
+        for proj, conv in zip((self.q_proj, self.k_proj, self.v_proj), self._convs()):
+            z = proj(x)                                                                 # (b, l, d)
+            features.append(F.silu(conv_fn(z, conv.weight) if conv is not None else z))
+        q, k, v, beta = self._heads(*features, self.b_proj(x))                          # (b, l, h, k), (b, l, h)
+        q, k, v, beta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_beta(beta)
+        delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
+        o = self.hook_o(delta_rule(q, k, v, beta))                                      # (b, l, h, k)
+        return self._norm_out(o)                                                        # (b, l, d)
+
+    def init_state(self, batch, device=None, dtype=None):
+        """Recurrent state: S (b, h, k, k) and the last K-1 projected inputs of each conv (b, K-1, d)."""
+        d, h = self.o_proj.in_features, self.n_heads
+        dtype = dtype or self.o_proj.weight.dtype
+        state = {"S": torch.zeros(batch, h, d // h, d // h, device=device, dtype=dtype)}
+        for name in ("q", "k", "v"):
+            state[name] = torch.zeros(batch, max(self.conv_size - 1, 0), d, device=device, dtype=dtype)
+        return state
+
+    def step(self, x_t, state):
+        """One token: x_t (b, d) -> (y_t (b, d), next state). Hooks are not applied in step mode."""
+        next_state, features = {}, []
+        for name, proj, conv in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), self._convs()):
+            z = proj(x_t)                                                               # (b, d)
+            if conv is not None:
+                window = torch.cat([state[name], z[:, None]], dim=1)                    # (b, K, d), oldest first
+                next_state[name] = window[:, 1:]
+                z = (window * conv.weight[:, 0].T).sum(1)  # tap K-1 hits the current token, as in short_conv
+            else:
+                next_state[name] = state[name]
+            features.append(F.silu(z))
+        q, k, v, beta = self._heads(*features, self.b_proj(x_t))                        # (b, h, k), (b, h)
+        o, next_state["S"] = delta_rule_step(state["S"], q, k, v, beta)                # (b, h, k)
+        return self._norm_out(o), next_state
+
+
+# ============================================ 4. Blocks, the LM (zoology/model.py), the init pass, the registry
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
+
+    def __init__(self, d_model, mixer):
+        super().__init__()
+        self.hook_resid_pre = HookPoint()   # block input
+        self.ln1 = nn.LayerNorm(d_model)
+        self.mixer = mixer
+        self.hook_resid_mid = HookPoint()   # after the mixer's residual add
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model)
+        self.hook_resid_post = HookPoint()  # block output
+
+    def forward(self, r):
+        r = self.hook_resid_pre(r)
+        r = self.hook_resid_mid(r + self.mixer(self.ln1(r)))
+        return self.hook_resid_post(r + self.mlp(self.ln2(r)))
+
+
+class MambaBlock(nn.Module):
+    """r += Mamba(RMSNorm(r)); no MLP (zoology's MambaBlock)."""
+
+    def __init__(self, d_model, mixer):
+        super().__init__()
+        self.hook_resid_pre = HookPoint()
+        self.norm = RMSNorm(d_model)
+        self.mixer = mixer
+        self.hook_resid_post = HookPoint()
+
+    def forward(self, r):
+        r = self.hook_resid_pre(r)
+        return self.hook_resid_post(r + self.mixer(self.norm(r)))
+
+
+class LM(nn.Module):
+    """Token (+ optional learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
+
+    def __init__(self, vocab_size, d_model, blocks, pos_emb=False, n_positions=1024):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(n_positions, d_model) if pos_emb else None
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f = nn.LayerNorm(d_model)
+        self.build_args = {}  # filled by build_model, enough to rebuild this model
+
+    def hidden(self, tokens):
+        """The final residual stream (b, l, d), before ln_f."""
+        check_tokens(tokens, self.embed.num_embeddings)
+        b, l = tokens.shape
+        r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
+        if self.pos_emb is not None:
+            if l > self.pos_emb.num_embeddings:
+                raise ValueError(f"sequence length {l} exceeds n_positions={self.pos_emb.num_embeddings}.")
+            r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
+        for block in self.blocks:
+            r = block(r)
+        return r
+
+    def forward(self, tokens, readout=None):
+        """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only."""
+        return self.logits(self.hidden(tokens), readout)
+
+    def logits(self, r, readout=None):
+        """Final norm and tied head on the last residual stream r (b, l, d), at the readout rows if given."""
+        if readout is not None:
+            r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
+        return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
+
+
+def check_tokens(tokens, vocab_size):
+    """Raise a one-line ValueError unless tokens is a (b, l) integer tensor of ids in [0, vocab_size), rather
+    than an unpack or IndexError deep inside nn.Embedding. The range is read on a CPU only, outside
+    torch.compile and vmap: no host sync per forward on a GPU (its embedding asserts), no branch on values."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens must be a (batch, length) tensor of token ids; got {shape}.")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
+    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+        try:
+            low, high = (x.item() for x in torch.aminmax(tokens))
+        except RuntimeError:          # vmap over the tokens: no .item() inside the transform
+            return
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary); "
+                             f"got {low if low < 0 else high}.")
+
+
+def count_parameters(model, trainable_only=False):
+    """Number of distinct parameters (the tied head counted once; frozen ones included unless asked)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def init_weights(model, n_layers, mamba_blocks):
+    """zoology's global init pass (zoology/model.py, _init_weights), by name and type, for any mixer. Embeddings
+    N(0, 0.02^2). Transformer blocks: Linear weights N(0, 0.02^2) (filter MLPs included), biases 0, then out_proj
+    and fc2 weights N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2's residual scaling). Mamba blocks: Linears keep their
+    weights, biases are zeroed unless _no_reinit, out_proj is torch-default / sqrt(n_layers). Convs keep theirs."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            if not mamba_blocks:
+                nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None and not getattr(module.bias, "_no_reinit", False):
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+    for name, p in model.named_parameters():
+        if mamba_blocks and name.endswith("out_proj.weight"):
+            nn.init.kaiming_uniform_(p, a=math.sqrt(5))  # torch-default Linear: U(+-1/sqrt(fan_in))
+            with torch.no_grad():
+                p.div_(math.sqrt(n_layers))
+        elif not mamba_blocks and ("out_proj.weight" in name or "fc2.weight" in name):
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+
+
+def _base_conv_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
+    """base_conv: kernel sizes [3, -1] alternate by layer (-1 = implicit long conv); d_conv sets every
+    layer's short kernel, long_only makes every layer long."""
+    kernel = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
+    return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
+
+
+def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
+    """based: even layers are BaseConv (short K=3, or d_conv, or long with long_only), odd layers linear attention."""
+    if layer_idx % 2 == 0:
+        kernel = -1 if long_only else d_conv if d_conv is not None else 3
+        return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
+    return BasedAttention(d_model, layer_idx, n_layers, reference, **options)
+
+
+ARCHS = {}                 # arch name -> one-line description (run.py's help, mechsm.Config's check)
+MIXER_CLASSES = {}         # arch name -> factory (d_model, layer_idx, n_layers, reference, **options) -> Mixer
+MAMBA_BLOCK_ARCHS = set()  # archs built from MambaBlocks (RMSNorm, no MLP, Mamba's init rules)
+
+
+def register(name, mixer, description, mamba_block=False):
+    """Make a mixer buildable as arch `name` by build_model, mechsm.Config and run.py (README, "Add your own
+    mixer"): a Mixer subclass or any factory called like one, per layer, with n_heads, d_conv, long_only,
+    n_positions and any extra build options. mamba_block=True: in Mamba's blocks (RMSNorm, no MLP)."""
+    if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
+        raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
+    MIXER_CLASSES[name] = mixer
+    ARCHS[name] = description
+    if mamba_block:
+        MAMBA_BLOCK_ARCHS.add(name)
+
+
+def unregister(name):
+    """Undo register(name) (the built-in architectures cannot be removed)."""
+    if name not in MIXER_CLASSES or name in BUILT_IN_ARCHS:
+        raise ValueError(f"unregister: {name!r} was not registered.")
+    del MIXER_CLASSES[name], ARCHS[name]
+    MAMBA_BLOCK_ARCHS.discard(name)
+
+
+# The one list of the built-in architectures (the paper's six, then DeltaNet), in the order of every table.
+register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
+register("base_conv", _base_conv_layer,
+         "BaseConv: projection gated by a causal conv, short (K=3) and implicit long conv alternating + MLP")
+register("based", _based_layer, "Based: BaseConv short-conv layers alternating with Taylor-feature linear attention + MLP")
+register("h3", H3, "H3: shift SSM on keys, key-value outer products through a diagonal S4D SSM, query readout + MLP")
+register("hyena", Hyena, "Hyena: short filter, gated implicit long convolution (sine-MLP filter with decay window) + MLP")
+register("mamba", Mamba, "Mamba: short conv + input-dependent selective SSM scan with SiLU gate, no MLP", mamba_block=True)
+register("deltanet", DeltaNet, "DeltaNet: linear attention with the delta-rule state update, short convs on q/k/v + MLP")
+BUILT_IN_ARCHS = tuple(ARCHS)
+
+# Classes the factories above build and hand their **options to: their keyword parameters are build options too.
+MIXER_PARTS = (BaseConv, BasedAttention)
+NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
+
+
+def mixer_options():
+    """The extra keywords build_model accepts for every arch (a sweep passes the same ones to all): the keyword
+    parameters with defaults of the MIXER_CLASSES factories and MIXER_PARTS classes, read from their signatures
+    so that a new option needs no list; a keyword no mixer takes (n_head for n_heads) is an error."""
+    names = set()
+    for factory in (*MIXER_CLASSES.values(), *MIXER_PARTS):
+        for p in inspect.signature(factory).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty:
+                names.add(p.name)
+    return frozenset(names.difference(NOT_OPTIONS))
+
+
+def _pos_emb_or_default(arch, pos_emb):
+    """pos_emb as given; None means learned positions for attention only."""
+    return arch == "attention" if pos_emb is None else pos_emb
+
+
+def position_limit(arch, pos_emb, n_positions):
+    """The longest sequence arch's model accepts, or None for any length: learned positions (pos_emb as in
+    build_model) and Hyena's filter are tables of n_positions rows (a cut BaseConv filter is still causal)."""
+    return n_positions if _pos_emb_or_default(arch, pos_emb) or arch == "hyena" else None
+
+
+def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options):
+    """Raise a one-line ValueError naming the first argument build_model cannot build from."""
+    positive_int = lambda x: isinstance(x, int) and x >= 1
+    if arch not in MIXER_CLASSES:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
+    for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers)):
+        if not positive_int(value):
+            raise ValueError(f"{name} must be a positive int; got {value!r}.")
+    if not (positive_int(n_heads) and d_model % n_heads == 0):
+        raise ValueError(f"n_heads must be a positive int dividing d_model={d_model}; got {n_heads!r}.")
+    if not (isinstance(n_positions, int) and n_positions >= 2):
+        raise ValueError(f"n_positions must be an int >= 2; got {n_positions!r}.")
+    if kernels not in ("fast", "reference"):
+        raise ValueError(f"kernels must be 'fast' or 'reference'; got {kernels!r}.")
+    if arch == "mamba" and not (d_conv is None or d_conv in range(5)):
+        raise ValueError(f"d_conv must be an int in 0..4 for mamba (0 removes the conv); got {d_conv!r}.")
+    if arch in ("based", "base_conv"):
+        if not (d_conv is None or (isinstance(d_conv, int) and d_conv >= 1)):
+            raise ValueError(f"d_conv must be an int >= 1 for {arch} (the short-conv kernel size); got {d_conv!r}.")
+        if long_only and d_conv is not None:
+            raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
+    unknown = sorted(set(options) - mixer_options())
+    if unknown:
+        known = sorted(mixer_options() | {"pos_emb", "n_positions", "n_heads", "d_conv", "long_only", "kernels", "seed"})
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        raise ValueError(f"build_model: unknown option {unknown[0]!r}"
+                         + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
+
+
+def _too_big(error, arch, vocab_size, d_model, n_layers):
+    """A ValueError naming the sizes for an allocation failure while building (None for other errors):
+    a width or vocabulary too large to allocate is bad input, not a crash."""
+    text = " ".join(str(error).split())
+    if not (isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text.lower()):
+        return None
+    asked = re.search(r"allocate (\d+) bytes", text)
+    size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
+    return ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} model "
+                      f"is too large to allocate{size}")
+
+
+def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
+                d_conv=None, long_only=False, kernels="fast", seed=None, **options):
+    """The language model for `arch` with the paper's defaults. pos_emb: learned positions (None: attention
+    only). d_conv: short-conv size of mamba (0..4, 0 removes it) or based/base_conv; long_only: long convs only
+    there. kernels: "fast" or "reference" (section 2). seed: seeds the init without touching the global RNG."""
+    _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options)
+    pos_emb = _pos_emb_or_default(arch, pos_emb)
+    build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
+                      n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
+                      kernels=kernels, seed=seed, **options)
+    mamba_blocks = arch in MAMBA_BLOCK_ARCHS
+    Block = MambaBlock if mamba_blocks else TransformerBlock
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        make_mixer = MIXER_CLASSES[arch]
+        try:  # parameters are drawn in this order: the mixers layer by layer, then the embeddings
+            blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
+                                                d_conv=d_conv, long_only=long_only, n_positions=n_positions,
+                                                **options))
+                      for i in range(n_layers)]
+            model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
+        except (RuntimeError, MemoryError) as e:
+            too_big = _too_big(e, arch, vocab_size, d_model, n_layers)
+            if too_big is None:
+                raise
+            raise too_big from None
+        init_weights(model, n_layers, mamba_blocks)
+    model.build_args = build_args
+    return model
+
+
+# ============================================ 5. Fast kernels and their dispatchers (scan, selective_scan, long_conv)
 
 class _one_thread:
-    """Run a loop of small CPU ops on one intra-op thread, restoring the setting afterwards.
-
-    Each step of the loops below touches a few tens of thousands of floats: splitting such an op
-    across threads costs more in hand-offs than it gains (measured with two threads available: a
-    Mamba training step ran at 13.6 steps/s with its loops on one thread, 11.5 with both; with an
-    earlier, per-step-heavier loop 10.1 vs 4.8). Large ops elsewhere keep every thread.
-    """
+    """Run a loop of small CPU ops on one intra-op thread: splitting a step of a few tens of thousands of floats
+    costs more in hand-offs than it gains (with two threads a Mamba training step ran at 13.6 steps/s with its
+    loops on one, 11.5 on both). Large ops elsewhere keep every thread."""
 
     def __enter__(self):
         self.threads = torch.get_num_threads()
@@ -95,10 +942,9 @@ class _one_thread:
 
 
 class kernel_form:
-    """`with kernel_form("gpu"):` makes scan and selective_scan pick the form they use off the CPU
-    (parallel scan, materialised selective scan) even for CPU tensors, and "cpu" the loop forms on
-    any device; the choice by device comes back on exit, exceptions included. Tests use it to run
-    the GPU code paths on a CPU."""
+    """`with kernel_form("gpu"):` makes scan and selective_scan pick the form they use off the CPU (parallel
+    scan, materialised selective scan) even for CPU tensors, and "cpu" the loop forms on any device; the
+    choice by device comes back on exit, exceptions included. Tests use it to run the GPU paths on a CPU."""
 
     forced = None  # "cpu" | "gpu" | None (choose by device)
 
@@ -121,11 +967,9 @@ class kernel_form:
 
 
 def _fold_into_batch(info, in_dims, tensors):
-    """A custom autograd.Function's vmap rule, first half: each tensor (..., b, ...) with its vmapped
-    dim at in_dims[i] (None: not vmapped) -> (r*b, ...), the r members stacked along the batch dim
-    (member-major), so that the plain kernel runs once on all members and regular autograd records
-    it. The rule's second half unflattens the output back to (r, b, ...). An unvmapped tensor is
-    expanded to every member (a copy, made only when another input is vmapped)."""
+    """First half of a custom autograd.Function's vmap rule: each tensor, vmapped at in_dims[i] (None: expanded
+    to every member) -> (r*b, ...), members stacked member-major along the batch dim, so that the plain kernel
+    runs once on all of them under regular autograd; the rule then unflattens the output to (r, b, ...)."""
     folded = []
     for x, dim in zip(tensors, in_dims):
         x = x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)  # (r, b, ...)
@@ -133,14 +977,45 @@ def _fold_into_batch(info, in_dims, tensors):
     return folded
 
 
-class _LoopScanFn(torch.autograd.Function):
-    """Sequential scan with a hand-written backward: no autograd graph of l small ops.
+def parallel_scan(a, b):
+    """sequential_scan's recurrence with no Python loop over the length (odd-even reduction). Step t is the affine
+    map h -> a_t*h + b_t, and steps 2k, 2k+1 composed are one: h -> (a_{2k+1} a_{2k}) h + (a_{2k+1} b_{2k} + b_{2k+1}).
+    So: pair up neighbours, solve the half-length problem for the odd positions (recursively), then fill in each
+    even position from its left neighbour, h_2k = a_2k h_{2k-1} + b_2k. Each level is a few elementwise ops on
+    whole (b, l/2^level, ...) tensors: ~log2(l) levels of launches on a GPU instead of l steps, O(l) work in all
+    (Blelloch-style, not Hillis-Steele's O(l log l)). On a CPU the loop in `scan` is still faster (`run.py bench`)."""
+    length = a.shape[1]
+    if length == 1:
+        return b
+    if length % 2:  # pad with an identity step (a = 1, b = 0), dropped at the end
+        a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
+        b = torch.cat([b, torch.zeros_like(b[:, :1])], dim=1)
+    a_even, a_odd = a[:, 0::2], a[:, 1::2]                        # steps 0, 2, 4, ... and 1, 3, 5, ...
+    b_even, b_odd = b[:, 0::2], b[:, 1::2]
+    h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
+    h_before_even = torch.cat([torch.zeros_like(h_odd[:, :1]), h_odd[:, :-1]], dim=1)  # h_{-1}=0, h_1, h_3, ...
+    h_even = torch.addcmul(b_even, a_even, h_before_even)          # h_0, h_2, h_4, ...
+    h = torch.stack([h_even, h_odd], dim=2).flatten(1, 2)         # interleave -> (b, l (+1), ...)
+    return h[:, :length]
 
-    Forward: the loop of sequential_scan, each step written in place into one preallocated output.
-    Backward: with g = dLoss/dh, the gradient flowing into h_t is  c_t = g_t + a_{t+1} * c_{t+1}
-    (a reverse scan), and then dLoss/db_t = c_t and dLoss/da_t = c_t * h_{t-1}.
-    Under torch.func.vmap the vmapped dim is folded into the batch dim (_fold_into_batch).
-    """
+
+class _ScanFn(torch.autograd.Function):
+    """The scans with a hand-written backward: both save (a, h), both fold a vmap into the batch dim."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
+
+    @classmethod
+    def vmap(cls, info, in_dims, a, b):
+        h = cls.apply(*_fold_into_batch(info, in_dims, (a, b)))    # (r*b, l, ...)
+        return h.unflatten(0, (info.batch_size, -1)), 0             # (r, b, l, ...)
+
+
+class _LoopScanFn(_ScanFn):
+    """sequential_scan with a hand-written backward: no autograd graph of l small ops. Forward: its loop, each
+    step written in place into one preallocated output. Backward: with g = dLoss/dh, the gradient flowing into
+    h_t is c_t = g_t + a_{t+1} * c_{t+1} (a reverse scan), then dLoss/db_t = c_t and dLoss/da_t = c_t h_{t-1}."""
 
     @staticmethod
     def forward(a, b):
@@ -150,10 +1025,6 @@ class _LoopScanFn(torch.autograd.Function):
             for t in range(1, h.shape[1]):
                 torch.addcmul(b[:, t], a[:, t], h[:, t - 1], out=h[:, t])  # h_t = a_t h_{t-1} + b_t
         return h
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -168,35 +1039,16 @@ class _LoopScanFn(torch.autograd.Function):
         torch.mul(grad_b[:, 1:], h[:, :-1], out=grad_a[:, 1:])             # dL/da_t = c_t h_{t-1}
         return grad_a, grad_b
 
-    @staticmethod
-    def vmap(info, in_dims, a, b):
-        h = _LoopScanFn.apply(*_fold_into_batch(info, in_dims, (a, b)))    # (r*b, l, ...)
-        return h.unflatten(0, (info.batch_size, -1)), 0                     # (r, b, l, ...)
 
-
-def loop_scan(a, b):
-    """sequential_scan's loop with a hand-written backward (fastest pure-PyTorch form on a CPU)."""
-    return _LoopScanFn.apply(a, b)
-
-
-class _ParallelScanFn(torch.autograd.Function):
-    """parallel_scan with a hand-written backward that is itself one parallel scan, run right to left.
-
-    Autograd through parallel_scan's slices, cats and stacks keeps ~2.5x more tensors and spends most
-    of the time in their backward ops. The gradient of a linear recurrence is a linear recurrence
-    (see _LoopScanFn): c_t = g_t + a_{t+1} c_{t+1}. Reversed in time, s = l-1-t, that reads
-    c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s} (a'_0 unused), i.e. parallel_scan(a', g') flipped back.
-    Under torch.func.vmap the vmapped dim is folded into the batch dim (_fold_into_batch).
-    """
+class _ParallelScanFn(_ScanFn):
+    """parallel_scan with a backward that is one parallel scan run right to left (autograd through its slices
+    keeps ~2.5x more tensors): c_t = g_t + a_{t+1} c_{t+1} (see _LoopScanFn) reversed in time, s = l-1-t, is
+    c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s} (a'_0 unused), i.e. parallel_scan(a', g')."""
 
     @staticmethod
     def forward(a, b):
         h = parallel_scan(a, b)
         return b.clone() if h is b else h    # l = 1 hands b back as is: saving it needs a fresh tensor
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -206,41 +1058,16 @@ class _ParallelScanFn(torch.autograd.Function):
         grad_a = grad_b * _shift_right(h, 1, 0.0)                           # dL/da_t = c_t h_{t-1}
         return grad_a, grad_b
 
-    @staticmethod
-    def vmap(info, in_dims, a, b):
-        h = _ParallelScanFn.apply(*_fold_into_batch(info, in_dims, (a, b)))  # (r*b, l, ...)
-        return h.unflatten(0, (info.batch_size, -1)), 0                       # (r, b, l, ...)
+
+loop_scan = _LoopScanFn.apply                      # sequential_scan's loop, hand-written backward: fastest on a CPU
+parallel_scan_custom_grad = _ParallelScanFn.apply  # parallel_scan with the reverse-scan backward: `scan` on a GPU
 
 
-def parallel_scan_custom_grad(a, b):
-    """parallel_scan with the reverse-scan backward of _ParallelScanFn (the form `scan` uses on a GPU)."""
-    return _ParallelScanFn.apply(a, b)
-
-
-def scan(a, b, reference=False):
-    """The scan the models use: the loop with a hand-written backward on CPU, the parallel scan elsewhere.
-
-    reference=True gives the plain-autograd loop (the benchmark's baseline).
-    """
-    if reference:
-        return sequential_scan(a, b)
-    if kernel_form.of(a) == "cpu":                 # kernel_form("gpu") forces the parallel form
+def scan(a, b):
+    """sequential_scan as `run.py bench` runs it: loop_scan on a CPU, else parallel_scan_custom_grad (or kernel_form's)."""
+    if kernel_form.of(a) == "cpu":
         return loop_scan(a, b)
     return parallel_scan_custom_grad(a, b)
-
-
-def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
-    """Mamba's selective scan, materialised and left to autograd (the oracle and the benchmark baseline).
-
-    u, delta: (b, l, e); A: (e, n); B, C: (b, l, n). Returns y (b, l, e) with
-    h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t  (zero-order hold for A, Euler for B),
-    y_t = sum_n C_t[n] h_t[:, n]  (Mamba eqs. 2a, 2b, 4).
-    plain_scan runs h_t = a_t h_{t-1} + b_t (the GPU path of selective_scan passes the parallel scan).
-    """
-    decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
-    drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
-    states = plain_scan(decay, drive)                         # (b,l,e,n)
-    return torch.einsum("blen,bln->ble", states, C)
 
 
 def _selective_states(u, delta, A, B):
@@ -261,26 +1088,17 @@ def _selective_readout(states, C):
 
 
 class _SelectiveScanLoopFn(torch.autograd.Function):
-    """selective_scan_reference with the time loop reduced to one in-place op per step and a
-    hand-written backward (the CPU path).
-
-    Forward: decay = exp(Δ A) and drive = Δ u B are built once as (b, l, e, n) tensors; the drive
-    buffer is then overwritten in place by the states, h_t += decay_t * h_{t-1} (one op per step, no
-    autograd graph); y = sum_n C h is one batched matmul. Backward: the chain rule's reverse-time
-    loop touches only the gradient reaching h_t,
+    """selective_scan_reference with one in-place op per time step and a hand-written backward (the CPU path).
+    Forward: decay = exp(Δ A) and drive = Δ u B (b, l, e, n) are built once, the drive then overwritten in
+    place by the states, h_t += decay_t h_{t-1}; y = sum_n C h is one bmm. Backward: the reverse-time loop
+    touches only the gradient reaching h_t,
       g_t = C_t dy_t + decay_{t+1} g_{t+1}          (in place, one op per step)
     and everything else is a batched op over all steps at once:
       dL/dC_t = sum_e dy_t h_t    dL/dB_t = sum_e Δ_t u_t g_t    dL/d(Δ_t u_t) = sum_n g_t B_t
       dL/d(Δ_t A) = g_t * h_{t-1} * decay_t  -> dL/dA = sum_{b,t} (.) Δ_t,  dL/dΔ_t += sum_n (.) A.
-    Fresh multi-megabyte tensors cost a page fill each on a CPU, so the big ones are reused in place
-    (measured at the paper's shape: 20 ms forward+backward per layer, vs 35 ms for a per-step loop
-    that rebuilt decay_t and drive_t from (b, e, n) slices, and 73 ms for the reference).
-
-    apply() returns (y, decay, states); the last two are what the backward reads (the functorch-
-    compatible form keeps intermediates as outputs), so call it through selective_scan_loop. A may be
-    (e, n) or per batch row (b, e, n); the vmap rule folds an ensemble's members into the batch and
-    hands each row its member's A (the expand's backward sums the rows' dL/dA back per member).
-    """
+    Big tensors are reused in place, as fresh ones cost a page fill each (20 ms forward+backward per layer at the
+    paper's shape, vs 73 ms for the reference). apply() returns (y, decay, states), the last two for the backward
+    (functorch keeps intermediates as outputs). A: (e, n), or (b, e, n), one per row, under the vmap rule."""
 
     @staticmethod
     def forward(u, delta, A, B, C):
@@ -328,12 +1146,8 @@ def selective_scan_loop(u, delta, A, B, C):
 
 
 def selective_scan(u, delta, A, B, C, reference=False):
-    """Mamba's selective scan as the model runs it.
-
-    CPU: the in-place loop above. Other devices: the same maths materialised and run through the
-    parallel scan with its reverse-scan backward (~2 log2(l) launches instead of l). reference=True:
-    the oracle. kernel_form("gpu") / ("cpu") forces a form whatever the device.
-    """
+    """Mamba's selective scan as the model runs it: selective_scan_loop on a CPU, else the reference's maths through
+    parallel_scan_custom_grad (~2 log2(l) launches, not l); kernel_form forces either. reference=True: the reference."""
     if reference:
         return selective_scan_reference(u, delta, A, B, C)
     if kernel_form.of(u) == "cpu":
@@ -341,26 +1155,10 @@ def selective_scan(u, delta, A, B, C, reference=False):
     return selective_scan_reference(u, delta, A, B, C, plain_scan=parallel_scan_custom_grad)
 
 
-def direct_conv(u, k):
-    """Reference causal long convolution y_t = sum_{s<=t} k_{t-s} * u_s, per channel.
-
-    u: (b, l, d), k: (l, d). Builds the (l, l, d) Toeplitz tensor T[t, s] = k[t-s] (0 above the
-    diagonal) and contracts it: exact, O(l^2 d) time and memory, fine for the tens of tokens of AR.
-    """
-    length = u.shape[1]
-    t = torch.arange(length, device=u.device)
-    lag = t[:, None] - t[None, :]                         # (l, l): t - s
-    toeplitz = k[lag.clamp(min=0)] * (lag >= 0)[..., None].to(k.dtype)  # (l, l, d)
-    return torch.einsum("tsd,bsd->btd", toeplitz, u)      # (l,l,d) x (b,l,d) -> (b,l,d)
-
-
 def fft_conv(u, k):
-    """The same convolution as direct_conv by real FFT, O(l log l).
-
-    Both signals are zero-padded to 2l so that the circular convolution the FFT computes has no
-    wrap-around: the first l outputs are exactly the causal linear convolution. The length goes on
-    the last (contiguous) axis, where the FFT runs fastest.
-    """
+    """direct_conv's causal long convolution by real FFT, O(l log l). Both signals are zero-padded to 2l so
+    that the circular convolution the FFT computes has no wrap-around: the first l outputs are exactly the
+    causal linear convolution. The length goes on the last (contiguous) axis, where the FFT runs fastest."""
     length = u.shape[1]
     n = 2 * length
     work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU: cast up, then back
@@ -371,787 +1169,22 @@ def fft_conv(u, k):
 
 
 def long_conv(u, k, reference=False):
-    """Causal long convolution as the mixers use it: FFT, or the direct sum when reference=True."""
+    """Causal long convolution as the mixers use it: fft_conv, or direct_conv when reference=True."""
     return direct_conv(u, k) if reference else fft_conv(u, k)
 
 
 def short_conv(x, weight, bias=None):
-    """Causal depthwise short convolution SC_K (zoology's ShortConvolution, mamba-ssm's conv1d).
-
-    x: (b, l, c), weight: (c, 1, K), bias: (c,) or None. weight[:, 0, K-1] multiplies the current
-    token, weight[:, 0, K-2] the previous one, and so on (PyTorch's Conv1d layout, so weights move
-    to and from the reference implementation unchanged).
-    """
+    """short_conv_reference's SC_K as one grouped F.conv1d. x: (b, l, c), weight: (c, 1, K), bias: (c,) or None."""
     length, kernel = x.shape[1], weight.shape[-1]
     y = F.conv1d(x.transpose(1, 2), weight, bias, padding=kernel - 1, groups=x.shape[2])  # (b, c, l+K-1)
     return y[..., :length].transpose(1, 2)               # keep the causal part -> (b, l, c)
 
 
-def short_conv_reference(x, weight, bias=None):
-    """SC_K written as the sum in its definition: y_t = bias + sum_j w_j * x_{t-(K-1)+j}."""
-    kernel = weight.shape[-1]
-    y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
-    for j in range(kernel):
-        shift = kernel - 1 - j                           # how many steps back tap j looks
-        shifted = _shift_right(x, shift, 0.0) if shift > 0 else x
-        y = y + weight[:, 0, j] * shifted
-    return y
-
-
-# ----------------------------------------------------------------------------------------------
-# Hook points. Every patchable tensor flows through an identity module, so `named_modules()` lists
-# every site and interventions.py can replace a site's value with a forward hook.
-# ----------------------------------------------------------------------------------------------
-
-class HookPoint(nn.Module):
-    """Identity module marking an intervention site (TransformerLens-style).
-
-    seq_dim is the dimension that indexes token positions (1 for (b, l, ...) tensors, 2 for the
-    (b, h, l, l) attention patterns, whose rows are query positions), or None for tensors derived
-    from parameters alone (filters, kernels), which cannot be patched per position.
-    """
-
-    def __init__(self, seq_dim=1):
-        super().__init__()
-        self.seq_dim = seq_dim
-
-    def forward(self, x):
-        return x
-
-
-class Mixer(nn.Module):
-    """Base class of every sequence mixer: (b, l, d) -> (b, l, d), with hook_in and hook_out.
-
-    hook_in sees the mixer input (after the block's norm), hook_out its output (before the residual
-    add). Subclasses implement `mix`; INTERNAL_SITES names the hooks inside the mixer that
-    interventions.py patches by default, besides the block-level sites.
-    """
-
-    INTERNAL_SITES = []
-
-    def __init__(self, reference=False):
-        super().__init__()
-        self.reference = reference  # use the slow reference kernels (sequential_scan, direct_conv)
-        self.hook_in = HookPoint()
-        self.hook_out = HookPoint()
-
-    def mix(self, x):
-        raise NotImplementedError
-
-    def forward(self, x):
-        return self.hook_out(self.mix(self.hook_in(x)))
-
-
-# ----------------------------------------------------------------------------------------------
-# The state mixer of TransformerBlocks (zoology's MLP).
-# ----------------------------------------------------------------------------------------------
-
-class MLP(nn.Module):
-    """GELU(x W1^T + b1) W2^T + b2 with hidden width 4d; both biases always present."""
-
-    def __init__(self, d_model):
-        super().__init__()
-        self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)  # "fc2.weight" is down-scaled by the init pass
-        self.hook_in = HookPoint()    # mlp input, after the block's second norm
-        self.hook_out = HookPoint()   # mlp output, before the residual add
-
-    def forward(self, x):
-        x = self.hook_in(x)
-        return self.hook_out(self.fc2(F.gelu(self.fc1(x))))  # exact erf GELU: (b,l,d)->(b,l,4d)->(b,l,d)
-
-
-# ----------------------------------------------------------------------------------------------
-# Mixers. Each takes (d_model, layer_idx, n_layers, reference=False, **options) and ignores the
-# options it does not use (build_model passes the same options to every layer).
-# ----------------------------------------------------------------------------------------------
-
-class Attention(Mixer):
-    """Causal multi-head softmax attention (zoology/mixers/attention.py, MHA).
-
-    The pattern is computed explicitly (not with scaled_dot_product_attention) so that it is a
-    patchable site: z uses whatever hook_pattern returns.
-    """
-
-    INTERNAL_SITES = ["hook_pattern", "hook_z"]
-
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
-        super().__init__(reference)
-        if d_model % n_heads:
-            raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
-        self.n_heads = n_heads
-        self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False hits only this
-        self.out_proj = nn.Linear(d_model, d_model)
-        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
-        self.hook_pattern = HookPoint(seq_dim=2)  # (b,h,l,l): rows are query positions
-        self.hook_z = HookPoint()                 # (b,l,h,k) per-head context before out_proj
-
-    def mix(self, x):
-        b, l, d = x.shape
-        h = self.n_heads
-        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # three blocks of d, head outer: (b,l,h,k) each
-        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
-        # Upstream adds -1e4 above the diagonal; -inf gives exactly zero weight (difference ~e^-1e4).
-        future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
-        pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
-        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))      # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
-        return self.out_proj(z.reshape(b, l, d))
-
-
-class BaseConv(Mixer):
-    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u with p a linear projection and c a
-    causal convolution of the input u: a short depthwise conv (kernel_size K >= 1) or, for
-    kernel_size=-1, an implicit long conv LC(u; kappa) + u whose filter kappa is a small ReLU MLP of
-    fixed positional features Z.
-    """
-
-    INTERNAL_SITES = ["hook_conv", "hook_gated"]
-
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
-                 freeze_features=False, **options):
-        super().__init__(reference)
-        self.kernel_size = kernel_size
-        self.projection = nn.Linear(d_model, d_model)
-        self.hook_proj = HookPoint()    # p (b,l,d): the multiplicative branch
-        self.hook_conv = HookPoint()    # c (b,l,d)
-        self.hook_gated = HookPoint()   # c * p (b,l,d), before the internal + u
-        if kernel_size == -1:
-            # Z[n] = (n/(P-1), cos(2pi 1e-4 n/P), -sin(2pi 1e-4 n/P)): Hyena's features with one band.
-            # zoology creates Z frozen, but tinylang's training loop (experiment.py) sets
-            # requires_grad=True on every parameter after each evaluation, step 0 included, so in
-            # the paper's runs Z trained. We train it too; freeze_features=True gives the frozen form.
-            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)  # (P, 3)
-            self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
-            self.hook_filter = HookPoint(seq_dim=None)  # kappa (l,d): a weight-side site
-            self.hook_longconv = HookPoint()            # LC(u; kappa) (b,l,d), before its + u
-        else:
-            self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, padding=kernel_size - 1)
-
-    def mix(self, u):
-        b, l, d = u.shape
-        p = self.hook_proj(self.projection(u))
-        if self.kernel_size == -1:
-            kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
-            c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # note the built-in identity
-        else:
-            conv = short_conv_reference if self.reference else short_conv
-            c = conv(u, self.conv.weight, self.conv.bias)                  # (b,l,d)
-        c = self.hook_conv(c)
-        return self.hook_gated(c * p) + u
-
-
-def taylor_features(a):
-    """Based's 2nd-order Taylor feature map: phi(a) = [1, a / f^(1/4), vec(a a^T) / (sqrt2 sqrt f)].
-
-    a: (..., f) -> (..., 1 + f + f^2). All f^2 ordered products are kept (row-major), so that
-    phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(f): the Taylor expansion of exp(s).
-    """
-    f = a.shape[-1]
-    outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
-    ones = torch.ones_like(a[..., :1])
-    return torch.cat([ones, a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
-
-
-class BasedAttention(Mixer):
-    """Based linear attention with the Taylor feature map (zoology/mixers/based.py).
-
-    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), out = y W_o^T.
-    `mix` uses the quadratic view (what the paper trained); `step` is the recurrent view with state
-    S_t = sum phi(k_s) v_s^T and normaliser z_t = sum phi(k_s). No biases anywhere.
-    """
-
-    INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
-
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, eps=1e-12,
-                 **options):
-        super().__init__(reference)
-        if d_model % n_heads:
-            raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
-        self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, eps
-        self.proj_q = nn.Linear(d_model, feature_dim * n_heads, bias=False)
-        self.proj_k = nn.Linear(d_model, feature_dim * n_heads, bias=False)
-        self.proj_v = nn.Linear(d_model, d_model, bias=False)
-        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # named as upstream: NOT down-scaled at init
-        self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
-        self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
-        self.hook_v = HookPoint()                                        # (b,l,h,k)
-        self.hook_pattern = HookPoint(seq_dim=2)  # (b,h,l,l): causal, unnormalised phi(q).phi(k)
-        self.hook_y = HookPoint()                 # (b,l,d) before proj_o
-
-    def _features(self, x):
-        """q, k, v for x (b, l, d): phi-mapped queries and keys (b,l,h,F) and values (b,l,h,k)."""
-        b, l, d = x.shape
-        h, f = self.n_heads, self.feature_dim
-        q = self.hook_q(self.proj_q(x).view(b, l, h, f))
-        k = self.hook_k(self.proj_k(x).view(b, l, h, f))
-        v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
-        return self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k)), v
-
-    def mix(self, x):
-        b, l, d = x.shape
-        phi_q, phi_k, v = self._features(x)
-        kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,F) x (b,l,h,F) -> (b,h,l,l)
-        causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
-        pattern = self.hook_pattern(kernel * causal)
-        num = torch.einsum("bhts,bshk->bthk", pattern, v)       # (b,l,h,k)
-        den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
-        y = self.hook_y((num / (den + self.eps)).reshape(b, l, d))
-        return self.proj_o(y)
-
-    def init_state(self, batch, device=None, dtype=None):
-        h, d = self.n_heads, self.proj_v.out_features
-        n_features = 1 + self.feature_dim + self.feature_dim ** 2
-        S = torch.zeros(batch, h, n_features, d // h, device=device, dtype=dtype)  # sum phi(k) v^T
-        z = torch.zeros(batch, h, n_features, device=device, dtype=dtype)          # sum phi(k)
-        return S, z
-
-    def step(self, x_t, state):
-        """One token of the recurrent view: x_t (b, d) -> (y_t (b, d), state). No hooks here."""
-        b, d = x_t.shape
-        S, z = state
-        h, f = self.n_heads, self.feature_dim
-        phi_q = taylor_features(self.proj_q(x_t).view(b, h, f))     # (b,h,F)
-        phi_k = taylor_features(self.proj_k(x_t).view(b, h, f))
-        v = self.proj_v(x_t).view(b, h, d // h)                     # (b,h,k)
-        S = S + phi_k[..., None] * v[..., None, :]                  # (b,h,F,k)
-        z = z + phi_k
-        num = torch.einsum("bhf,bhfk->bhk", phi_q, S)
-        den = (phi_q * z).sum(-1, keepdim=True)                     # (b,h,1)
-        return self.proj_o((num / (den + self.eps)).reshape(b, d)), (S, z)
-
-
-class Mamba(Mixer):
-    """Mamba selective SSM (mamba-ssm 2.2.4, mamba_simple.py), same parameter names and shapes.
-
-    [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
-    h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T.
-    d_conv=0 removes the short conv (u = SiLU(xi)); its parameters stay registered (kernel 4), unused.
-    """
-
-    INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
-
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2,
-                 dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4, **options):
-        super().__init__(reference)
-        d_conv = 4 if d_conv is None else d_conv
-        e, n = expand * d_model, d_state
-        self.d_conv, self.d_state = d_conv, d_state
-        self.dt_rank = math.ceil(d_model / 16)
-        self.in_proj = nn.Linear(d_model, 2 * e, bias=False)
-        kernel = d_conv if d_conv > 0 else 4
-        self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # used through short_conv
-        self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(self.dt_rank, e)
-        # Delta init: W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^{-1}(Delta_0), Delta_0 log-uniform in
-        # [dt_min, dt_max], so that the step sizes start spread over two decades.
-        nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
-        dt = torch.exp(torch.empty(e).uniform_(math.log(dt_min), math.log(dt_max))).clamp(min=dt_floor)
-        with torch.no_grad():
-            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
-        self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # (e,n), S4D-real
-        self.D = nn.Parameter(torch.ones(e))
-        self.out_proj = nn.Linear(e, d_model, bias=False)
-        for name in ["x", "z", "conv_out", "u", "delta", "B", "C", "ssm_out", "gate", "y"]:
-            setattr(self, "hook_" + name, HookPoint())
-
-    def _conv(self, xi):
-        """The short conv SC_K on (b, l, e), or the identity when d_conv = 0."""
-        if self.d_conv == 0:
-            return xi
-        conv = short_conv_reference if self.reference else short_conv
-        return conv(xi, self.conv1d.weight, self.conv1d.bias)
-
-    def _selection(self, u):
-        """Delta (..., e), B (..., n), C (..., n) from u (..., e)."""
-        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        return F.softplus(self.dt_proj(dt)), B, C
-
-    def mix(self, x):
-        b, l, d = x.shape
-        xi, z = self.in_proj(x).chunk(2, dim=-1)                  # (b,l,e) each
-        xi, z = self.hook_x(xi), self.hook_z(z)
-        u = self.hook_u(F.silu(self.hook_conv_out(self._conv(xi))))
-        delta, B, C = self._selection(u)                          # (b,l,e), (b,l,n), (b,l,n)
-        delta, B, C = self.hook_delta(delta), self.hook_B(B), self.hook_C(C)
-        # The recurrence runs in float32 at least (as the reference does), whatever the model dtype.
-        work = torch.promote_types(x.dtype, torch.float32)
-        delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
-        A = -torch.exp(self.A_log.to(work))                       # (e,n)
-        # h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  ssm_out_t = sum_n C_t h_t   (b,l,e)
-        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)
-        ssm_out = self.hook_ssm_out(ssm_out.to(x.dtype))
-        y = ssm_out + self.D * u
-        y = self.hook_y(y * self.hook_gate(F.silu(z)))
-        return self.out_proj(y)                                   # (b,l,e) -> (b,l,d)
-
-    def init_state(self, batch, device=None, dtype=None):
-        e = self.D.shape[0]
-        conv_buffer = torch.zeros(batch, e, max(self.d_conv - 1, 0), device=device, dtype=dtype)  # last K-1 xi
-        ssm_state = torch.zeros(batch, e, self.d_state, device=device,
-                                dtype=torch.promote_types(dtype or torch.float32, torch.float32))
-        return conv_buffer, ssm_state
-
-    def step(self, x_t, state):
-        """One token: x_t (b, d) -> (y_t (b, d), state); equals mix() run over the whole sequence."""
-        conv_buffer, h = state
-        xi, z = self.in_proj(x_t).chunk(2, dim=-1)                # (b,e)
-        if self.d_conv > 0:
-            window = torch.cat([conv_buffer, xi[..., None]], dim=-1)  # (b,e,K): oldest first, current last
-            conv_out = (window * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias
-            conv_buffer = window[..., 1:]
-        else:
-            conv_out = xi
-        u = F.silu(conv_out)
-        delta, B, C = self._selection(u)
-        work = h.dtype
-        A = -torch.exp(self.A_log.to(work))
-        delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
-        h = torch.exp(delta[..., None] * A) * h + delta[..., None] * B[:, None, :] * u_w[..., None]  # (b,e,n)
-        y = (h * C[:, None, :]).sum(-1).to(x_t.dtype) + self.D * u
-        return self.out_proj(y * F.silu(z)), (conv_buffer, h)
-
-
-# ----------------------------------------------------------------------------------------------
-# Blocks and the language model (zoology/model.py).
-# ----------------------------------------------------------------------------------------------
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean_c x_c^2 + eps) * g, no bias (MambaBlock's norm)."""
-
-    def __init__(self, d_model, eps=1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d_model))  # g
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
-
-    def __init__(self, d_model, mixer):
-        super().__init__()
-        self.hook_resid_pre = HookPoint()   # block input
-        self.ln1 = nn.LayerNorm(d_model)
-        self.mixer = mixer
-        self.hook_resid_mid = HookPoint()   # after the mixer's residual add
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model)
-        self.hook_resid_post = HookPoint()  # block output
-
-    def forward(self, r):
-        r = self.hook_resid_pre(r)
-        r = self.hook_resid_mid(r + self.mixer(self.ln1(r)))
-        return self.hook_resid_post(r + self.mlp(self.ln2(r)))
-
-
-class MambaBlock(nn.Module):
-    """r += Mamba(RMSNorm(r)); no MLP (zoology's MambaBlock)."""
-
-    def __init__(self, d_model, mixer):
-        super().__init__()
-        self.hook_resid_pre = HookPoint()
-        self.norm = RMSNorm(d_model)
-        self.mixer = mixer
-        self.mlp = None
-        self.hook_resid_post = HookPoint()
-
-    def forward(self, r):
-        r = self.hook_resid_pre(r)
-        return self.hook_resid_post(r + self.mixer(self.norm(r)))
-
-
-class LM(nn.Module):
-    """Token (+ optional learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
-
-    def __init__(self, vocab_size, d_model, blocks, pos_emb=False, n_positions=1024):
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(n_positions, d_model) if pos_emb else None
-        self.blocks = nn.ModuleList(blocks)
-        self.ln_f = nn.LayerNorm(d_model)
-        self.build_args = {}  # filled by build_model, enough to rebuild this model
-
-    def hidden(self, tokens):
-        """The final residual stream (b, l, d), before ln_f."""
-        check_tokens(tokens, self.embed.num_embeddings)
-        b, l = tokens.shape
-        r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
-        if self.pos_emb is not None:
-            if l > self.pos_emb.num_embeddings:
-                raise ValueError(f"sequence length {l} exceeds n_positions={self.pos_emb.num_embeddings}.")
-            r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
-        for block in self.blocks:
-            r = block(r)
-        return r
-
-    def forward(self, tokens, readout=None):
-        """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only."""
-        return self.logits(self.hidden(tokens), readout)
-
-    def logits(self, r, readout=None):
-        """Final norm and tied head on the last residual stream r (b, l, d), at the readout rows if given."""
-        if readout is not None:
-            r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
-        return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
-
-
-def check_tokens(tokens, vocab_size):
-    """Raise ValueError (one line naming `tokens`) unless tokens is a (b, l) integer tensor of ids in
-    [0, vocab_size): a 1-D row or an id beyond the vocabulary would otherwise surface as a bare unpack
-    error or an IndexError deep inside nn.Embedding.
-
-    The range is read only for CPU tensors outside torch.compile: on a GPU it would cost a host sync
-    per forward (the embedding's own device-side assert still stops a bad id there), and a compiled
-    graph cannot branch on tensor values. Under torch.func.vmap over the tokens, .item() is not
-    allowed and the range check is skipped.
-    """
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise ValueError(f"tokens must be a (batch, length) tensor of token ids; got {shape}.")
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
-    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
-        try:
-            low, high = (x.item() for x in torch.aminmax(tokens))
-        except RuntimeError:          # vmap over the tokens: no .item() inside the transform
-            return
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary); "
-                             f"got {low if low < 0 else high}.")
-
-
-def count_parameters(model, trainable_only=False):
-    """Number of distinct parameters (the tied head counted once; frozen ones included unless asked)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
-
-
-def init_weights(model, n_layers, mamba_blocks):
-    """zoology's global initialisation pass (model.py, _init_weights), applied by name/type to any mixer.
-
-    TransformerBlock models: every Linear weight N(0, 0.02^2) and bias 0 (this overrides mixer-internal
-    inits, filter MLPs included), every Embedding N(0, 0.02^2), then any "out_proj.weight" or
-    "fc2.weight" redrawn N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2's residual-branch scaling).
-    MambaBlock models: Linear weights keep their own init, Linear biases are zeroed except those
-    marked _no_reinit (Mamba's dt bias), Embeddings N(0, 0.02^2), out_proj.weight redrawn
-    torch-default / sqrt(n_layers). Conv weights and raw parameters keep their own init in both cases.
-    """
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            if not mamba_blocks:
-                nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None and not getattr(module.bias, "_no_reinit", False):
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
-    for name, p in model.named_parameters():
-        if mamba_blocks and name.endswith("out_proj.weight"):
-            nn.init.kaiming_uniform_(p, a=math.sqrt(5))  # torch-default Linear: U(+-1/sqrt(fan_in))
-            with torch.no_grad():
-                p.div_(math.sqrt(n_layers))
-        elif not mamba_blocks and ("out_proj.weight" in name or "fc2.weight" in name):
-            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
-
-
-# ----------------------------------------------------------------------------------------------
-# Registry and build_model.
-# ----------------------------------------------------------------------------------------------
-
-ARCHS = {
-    "attention": "causal softmax multi-head attention (zoology MHA) + MLP",
-    "base_conv": "BaseConv: projection gated by a causal conv, short (K=3) and implicit long conv alternating + MLP",
-    "based": "Based: BaseConv short-conv layers alternating with Taylor-feature linear attention + MLP",
-    "hyena": "Hyena: short filter, gated implicit long convolution (sine-MLP filter with decay window) + MLP",
-    "h3": "H3: shift SSM on keys, key-value outer products through a diagonal S4D SSM, query readout + MLP",
-    "mamba": "Mamba: short conv + input-dependent selective SSM scan with SiLU gate, no MLP",
-    "deltanet": "DeltaNet: linear attention with the delta-rule state update, short convs on q/k/v + MLP",
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# Hyena (zoology/mixers/hyena.py)
-# ----------------------------------------------------------------------------------------------
-
-def hyena_positional_features(n_positions):
-    """Z (P, 3): the filter MLP's input, one row per position n: (n/(P-1), cos w_n, -sin w_n).
-
-    w_n = 2*pi*1e-4*n/P: Hyena's complex-exponential feature with a single band at frequency 1e-4,
-    so in practice Z[n] ~ (n/(P-1), 1, 0). The grid is fixed at P and never rescaled to the current l.
-    """
-    n = torch.arange(n_positions, dtype=torch.float32)
-    angle = 2 * math.pi * 1e-4 * n / n_positions
-    return torch.stack([n / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=1)
-
-
-class HyenaFilter(nn.Module):
-    """Hyena's implicit long filter h (l, d): a sine MLP on positional features, times a decay window.
-
-    h[n] = (W_4 g_3) * exp(-tau_n * alpha), g_i = sin(omega * (W_i g_{i-1} + b_i)), g_0 = Z[n].
-    """
-
-    def __init__(self, d_model, order=64, n_positions=1024):
-        super().__init__()
-        # Trainable: upstream tags it lr 1e-5, but the paper's optimizer ignored the tag.
-        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3)
-        self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (P,) tau_n = n/(P-1)
-        self.lin1 = nn.Linear(3, order)
-        self.lin2 = nn.Linear(order, order)
-        self.lin3 = nn.Linear(order, order)
-        self.lin_out = nn.Linear(order, d_model, bias=False)
-        # omega: ONE vector shared by all three sines, because upstream reuses a single Sin module.
-        self.freq = nn.Parameter(torch.ones(order))
-        # alpha: per-channel decay rates, fast (15.35) to slow (3.07), so the window reaches 1e-2 at
-        # 30%..150% of the P grid. A buffer: never trained.
-        target = math.log(1e-2)
-        self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())  # (d,)
-
-    def forward(self, length):
-        g = torch.sin(self.freq * self.lin1(self.z[:length]))           # (l, 3) -> (l, o)
-        g = torch.sin(self.freq * self.lin2(g))                         # (l, o)
-        g = torch.sin(self.freq * self.lin3(g))                         # (l, o)
-        window = torch.exp(-self.tau[:length, None] * self.decay)       # (l, d)
-        return self.lin_out(g) * window                                 # (l, o) -> (l, d)
-
-
-class Hyena(Mixer):
-    """Hyena operator of order 2 (zoology Hyena, the paper's config).
-
-    U = x W_in + b_in, U^ = SC_3(U), [x1 | x2 | v] = U^, s = v*x1, y = LC(s; h), out = (y*x2) W_out + b_out.
-    Upstream adds a skip beta*s inside the filter, but the paper's `bias=False` multiplied beta by 0: beta is
-    a counted, inert parameter. hyena_skip=True turns it on.
-    """
-
-    INTERNAL_SITES = ["hook_short", "hook_longconv"]
-
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_positions=1024,
-                 hyena_order=64, hyena_skip=False, **options):
-        super().__init__(reference)  # options meant for other mixers are ignored
-        d = d_model
-        self.n_positions = n_positions
-        self.use_skip = hyena_skip
-        self.in_proj = nn.Linear(d, 3 * d)
-        # Only the weights are used (by short_conv); Conv1d keeps torch's default init and upstream's layout.
-        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)
-        self.filter = HyenaFilter(d, hyena_order, n_positions)
-        self.skip = nn.Parameter(torch.randn(d))   # beta
-        self.out_proj = nn.Linear(d, d)             # named out_proj so the global init pass down-scales it
-        self.hook_in_proj = HookPoint()             # (b, l, 3d)
-        self.hook_short = HookPoint()               # (b, l, 3d): short-filter output, the token-shift carrier
-        self.hook_pregate = HookPoint()             # (b, l, d)
-        self.hook_filter = HookPoint(seq_dim=None)  # (l, d): derived from parameters only
-        self.hook_longconv = HookPoint()            # (b, l, d)
-        self.hook_postgate = HookPoint()            # (b, l, d)
-
-    def mix(self, x):
-        b, l, d = x.shape
-        if l > self.n_positions:
-            raise ValueError(f"Hyena: sequence length {l} exceeds n_positions={self.n_positions}")
-        u = self.hook_in_proj(self.in_proj(x))                                            # (b, l, 3d)
-        conv = short_conv_reference if self.reference else short_conv
-        u = self.hook_short(conv(u, self.short_filter.weight, self.short_filter.bias))    # (b, l, 3d)
-        x1, x2, v = u.split(d, dim=-1)                                                    # (b, l, d) each
-        s = self.hook_pregate(v * x1)
-        kernel = self.hook_filter(self.filter(l))                                         # (l, d)
-        skip = self.skip if self.use_skip else 0 * self.skip  # 0*beta: the paper's inert skip (zero gradient)
-        y = self.hook_longconv(long_conv(s, kernel, reference=self.reference) + skip * s)  # (b, l, d)
-        return self.out_proj(self.hook_postgate(y * x2))
-
-
-# ----------------------------------------------------------------------------------------------
-# H3 (zoology/mixers/h3.py)
-# ----------------------------------------------------------------------------------------------
-
-class H3(Mixer):
-    """H3: a shift SSM on the keys, then per head a diagonal SSM over the m x m outer products k~ v^T.
-
-    k~ = LC(k; K^s) + D^k*k, w_{h,i,j} = LC(k~_{h,i} v_{h,j}; K^d_h) + D^d_h k~_{h,i} v_{h,j},
-    o_{h,j} = sum_i q_{h,i} w_{h,i,j}, out = o W_o + b_o, with o's channels in the order j*H + h.
-    Read as attention: w_t is a per-head m x m fast-weight memory that decays through the SSM, queried by q_t.
-    Both kernels are recomputed from the parameters on every forward, for the current l.
-    """
-
-    INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
-
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2,
-                 **options):
-        super().__init__(reference)  # options meant for other mixers are ignored
-        d, n, m = d_model, h3_d_state, h3_head_dim
-        if d % m or n % 2:
-            raise ValueError(f"H3 needs d_model % h3_head_dim == 0 and an even d_state (got {d}, {m}, {n})")
-        self.d_state, self.head_dim, self.n_heads = n, m, d // m
-        h = self.n_heads
-        self.q_proj = nn.Linear(d, d)
-        self.k_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
-        # Shift SSM, one per channel: state = down-shift(state) + B^s k_t, output C^s . state.
-        shift_B = torch.zeros(d, n)
-        shift_B[:, 0] = 1.0                                  # at init K^s = C^s[:, :l]
-        self.shift_B = nn.Parameter(shift_B)                                        # (d, n)
-        self.shift_C = nn.Parameter(torch.empty(d, n).uniform_(-n ** -0.5, n ** -0.5))  # (d, n)
-        self.shift_D = nn.Parameter(torch.randn(d))                                 # D^k
-        # Diagonal S4D-Lin SSM, one per head: n/2 complex modes (their conjugates are the factor 2).
-        self.log_dt = nn.Parameter(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.log_neg_A_real = nn.Parameter(torch.full((h, n // 2), math.log(0.5)))  # rho: Re A = -1/2
-        self.A_imag = nn.Parameter(math.pi * torch.arange(n // 2).float().repeat(h, 1))  # theta: pi*n
-        diag_B = torch.zeros(h, n // 2, 2)
-        diag_B[..., 0] = 1.0                                                        # B^d = 1 + 0i
-        self.diag_B = nn.Parameter(diag_B)                                          # (h, n/2, re/im)
-        self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))      # standard complex normal
-        self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
-        self.output_linear = nn.Linear(d, d)  # not called out_proj upstream, so NOT down-scaled
-        self.hook_q = HookPoint()                         # (b, l, d)
-        self.hook_k = HookPoint()
-        self.hook_v = HookPoint()
-        self.hook_shift_kernel = HookPoint(seq_dim=None)  # (l, d): K^s
-        self.hook_shift_out = HookPoint()                 # (b, l, d): LC(k; K^s), the token shift
-        self.hook_k_tilde = HookPoint()                   # (b, l, d)
-        self.hook_kv = HookPoint()                        # (b, l, h, m, m)
-        self.hook_ssm_kernel = HookPoint(seq_dim=None)    # (l, h): K^d
-        self.hook_ssm_out = HookPoint()                   # (b, l, h, m, m): w, incl. the D^d skip
-        self.hook_y = HookPoint()                         # (b, l, d): before output_linear
-
-    def shift_kernel(self, length):
-        """K^s (l, d): K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag], the shift SSM's impulse response."""
-        n = self.d_state
-        if length > n:
-            raise ValueError(f"H3: sequence length {length} exceeds d_state={n}; raise h3_d_state")
-        B, C = self.shift_B, self.shift_C
-        if self.reference:
-            lags = [(B[:, :n - lag] * C[:, lag:]).sum(-1) for lag in range(length)]  # l x (d,)
-            return torch.stack(lags, dim=0)                                          # (l, d)
-        # Cross-correlation by FFT; padding to 2n keeps lags 0..n-1 free of wrap-around.
-        work = torch.promote_types(B.dtype, torch.float32)                           # no half-precision FFT on CPU
-        spectrum = torch.fft.rfft(C.to(work), n=2 * n) * torch.fft.rfft(B.to(work), n=2 * n).conj()  # (d, n+1)
-        return torch.fft.irfft(spectrum, n=2 * n)[:, :length].T.to(B.dtype)          # (l, d)
-
-    def diag_modes(self):
-        """(A_bar, W), each (h, n/2) complex: the bilinear (Tustin) discretisation of the S4D-Lin modes.
-
-        A_bar = (1 + dt A/2) / (1 - dt A/2), W = C B dt / (1 - dt A/2), so K^d[lag] = 2 Re sum_n W A_bar^lag.
-        Complex64 from float32 parameters, complex128 from float64 ones.
-        """
-        up = lambda p: p.to(torch.promote_types(p.dtype, torch.float32))  # no bfloat16 complex numbers
-        dt = up(self.log_dt).exp()[:, None]                                         # (h, 1)
-        A = torch.complex(-up(self.log_neg_A_real).exp(), up(self.A_imag))          # (h, n/2)
-        half = dt * A / 2
-        B = torch.view_as_complex(up(self.diag_B))
-        C = torch.view_as_complex(up(self.diag_C))
-        return (1 + half) / (1 - half), C * B * dt / (1 - half)
-
-    def ssm_kernel(self, length):
-        """K^d (l, h) = 2 Re sum_n W A_bar^lag (a Vandermonde product over the n/2 modes).
-
-        The reference path takes the complex powers as a running product; the fast path writes the
-        same sum in real arithmetic (same numbers to rounding).
-        """
-        A_bar, W = self.diag_modes()                                                # (h, n/2) each
-        if self.reference:
-            powers = torch.cumprod(A_bar[..., None].expand(*A_bar.shape, length), dim=-1) / A_bar[..., None]
-            return (2 * torch.einsum("hn,hnl->lh", W, powers).real).to(self.log_dt.dtype)  # (l, h)
-        # Fast path in real arithmetic (half the time of a complex exp and its backward on a CPU):
-        # A_bar^lag = |A_bar|^lag (cos(lag arg A_bar) + i sin(lag arg A_bar)), so
-        # 2 Re sum_n W A_bar^lag = 2 sum_n |A_bar|^lag (Re W cos(lag arg A_bar) - Im W sin(lag arg A_bar)).
-        lags = torch.arange(length, device=A_bar.device, dtype=A_bar.real.dtype)
-        log_A = torch.log(A_bar)                                                    # log|A_bar| + i arg A_bar
-        decay = torch.exp(log_A.real[..., None] * lags)                             # (h, n/2, l)
-        angle = log_A.imag[..., None] * lags                                        # (h, n/2, l)
-        # A sum over n rather than an einsum: as a batched matrix-vector product (one row per head)
-        # a CPU bmm loops over the heads, h (times the members of a vmapped ensemble) small matmuls.
-        terms = decay * (W.real[..., None] * torch.cos(angle) - W.imag[..., None] * torch.sin(angle))
-        kernel = terms.sum(1).T                                                     # (h, n/2, l) -> (l, h)
-        return (2 * kernel).to(self.log_dt.dtype)
-
-    def mix(self, x):
-        b, l, d = x.shape
-        h, m = self.n_heads, self.head_dim
-        q = self.hook_q(self.q_proj(x))                                             # (b, l, d)
-        k = self.hook_k(self.k_proj(x))
-        v = self.hook_v(self.v_proj(x))
-        shift_kernel = self.hook_shift_kernel(self.shift_kernel(l))                 # (l, d)
-        shift_out = self.hook_shift_out(long_conv(k, shift_kernel, reference=self.reference))
-        k_tilde = self.hook_k_tilde(shift_out + self.shift_D * k)                   # (b, l, d)
-        # Channel c = head*m + i (head outer). z[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head.
-        kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))      # (b, l, h, m, m)
-        ssm_kernel = self.hook_ssm_kernel(self.ssm_kernel(l))                       # (l, h)
-        per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # one kernel per head
-        w = long_conv(kv.reshape(b, l, h * m * m), per_signal, reference=self.reference).view(b, l, h, m, m)
-        w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)                  # (b, l, h, m, m)
-        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)                 # read out with the query
-        y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,h,m) -> (b,l,m,h) -> (b,l,d): channel j*H+h
-        return self.output_linear(y)
-
-    def init_state(self, batch, device=None, dtype=None):
-        """Recurrent state: the shift register (b, d, n) and the diagonal SSM's modes (b, h, m, m, n/2), complex."""
-        d, n, h, m = self.shift_B.shape[0], self.d_state, self.n_heads, self.head_dim
-        dtype = dtype or self.shift_B.dtype
-        complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-        return {"shift": torch.zeros(batch, d, n, device=device, dtype=dtype),
-                "diag": torch.zeros(batch, h, m, m, n // 2, device=device, dtype=complex_dtype)}
-
-    def step(self, x_t, state):
-        """One token: x_t (b, d) -> (y_t (b, d), next state). Hooks are not applied in step mode.
-
-        Shift SSM: state <- down-shift(state) + B^s k_t, shift_out = sum_n C^s state.
-        Diagonal SSM, per mode: state <- A_bar state + z_t, w = 2 Re sum_n W state + D^d z_t.
-        """
-        b, d = x_t.shape
-        h, m = self.n_heads, self.head_dim
-        q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)                # (b, d)
-        shift = F.pad(state["shift"][..., :-1], (1, 0)) + self.shift_B * k[..., None]  # (b, d, n)
-        k_tilde = (self.shift_C * shift).sum(-1) + self.shift_D * k                    # (b, d)
-        kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)                             # (b, h, m, m)
-        A_bar, W = self.diag_modes()                                                   # (h, n/2)
-        diag = A_bar[:, None, None] * state["diag"] + kv[..., None]                    # (b, h, m, m, n/2)
-        w = 2 * (W[:, None, None] * diag).sum(-1).real + self.diag_D[:, None, None] * kv  # (b, h, m, m)
-        o = torch.einsum("bhi,bhij->bhj", q.view(b, h, m), w)                          # (b, h, m)
-        y = o.transpose(1, 2).reshape(b, d)                                            # channel j*H + h
-        return self.output_linear(y), {"shift": shift, "diag": diag}
-
-
-# ----------------------------------------------------------------------------------------------
-# DeltaNet (fla/layers/delta_net.py; our configuration, README difference 15: 1 head, K=4 convs, beta on, no gate)
-# ----------------------------------------------------------------------------------------------
-
-def l2_normalize(x, eps=1e-6):
-    """x / sqrt(|x|^2 + eps) over the last dim (fla's qk_norm='l2')."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def delta_rule_step(state, q_t, k_t, v_t, beta_t):
-    """One delta-rule update. state (b, h, k, k); q_t, k_t, v_t (b, h, k); beta_t (b, h)."""
-    retrieved = torch.einsum("bhkv,bhk->bhv", state, k_t)                          # S^T k_t
-    state = state + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
-    o_t = torch.einsum("bhkv,bhk->bhv", state, q_t) / math.sqrt(k_t.shape[-1])
-    return o_t, state
-
-
-def delta_rule_recurrent(q, k, v, beta):
-    """Reference delta rule, a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h).
-
-    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T   (write: move S^T k_t towards v_t),
-    o_t = S_t^T q_t / sqrt(d_k)                          (read after the write).
-    Returns o (b, l, h, k).
-    """
-    b, l, h, dk = k.shape
-    state = k.new_zeros(b, h, dk, v.shape[-1])                                     # S_{-1} = 0: (b, h, k, k)
-    outputs = []
-    for q_t, k_t, v_t, beta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), beta.unbind(1)):
-        o_t, state = delta_rule_step(state, q_t, k_t, v_t, beta_t)
-        outputs.append(o_t)
-    return torch.stack(outputs, dim=1)
-
-
 def delta_rule_parallel(q, k, v, beta):
-    """The same outputs as delta_rule_recurrent with no loop over tokens.
-
-    Write S_t = sum_{j<=t} k_j u_j^T. The update says u_t = beta_t (v_t - S_{t-1}^T k_t)
-    = beta_t v_t - beta_t sum_{j<t} (k_t . k_j) u_j, i.e. the unit lower-triangular system
-    (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V, one triangular solve per head.
-    Then o_t = sum_{j<=t} (q_t . k_j) u_j / sqrt(d_k) = tril(Q K^T) U / sqrt(d_k).
-    """
+    """delta_rule_recurrent's outputs with no loop over tokens. Write S_t = sum_{j<=t} k_j u_j^T. The update
+    says u_t = beta_t (v_t - S_{t-1}^T k_t) = beta_t v_t - beta_t sum_{j<t} (k_t . k_j) u_j, i.e. the unit
+    lower-triangular system (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V, one triangular solve per
+    head. Then o_t = sum_{j<=t} (q_t . k_j) u_j / sqrt(d_k) = tril(Q K^T) U / sqrt(d_k)."""
     dk = k.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, k)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
@@ -1162,247 +1195,3 @@ def delta_rule_parallel(q, k, v, beta):
                                       unitriangular=True).to(v.dtype)               # (b, h, l, k)
     scores = torch.tril(q @ k.transpose(-1, -2))                                   # (b, h, l, l): q_t . k_j, j <= t
     return (scores @ u / math.sqrt(dk)).transpose(1, 2)                            # (b, h, l, k) -> (b, l, h, k)
-
-
-class DeltaNet(Mixer):
-    """DeltaNet (flash-linear-attention's DeltaNet layer, README difference 15 for the configuration).
-
-    q, k, v = SiLU(SC_4(x W)) each; q, k L2-normalised per head; beta = sigmoid(x W_beta) per head;
-    the delta rule (delta_rule_recurrent); per-head RMSNorm with one weight shared by the heads; W_o.
-    The short convs give each key and value a view of the previous tokens, the delta rule stores and
-    retrieves key -> value associations. mix() uses delta_rule_parallel, or the loop when reference.
-    d_conv sets the conv size (default 4; 0 removes the three convs, an ablation like Mamba's).
-    """
-
-    INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
-
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
-                 **options):
-        super().__init__(reference)  # options meant for other mixers are ignored
-        d, h = d_model, n_heads
-        if d % h:
-            raise ValueError(f"DeltaNet: d_model={d} is not divisible by n_heads={h}")
-        if not (d_conv is None or (isinstance(d_conv, int) and d_conv >= 0)):
-            raise ValueError(f"DeltaNet: d_conv must be None or an int >= 0 (0 removes the convs); got {d_conv!r}")
-        self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.b_proj = nn.Linear(d, h, bias=False)
-        if self.conv_size > 0:  # weights only, applied by short_conv; torch-default init U(+-1/sqrt(K))
-            self.q_conv = nn.Conv1d(d, d, self.conv_size, groups=d, bias=False)
-            self.k_conv = nn.Conv1d(d, d, self.conv_size, groups=d, bias=False)
-            self.v_conv = nn.Conv1d(d, d, self.conv_size, groups=d, bias=False)
-        self.o_norm = RMSNorm(d // h)                          # per head, one weight shared by the heads
-        self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
-        self.hook_q = HookPoint()     # (b, l, h, k): after conv, SiLU and L2 norm
-        self.hook_k = HookPoint()     # (b, l, h, k): after conv, SiLU and L2 norm
-        self.hook_v = HookPoint()     # (b, l, h, k): after conv and SiLU
-        self.hook_beta = HookPoint()  # (b, l, h): write strength
-        self.hook_o = HookPoint()     # (b, l, h, k): delta-rule readout, before the RMSNorm
-
-    def _convs(self):
-        return (self.q_conv, self.k_conv, self.v_conv) if self.conv_size > 0 else (None, None, None)
-
-    def _heads(self, q, k, v, beta):
-        """(..., d) -> (..., h, k), L2 norm on q and k; beta logits -> sigmoid."""
-        h = self.n_heads
-        q, k, v = (t.unflatten(-1, (h, -1)) for t in (q, k, v))
-        return l2_normalize(q), l2_normalize(k), v, torch.sigmoid(beta)
-
-    def _norm_out(self, o):
-        """Per-head RMSNorm (eps 1e-5), heads concatenated, then W_o. o (..., h, k) -> (..., d)."""
-        return self.o_proj(self.o_norm(o).flatten(-2))
-
-    def mix(self, x):
-        b, l, d = x.shape
-        features, conv_fn = [], short_conv_reference if self.reference else short_conv
-        for proj, conv in zip((self.q_proj, self.k_proj, self.v_proj), self._convs()):
-            z = proj(x)                                                                 # (b, l, d)
-            features.append(F.silu(conv_fn(z, conv.weight) if conv is not None else z))
-        q, k, v, beta = self._heads(*features, self.b_proj(x))                          # (b, l, h, k), (b, l, h)
-        q, k, v, beta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_beta(beta)
-        delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
-        o = self.hook_o(delta_rule(q, k, v, beta))                                      # (b, l, h, k)
-        return self._norm_out(o)                                                        # (b, l, d)
-
-    def init_state(self, batch, device=None, dtype=None):
-        """Recurrent state: S (b, h, k, k) and the last K-1 projected inputs of each conv (b, K-1, d)."""
-        d, h = self.o_proj.in_features, self.n_heads
-        dtype = dtype or self.o_proj.weight.dtype
-        state = {"S": torch.zeros(batch, h, d // h, d // h, device=device, dtype=dtype)}
-        for name in ("q", "k", "v"):
-            state[name] = torch.zeros(batch, max(self.conv_size - 1, 0), d, device=device, dtype=dtype)
-        return state
-
-    def step(self, x_t, state):
-        """One token: x_t (b, d) -> (y_t (b, d), next state). Hooks are not applied in step mode."""
-        next_state, features = {}, []
-        for name, proj, conv in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), self._convs()):
-            z = proj(x_t)                                                               # (b, d)
-            if conv is not None:
-                window = torch.cat([state[name], z[:, None]], dim=1)                    # (b, K, d), oldest first
-                next_state[name] = window[:, 1:]
-                z = (window * conv.weight[:, 0].T).sum(1)  # tap K-1 hits the current token, as in short_conv
-            else:
-                next_state[name] = state[name]
-            features.append(F.silu(z))
-        q, k, v, beta = self._heads(*features, self.b_proj(x_t))                        # (b, h, k), (b, h)
-        o, next_state["S"] = delta_rule_step(state["S"], q, k, v, beta)                # (b, h, k)
-        return self._norm_out(o), next_state
-
-
-def _base_conv_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """base_conv: kernel sizes [3, -1] alternate by layer (-1 = implicit long conv); d_conv sets every
-    layer's short kernel, long_only makes every layer long."""
-    kernel = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
-    return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
-
-
-def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """based: even layers are BaseConv (short K=3, or d_conv, or long with long_only), odd layers linear attention."""
-    if layer_idx % 2 == 0:
-        kernel = -1 if long_only else d_conv if d_conv is not None else 3
-        return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
-    return BasedAttention(d_model, layer_idx, n_layers, reference, **options)
-
-
-# arch name -> function (d_model, layer_idx, n_layers, reference, **options) -> Mixer. build_model calls it
-# once per layer with the keywords n_heads, d_conv, long_only, n_positions plus any extra build options,
-# so every factory must accept (and may ignore) those.
-MIXER_CLASSES = {
-    "attention": Attention,
-    "base_conv": _base_conv_layer,
-    "based": _based_layer,
-    "h3": H3,
-    "hyena": Hyena,
-    "mamba": Mamba,
-    "deltanet": DeltaNet,
-}
-MAMBA_BLOCK_ARCHS = {"mamba"}  # archs built from MambaBlocks (no MLP, RMSNorm, Mamba init rules)
-BUILT_IN_ARCHS = tuple(MIXER_CLASSES)
-# Classes the factories above build and hand their **options to (base_conv and based make BaseConv and
-# BasedAttention layers): their keyword parameters are build options too. Add a class here when a new
-# factory forwards options to a class that is not itself in MIXER_CLASSES.
-MIXER_PARTS = (BaseConv, BasedAttention)
-NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
-
-
-def mixer_options():
-    """The extra keywords build_model accepts (hyena_order, h3_d_state, feature_dim, freeze_features, ...):
-    every keyword parameter with a default of a MIXER_CLASSES factory or of a MIXER_PARTS class, read
-    from their signatures, so that a new mixer option needs no list to be updated. Any one of them is
-    accepted for every arch (a sweep passes the same options to all), but a keyword no mixer takes
-    (n_head for n_heads) is a mistake that build_model must not build around silently."""
-    names = set()
-    for factory in (*MIXER_CLASSES.values(), *MIXER_PARTS):
-        for p in inspect.signature(factory).parameters.values():
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty:
-                names.add(p.name)
-    return frozenset(names.difference(NOT_OPTIONS))
-
-
-def register(name, mixer, description, mamba_block=False):
-    """Make a new sequence mixer buildable as arch `name`: build_model, mechsm.Config and
-    `python run.py --arch name` accept it from then on (README, "Add your own mixer").
-
-    mixer: a Mixer subclass, or any factory (d_model, layer_idx, n_layers, reference, **options) ->
-    Mixer. mamba_block=True puts it in Mamba's blocks (RMSNorm, no MLP) instead of Transformer blocks.
-    """
-    _check(isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES,
-           f"register: the arch name must be a new identifier; got {name!r}.")
-    MIXER_CLASSES[name] = mixer
-    ARCHS[name] = description
-    if mamba_block:
-        MAMBA_BLOCK_ARCHS.add(name)
-
-
-def unregister(name):
-    """Undo register(name) (the built-in architectures cannot be removed)."""
-    _check(name in MIXER_CLASSES and name not in BUILT_IN_ARCHS, f"unregister: {name!r} was not registered.")
-    del MIXER_CLASSES[name], ARCHS[name]
-    MAMBA_BLOCK_ARCHS.discard(name)
-
-
-def position_limit(arch, pos_emb, n_positions):
-    """The longest sequence arch's model accepts, or None for any length: learned positions (pos_emb;
-    None = attention only, as build_model) and Hyena's implicit filter are tables of n_positions rows.
-    The other mixers (BaseConv's long filter included: a shorter filter is still a causal conv) run
-    on any length."""
-    if pos_emb is None:
-        pos_emb = arch == "attention"
-    return n_positions if pos_emb or arch == "hyena" else None
-
-
-def _check(condition, message):
-    if not condition:
-        raise ValueError(message)
-
-
-def _too_big(error, arch, vocab_size, d_model, n_layers):
-    """A ValueError naming the sizes for an allocation failure while building (None for other errors):
-    a width or vocabulary too large to allocate is bad input, not a crash."""
-    text = " ".join(str(error).split())
-    if not (isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text.lower()):
-        return None
-    asked = re.search(r"allocate (\d+) bytes", text)
-    size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
-    return ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} model "
-                      f"is too large to allocate{size}")
-
-
-def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
-                d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """Build the language model for `arch` with the paper's defaults.
-
-    pos_emb: learned absolute positions; None means on for attention only. d_conv: Mamba's short-conv
-    size (0..4, 0 removes it) or the short-conv size of based/base_conv. long_only: based/base_conv
-    use implicit long convs instead of short ones. kernels: "fast" or "reference" (slow loop scan and
-    direct convolutions). seed: seeds the initialisation without touching the global RNG.
-    """
-    _check(arch in MIXER_CLASSES, f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
-    _check(isinstance(vocab_size, int) and vocab_size >= 1, f"vocab_size must be a positive int; got {vocab_size!r}.")
-    _check(isinstance(d_model, int) and d_model >= 1, f"d_model must be a positive int; got {d_model!r}.")
-    _check(isinstance(n_layers, int) and n_layers >= 1, f"n_layers must be an int >= 1; got {n_layers!r}.")
-    _check(isinstance(n_heads, int) and n_heads >= 1 and d_model % n_heads == 0,
-           f"n_heads must be a positive int dividing d_model={d_model}; got {n_heads!r}.")
-    _check(isinstance(n_positions, int) and n_positions >= 2, f"n_positions must be an int >= 2; got {n_positions!r}.")
-    _check(kernels in ("fast", "reference"), f"kernels must be 'fast' or 'reference'; got {kernels!r}.")
-    if arch == "mamba":
-        _check(d_conv is None or d_conv in range(5), f"d_conv must be an int in 0..4 for mamba (0 removes the conv); got {d_conv!r}.")
-    if arch in ("based", "base_conv"):
-        _check(d_conv is None or (isinstance(d_conv, int) and d_conv >= 1),
-               f"d_conv must be an int >= 1 for {arch} (the short-conv kernel size); got {d_conv!r}.")
-        _check(not (long_only and d_conv is not None), "d_conv and long_only cannot both be set: long_only removes the short conv.")
-    unknown = sorted(set(options) - mixer_options())
-    if unknown:
-        known = sorted(mixer_options() | {"pos_emb", "n_positions", "n_heads", "d_conv", "long_only", "kernels", "seed"})
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        raise ValueError(f"build_model: unknown option {unknown[0]!r}"
-                        + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
-    if pos_emb is None:
-        pos_emb = arch == "attention"
-
-    build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
-                      n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
-                      kernels=kernels, seed=seed, **options)
-    mamba_blocks = arch in MAMBA_BLOCK_ARCHS
-    Block = MambaBlock if mamba_blocks else TransformerBlock
-    with torch.random.fork_rng(devices=[], enabled=seed is not None):
-        if seed is not None:
-            torch.manual_seed(seed)
-        make_mixer = MIXER_CLASSES[arch]
-        try:
-            blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
-                                                d_conv=d_conv, long_only=long_only, n_positions=n_positions,
-                                                **options))
-                      for i in range(n_layers)]
-            model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
-        except (RuntimeError, MemoryError) as e:
-            too_big = _too_big(e, arch, vocab_size, d_model, n_layers)
-            if too_big is None:
-                raise
-            raise too_big from None
-        init_weights(model, n_layers, mamba_blocks)
-    model.build_args = build_args
-    return model
