@@ -8,7 +8,7 @@ interventions.py's (paper Sec. 3-4).
 
 CPU examples:
   python run.py                                    # quick preset on AR: 7 archs in 2 parallel jobs
-  python run.py --task atr                         # the same on ATR (L_max = 5, |Σ| = 20)
+  python run.py --experiment atr-medium            # one result of the paper; --list shows all twelve
   python run.py --arch attention,mamba --d-model 32,64 --lr 1e-3,3e-3 --seeds 0-2
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
   OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references (GPU: --device cuda)
