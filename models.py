@@ -1063,8 +1063,11 @@ loop_scan = _LoopScanFn.apply                      # sequential_scan's loop, han
 parallel_scan_custom_grad = _ParallelScanFn.apply  # parallel_scan with the reverse-scan backward: `scan` on a GPU
 
 
-def scan(a, b):
-    """sequential_scan as `run.py bench` runs it: loop_scan on a CPU, else parallel_scan_custom_grad (or kernel_form's)."""
+def scan(a, b, reference=False):
+    """h_t = a_t h_{t-1} + b_t for a mixer: loop_scan on a CPU, else parallel_scan_custom_grad (or
+    kernel_form's); reference=True (a mixer's kernels="reference") runs sequential_scan itself."""
+    if reference:
+        return sequential_scan(a, b)
     if kernel_form.of(a) == "cpu":
         return loop_scan(a, b)
     return parallel_scan_custom_grad(a, b)
