@@ -72,7 +72,7 @@ QUICK_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=8, d_model=
                 train_size=100_032, steps=6000, eval_every=1000)
 # quick ATR: a few sentences of hundreds of terminals make every batch that long (batches are
 # padded to their longest document), and Mamba's time loop then ran at 1.5-6 steps/s on a CPU, so the
-# quick grids reject sentences over 64 terminals (1.5% of them at L_max 5; README, difference 14) and
+# quick grids reject sentences over 64 terminals (1.5% at L_max 5, 21% at L_max 10: README, difference 14) and
 # take fewer steps: every ATR grid must fit 15 minutes on 2 cores.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
                  train_size=100_032, steps=4000, eval_every=1000, gap_filter=0.1, max_terminals=64)
