@@ -1043,7 +1043,7 @@ def time_group(configs, steps=20):
     start = time.perf_counter()
     for _ in range(steps):
         loss = step()
-    float(loss.sum())                                     # waits for the device
+    float(loss.detach().sum())                            # waits for the device
     per_step = (time.perf_counter() - start) / steps
     start = time.perf_counter()
     history_entry(model, data, cfg, 0, None)
