@@ -217,8 +217,9 @@ def _describe(name, value):
 
 
 # Training steps per second of one CPU thread at the paper's AR shape (width 64, 2 layers, batch 32,
-# 37 tokens), from `python run.py bench` on a 2-core x86-64 machine (torch 2.13). estimate_seconds
-# scales them by tokens, width, layers and batch: a rough guide for planning, not a promise.
+# 37 tokens), from `python run.py bench` on an otherwise idle 2-core x86-64 machine (torch 2.13,
+# 2026-11-29; a loaded machine runs 2-3x slower). estimate_seconds scales them by tokens, width,
+# layers and batch: a rough guide for planning, not a promise.
 CPU_STEPS_PER_S = {"attention": 43.4, "base_conv": 35.7, "based": 39.4, "h3": 8.2, "hyena": 22.0,
                    "mamba": 12.1, "deltanet": 22.8}
 
