@@ -1,4 +1,4 @@
-"""mechsm.py: the experiment: config, the paper's training recipe, evaluation, sweeps, checkpoints.
+"""mechsm.py: the recipe of one experiment: config, data, the paper's training loop, checkpoints.
 
 Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
 arXiv 2505.15105), Sec. 4-5 and App. C, and the reference training loop (tinylang: experiment.py):
@@ -7,17 +7,17 @@ arXiv 2505.15105), Sec. 4-5 and App. C, and the reference training loop (tinylan
   * AdamW (0.9, 0.999, eps 1e-8, no weight decay), 10% linear warmup from 0, then cosine decay to 0
     (HuggingFace's schedule), cross-entropy on the answer token only, float32, no clipping, no dropout;
   * evaluation every eval_every steps, step 0 included; accuracy = argmax over the full vocabulary at
-    the query position, and the mean probability of the answer;
-  * sweeps over widths and learning rates, reporting the best run per (arch, width).
+    the query position, and the mean probability of the answer.
+Where we differ on purpose (README, differences 7, 8, 11): the final model is evaluated (the reference
+never evaluates its last updates); ATR accuracy is also reported on the evaluation documents not seen
+verbatim in training ("novel_acc"); the generalisation runs decay with a cosine, as the paper says.
 
-Where we differ from the reference on purpose (README, differences 7, 8, 11, 18): the final model is
-evaluated (the reference never evaluates its last 16-32 updates); ATR accuracy is also reported on the
-evaluation documents that do not appear verbatim in the training set ("novel_acc"); the
-generalisation runs decay with a cosine, as the paper says (its configs decay linearly).
+Read in this order: Config -> Data -> lr_at, answer_loss, evaluate -> train (the loop) -> the timeline
+entry -> save/load. The last part, for many runs at once, is the batched Ensemble (train_group). The
+experiments, sweeps, resume and reports that serve many runs live in run.py.
 
-Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents, r members of a
-group (runs that differ only in lr and seed, trained as one batched model: Ensemble, train_group),
-P parameters of one model.
+Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents, r members of an
+Ensemble (runs that differ only in lr and seed, trained as one batched model), P parameters of one model.
 
 Using it from Python:
     import mechsm
@@ -25,21 +25,13 @@ Using it from Python:
                         train_size=8000, epochs=1, lr=3e-3)
     result, model = mechsm.train(cfg)            # result["final"]["acc"], result["history"], ...
     mechsm.save(model, cfg, "attn.pt"); model, cfg = mechsm.load("attn.pt")
-    pairs = mechsm.train_group([dataclasses.replace(cfg, lr=lr) for lr in (1e-3, 3e-3)])  # [(result, model)]
 """
 
-import contextlib
-import hashlib
 import json
 import math
 import os
-import shutil
-import signal
-import socket
 import sys
-import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 
@@ -48,233 +40,6 @@ import torch.nn.functional as F
 
 import models
 import tasks
-
-# ----------------------------------------------------------------------------------------------
-# The experiments: one entry per result of the paper, each with a "quick" grid that runs in at most
-# 15 minutes on a 2-core CPU and the "paper" grid (the paper's widths, learning rates and steps).
-# A grid is {"config": Config fields shared by its runs, "runs": one dict of Config fields per family
-# of runs (each names its arch), "widths", "lrs": {arch: [...]}, "seeds": {arch: [...]}} where the
-# arch "*" is the default; quick grids also give each arch its step count ("steps").
-# ----------------------------------------------------------------------------------------------
-
-ALL_ARCHS = list(models.BUILT_IN_ARCHS)
-PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
-LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
-LR7 = LR5 + [1e-2, 3e-2]
-
-# quick: the paper's AR vocabulary (4,096 keys, 4,096 values) and recipe (a fixed 100,032-document
-# training set walked in order, batch 32, 10% warmup, cosine decay), but 8 pairs instead of 16 (21
-# tokens: every step ~1.7x cheaper), width 64, one learning rate per architecture and 4k-16k steps
-# instead of 50k. The learning rates and step counts come from short probe runs made before any
-# table (README, "How the quick grids were chosen"). Attention gets the most steps: it sits on the
-# "copy any value in the context" plateau for ~9k steps before induction forms.
-QUICK_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=8, d_model=64, n_layers=2,
-                train_size=100_032, steps=6000, eval_every=1000)
-# quick ATR: a few sentences of hundreds of terminals make every batch that long (batches are
-# padded to their longest document), and Mamba's time loop then ran at 1.5-6 steps/s on a CPU, so the
-# quick grids reject sentences over 64 terminals (1.5% at L_max 5, 21% at L_max 10: README, difference 14) and
-# take fewer steps: every ATR grid must fit 15 minutes on 2 cores.
-QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
-                 train_size=100_032, steps=4000, eval_every=1000, gap_filter=0.1, max_terminals=64)
-QUICK_ATR_STEPS = {"attention": 10_000, "mamba": 4000, "based": 6000, "h3": 2500}   # the others: 4,000
-QUICK_STEPS = {"attention": 16_000, "mamba": 8000, "based": 8000, "h3": 4000}   # the others: 6,000
-QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3], "hyena": [1e-3],
-             "mamba": [1e-2], "deltanet": [1e-3]}
-PAPER_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=16, n_layers=2, batch_size=32,
-                train_size=100_032, epochs=16, eval_every=200)
-PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2, batch_size=32,
-                 data_seed=125, train_size=100_032, epochs=32, eval_every=200, gap_filter=0.1)
-ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)          # grammar seed 124: lengths near the reference's
-
-
-def _quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
-    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs=QUICK_LRS,
-                seeds=seeds or {"*": [0]}, steps=steps or QUICK_STEPS)
-
-
-def _paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
-    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs}, seeds={"*": [42]})
-
-
-def _archs(*archs, **fields):
-    return [dict(arch=a, **fields) for a in archs]
-
-
-@dataclass(frozen=True)
-class Experiment:
-    name: str
-    section: str        # where the paper reports it
-    tests: str          # the claim, in one line
-    paper: dict         # table row label (or arch) -> the paper's number / finding for that row
-    quick: dict         # the quick grid
-    full: dict          # the paper's grid (preset "paper")
-
-
-# Longest runs first in each list, so that two parallel jobs finish together.
-EXPERIMENTS = {e.name: e for e in [
-    Experiment("ar", "Sec. 5.1", "AR accuracy and mechanism of every architecture at one width",
-               {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
-                "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
-                "h3": "direct retrieval"},
-               _quick(QUICK_AR, _archs("mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv"),
-                      seeds={"mamba": [0, 1, 2], "*": [0]}),
-               _paper(PAPER_AR, _archs(*ALL_ARCHS), lrs=LR7)),
-    Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
-               {"attention": "100% at every d >= 32", "mamba": "rises with d: 91.25% at d 256"},
-               _quick(QUICK_AR, _archs("attention"), widths=(16, 32, 64)),   # CPU budget: attention only
-               _paper(PAPER_AR, _archs(*ALL_ARCHS), lrs=LR7)),
-    Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
-               {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
-               _quick(QUICK_AR, _archs("attention", pos_emb=False) + _archs("attention", pos_emb=True)),
-               _paper(PAPER_AR, _archs("attention", pos_emb=False) + _archs("attention", pos_emb=True))),
-    Experiment("ar-layers", "App. D.2, D.3", "AR with 1 and 3 layers (1-layer Mamba still learns it)",
-               {"mamba (1 layer)": "96.25%"},
-               _quick(QUICK_AR, _archs("mamba", "attention", n_layers=1) + _archs("mamba", "attention")),
-               _paper(PAPER_AR, _archs(*PAPER_ARCHS, n_layers=1) + _archs(*PAPER_ARCHS, n_layers=3), lrs=LR7)),
-    Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
-               {"mamba (d_conv 0)": "fails without the conv", "mamba (default conv)": "91.25% (d 256; conv 4)"},
-               _quick(QUICK_AR, [dict(arch="mamba", d_conv=k) for k in (0, None)]),   # CPU budget: 0 and 4
-               _paper(PAPER_AR, [dict(arch="mamba", d_conv=k) for k in (0, 1, 2, 3, None)], lrs=LR7)),
-    Experiment("based-ablation", "Sec. 5.4", "Based with long convs only, and short kernels 1-4",
-               {"based (default conv)": "99.06%; induction"},
-               _quick(QUICK_AR, _archs("based", long_only=True) + [dict(arch="based", d_conv=k) for k in (1, None)]),
-               _paper(PAPER_AR, _archs("based", "base_conv", long_only=True)
-                      + [dict(arch="based", d_conv=k) for k in (1, 2, None, 4)])),
-    Experiment("atr", "Sec. 5.2", "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
-               {"attention": "induction-like: the parent's token holds the association",
-                "mamba": "direct retrieval at the query", "h3": "direct retrieval", "hyena": "direct retrieval",
-                "based": "induction-like"},
-               _quick(QUICK_ATR, _archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
-                      steps=QUICK_ATR_STEPS),
-               _paper(PAPER_ATR, _archs(*PAPER_ARCHS))),
-    Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
-               {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
-               _quick(QUICK_ATR, _archs("mamba", "attention"), steps=QUICK_ATR_STEPS, **ATR_MEDIUM),
-               _paper(PAPER_ATR, _archs("attention", "base_conv", "based", "hyena", "mamba"), **ATR_MEDIUM)),
-    Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
-               _quick(QUICK_ATR, _archs("attention"), steps=QUICK_ATR_STEPS, num_terminals=8192),
-               _paper(PAPER_ATR, _archs("attention"), num_terminals=8192)),
-    Experiment("atr-generalisation", "Sec. 5.3", "ATR on held-out (parent, child) label pairs: dev against test",
-               {"attention": "95.62% dev / 68.12% test (d 256)"},
-               _quick(QUICK_ATR, _archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2, gap_filter=0.01),
-               _paper(PAPER_ATR, _archs("attention"), holdout=0.2, gap_filter=0.01)),
-    Experiment("ar-generalisation", "the paper's notebook (not in its text)",
-               "AR on held-out (key, value) pairs: dev against test", {},
-               _quick(QUICK_AR, _archs("attention"), holdout=0.2),
-               _paper(PAPER_AR, _archs("attention"), holdout=0.2, epochs=32)),
-    Experiment("atr-mamba-conv", "arXiv v3", "Mamba without its short conv learns attention-like induction on ATR",
-               {"mamba (d_conv 0)": "induction (high Attrib@Value)", "mamba (default conv)": "direct retrieval"},
-               _quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")], steps=QUICK_ATR_STEPS),
-               _paper(PAPER_ATR, [dict(arch="mamba", d_conv=k) for k in (0, None)])),
-]}
-PRESET_NAMES = ("quick", "paper")
-LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout", "freeze_features")
-
-
-def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None, **fields):
-    """The Configs of one experiment's grid, runs -> widths -> lrs -> seeds, with `fields` (Config
-    fields, e.g. device, out_dir, steps) set on every run. archs / widths / lrs / seeds narrow or
-    replace the grid's: archs keeps the grid's runs of those archs and adds a plain run for an arch
-    the grid lacks (with the grid's learning rate and steps for it). An unknown name or preset is a
-    ValueError naming the choices."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
-    if preset not in PRESET_NAMES:
-        raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESET_NAMES)}")
-    exp = EXPERIMENTS[name]
-    grid = exp.quick if preset == "quick" else exp.full
-    runs = grid["runs"]
-    if archs is not None:
-        runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
-                                                          if a not in {r["arch"] for r in runs}]
-    pick = lambda table, arch: table.get(arch, table.get("*", [1e-3] if table is grid["lrs"] else None))
-    configs = []
-    for run in runs:
-        steps = pick(grid.get("steps", {}), run["arch"])
-        base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields})
-        for width in widths or grid["widths"]:
-            for lr in lrs or pick(grid["lrs"], run["arch"]):
-                for seed in seeds or pick(grid["seeds"], run["arch"]):
-                    configs.append(replace(base, d_model=width, lr=float(lr), seed=seed))
-    return configs
-
-
-def _describe(name, value):
-    """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
-    if name == "d_model":
-        return f"d {value}"
-    if name == "n_layers":
-        return f"{value} layer{'s' * (value != 1)}"
-    if name == "pos_emb":
-        return "PE" if value else "NoPE"
-    if name == "d_conv":
-        return "default conv" if value is None else f"d_conv {value}"
-    if name == "long_only":
-        return "long convs only" if value else None
-    if name == "holdout":
-        return f"holdout {value:g}"
-    return f"{name} {value}"
-
-
-# Training steps per second of one CPU thread at the paper's AR shape (width 64, 2 layers, batch 32,
-# 37 tokens), from `python run.py bench` on an otherwise idle 2-core x86-64 machine (torch 2.13,
-# 2026-11-29; a loaded machine runs 2-3x slower). estimate_seconds scales them by tokens, width,
-# layers and batch: a rough guide for planning, not a promise.
-CPU_STEPS_PER_S = {"attention": 43.4, "base_conv": 35.7, "based": 39.4, "h3": 8.2, "hyena": 22.0,
-                   "mamba": 12.1, "deltanet": 22.8}
-
-
-@lru_cache(maxsize=16)
-def _mean_batch_width(data_key):
-    """Mean over batches of 32 of the longest document (batches are padded to it), from 320 docs."""
-    data = _make_data(data_key)
-    lengths = data.eval.lengths[: len(data.eval) // 32 * 32].view(-1, 32)
-    return float(lengths.max(1).values.float().mean())
-
-
-def estimate_seconds(configs, jobs=1):
-    """Rough CPU wall time of training `configs` with `jobs` one-thread workers (see CPU_STEPS_PER_S)."""
-    total = 0.0
-    for cfg in configs:
-        cfg = cfg.resolved()
-        tokens = _mean_batch_width(_data_key(replace(cfg, train_size=32, eval_size=320)))
-        rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 37 / tokens / max(1.0, cfg.d_model / 64)
-                * 2 / cfg.n_layers * 32 / cfg.batch_size)
-        total += cfg.total_steps() / rate
-    return total / max(1, min(jobs, len(configs)))
-
-
-def fmt_hours(seconds):
-    """'14 min' or '3.2 h'."""
-    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
-
-
-def catalogue(jobs=2):
-    """`run.py --list`: every experiment, its claim and the paper's numbers, with the runs of each preset
-    and their expected time on a 2-core CPU with `jobs` jobs (estimate_seconds)."""
-    lines = []
-    for name, exp in EXPERIMENTS.items():
-        times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, jobs))}"
-                 for preset in PRESET_NAMES for configs in [experiment_configs(name, preset)]]
-        lines += [f"{name:<19} {exp.section}: {exp.tests}",
-                  f"{'':<19} paper: " + ("; ".join(f"{k} {v}" for k, v in exp.paper.items()) or "no number quoted"),
-                  f"{'':<19} " + " | ".join(times) + f" (2 CPU cores, {jobs} jobs)"]
-    return "\n".join(lines)
-
-
-def row_label(cfg, configs):
-    """A table label for cfg: its arch, plus every LABEL_FIELDS value that differs between the
-    configs of the same arch in `configs`, e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
-    cfg = cfg.resolved()
-    same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
-    parts = []
-    for name in LABEL_FIELDS:
-        if len({getattr(c, name) for c in same_arch}) > 1:
-            if not (name == "d_conv" and cfg.long_only):      # long_only has no short conv to size
-                parts.append(_describe(name, getattr(cfg, name)))
-    parts = [p for p in parts if p]
-    return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
-
 
 DEFAULT_EPOCHS = {"ar": 16, "atr": 32}       # the paper: 50,016 AR steps, 100,032 ATR steps
 TASKS = ("ar", "atr")
@@ -325,14 +90,12 @@ class Config:
     schedule: str = "cosine"         # decay to 0 after warmup: "cosine" | "linear" (README, difference 11)
     seed: int = 42                   # model init seed (torch)
     device: str = "auto"             # "auto" (cuda if available) | "cpu" | "cuda"
-    # evaluation and output
+    # evaluation
     eval_every: int = 200            # steps between evaluations; the last step is always evaluated
     eval_size: int = 320             # evaluation documents per split (the paper: 320)
     timeline_docs: int = 64          # at every evaluation, Attrib@Value/Query on this many eval docs (0: off)
     gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper: 0.01
                                      # for AR, 0.1 for the ATR box plots)
-    out_dir: str | None = None       # where checkpoints go; None = nowhere
-    save_checkpoint: bool = False    # save the final model under out_dir/ckpt/
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
@@ -402,27 +165,6 @@ class Config:
         """A short human name for logs and files, e.g. 'ar_attention_d64_L2_lr0.001_s42'."""
         return f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}"
 
-    def file_name(self):
-        """name() plus 8 hex digits of the run's identity, for its checkpoint and mechanism files: runs
-        that differ only in fields name() leaves out (d_conv, pos_emb, ...) must not share a file."""
-        return f"{self.name()}_{run_hash(run_key(asdict(self.resolved())))[:8]}"
-
-
-# Where and on what a run happens, and whether its checkpoint is kept, do not change what it is: a rerun
-# that differs only in these finds the run done. Every other field changes the trained model or what
-# its record reports (a field a record lacks, e.g. one added to Config later, makes it a different run).
-KEY_EXCLUDED = ("out_dir", "device", "save_checkpoint")
-
-
-def run_key(config_dict):
-    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED}, sort_keys=True)
-
-
-def run_hash(key):
-    """A short file-name-safe digest of a run_key (16 hex digits), e.g. for the run's claim file."""
-    return hashlib.sha1(key.encode()).hexdigest()[:16]
-
 
 def resolve_device(device):
     """The device to use: "auto" -> "cuda" if available, else "cpu". A CUDA device on a machine without
@@ -450,6 +192,7 @@ class Data:
     eval: "tasks.Dataset"      # eval_size fresh documents, split "dev" (a different seed stream)
     test: "tasks.Dataset"      # eval_size documents that query held-out pairs; None when holdout == 0
     vocab_size: int
+    novel: dict = None         # ATR: split -> bool mask of its documents not seen verbatim in train
 
 
 def _data_key(cfg):
@@ -484,60 +227,20 @@ def _make_data(key):
             raise
         raise ValueError(f"{task} task {params} with {train_size} training documents: too large to "
                          f"allocate ({' '.join(str(e).split())[:120]})") from None
-    return Data(train, dev, test, train.vocab_size)
+    novel = None
+    if task == "atr":          # README, difference 8: accuracy also on documents not seen in training
+        novel = {"eval": novel_mask(train, dev), **({"test": novel_mask(train, test)} if test else {})}
+    return Data(train, dev, test, train.vocab_size, novel)
 
 
-def make_data(cfg):
-    """The Data of cfg, cached in-process (a sweep's runs share their documents)."""
-    return _make_data(_data_key(cfg))
+def make_data(cfg, data=None):
+    """The Data of cfg (cached in-process: a sweep's runs share their documents), or `data` when given;
+    either way checked to fit cfg's model (check_length), so that a bad run fails before step 0."""
+    data = data or _make_data(_data_key(cfg))
+    check_length(cfg, data)
+    return data
 
 
-def probe_task(cfg):
-    """Generate a few documents of cfg's task (raises tasks' ValueError if it cannot be generated);
-    returns the vocabulary size. Cheap: use it to validate input before a long sweep."""
-    return _make_data(_data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
-
-
-def check_length(cfg, data=None):
-    """Raise ValueError (one line) when cfg's documents are longer than its model accepts
-    (models.position_limit: learned positions, Hyena's filter), so that this fails before training,
-    not at the first step of a run or in a worker. AR documents all have 2 * num_pairs + 5 tokens;
-    ATR documents vary, so unless max_terminals + 5 fits, the longest one of `data` is read (cfg's
-    documents are generated when data is None, and cached for the run that follows)."""
-    cfg = cfg.resolved()
-    limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
-    if limit is None:
-        return
-    if cfg.task == "ar":
-        length = 2 * cfg.num_pairs + 5
-    elif cfg.max_terminals + 5 <= limit:
-        return
-    else:
-        data = data or make_data(cfg)
-        length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
-    if length > limit:
-        what = "learned positions" if cfg.pos_emb else "implicit filter positions"
-        raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s model has "
-                         f"{limit} {what}; raise n_positions or shorten the documents")
-
-
-def novel_mask(train, dataset):
-    """(n,) bool: which documents of `dataset` do not appear verbatim in `train` (README, difference 8).
-    Each document is hashed as its unpadded token row."""
-    seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
-    return torch.tensor([row[:n].tobytes() not in seen
-                         for row, n in zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
-
-
-def novel_masks(cfg, data):
-    """ATR: {"eval": novel_mask of the eval documents, "test": of the test documents (with a held-out
-    split)}, which evaluate_all reports as novel_*; None for AR."""
-    if cfg.task != "atr":
-        return None
-    novel = {"eval": novel_mask(data.train, data.eval)}
-    if data.test is not None:
-        novel["test"] = novel_mask(data.train, data.test)
-    return novel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -563,8 +266,12 @@ def answer_loss(model, tokens, queries, answers):
     """Cross-entropy of the answer token only, read at the query position (mean over the batch).
     The head is applied to the query rows alone, so no other position can enter the loss. Computed in
     float32 at least (a float64 model keeps float64). `model` may be any callable model(tokens, readout=)."""
-    logits = model(tokens, readout=queries)                 # (b, l) -> (b, v)
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), answers)
+    logits = model(tokens, readout=queries)                 # (b, l) -> (b, v); an Ensemble's: (r, b, v)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if logits.dim() == 3:       # an Ensemble: one mean over the batch per member (r,), its failed members 0
+        losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1), reduction="none")
+        return model.drop_failed(losses.mean(1))
+    return F.cross_entropy(logits, answers)
 
 
 @torch.no_grad()
@@ -592,61 +299,55 @@ def evaluate(model, dataset, batch_size=64):
     return {"acc": correct / n, "prob": prob / n, "loss": loss / n, "n": n}
 
 
-def evaluate_all(model, data, novel=None):
-    """Flat metrics over the eval (dev) set, plus test_* with a held-out split and novel_* for the
-    documents not seen verbatim in training (novel = dict split -> bool mask, ATR only)."""
-    metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
-    if data.test is not None:
-        metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
-    for split, mask in (novel or {}).items():
-        ds = data.eval if split == "eval" else data.test
-        prefix = "" if split == "eval" else "test_"
-        metrics[f"{prefix}novel_acc"] = evaluate(model, ds.subset(mask.nonzero().squeeze(1)))["acc"]
-        metrics[f"{prefix}novel_frac"] = mask.float().mean().item()
-    return metrics
 
 
 # ----------------------------------------------------------------------------------------------
-# One training run.
+# One training run: the loop, written out (as nanoGPT's train.py writes it).
 # ----------------------------------------------------------------------------------------------
-
-def stderr_log(prefix=""):
-    """A log function printing one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
-    def log(msg):
-        print(f"{prefix}{msg}", file=sys.stderr, flush=True)
-    return log
-
-
-def _fmt_time(seconds):
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
-
 
 def train(cfg, *, data=None, log=None):
     """Train one model with the paper's recipe. Returns (result, model).
 
     result is JSON-serialisable: config (resolved), status ("ok" | "failed"), error, n_params, device,
-    final metrics (of the final model; "failed" runs keep their last evaluated metrics), history (one
-    entry per evaluation), wall_s, steps_per_s, steps_done, total_steps, checkpoint (path or None).
+    final metrics (of the final model; a "failed" run keeps its last evaluated ones), history (one
+    entry per evaluation), wall_s, steps_per_s, steps_done, total_steps, timeline_s.
     A NaN/inf loss stops the run (status "failed"); anything else wrong raises.
     """
     cfg = cfg.resolved().check()
-    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] ")
-    device = resolve_device(cfg.device)
-    data = data or make_data(cfg)
-    check_length(cfg, data)                # documents the model cannot take: before step 0, not at it
-    t_start = time.time()
+    log = log or (lambda msg: print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] {msg}", file=sys.stderr))
+    data = make_data(cfg, data)            # checked against cfg: documents the model cannot take fail here
     torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone (on a CPU: the same run)
-    model = build(cfg, data.vocab_size).to(device)
-    n_params, total, S = models.count_parameters(model), cfg.total_steps(), cfg.steps_per_epoch()
-    optimizer = adamw(model, cfg.lr)
-    batches, history = training_batches(cfg, data, device), _History(cfg, data, novel_masks(cfg, data))
-    log(f"{n_params:,} parameters on {device} | {total} steps ({S} batches of {cfg.batch_size}, "
-        f"{total / S:g} epoch{'s' * (total != S)}) | {cfg.name()}")
-    t_loop = time.time()
-    steps_done, error = _train_steps(model, optimizer, batches, history, cfg, log)
-    wall, rate = time.time() - t_start, steps_done / max(1e-9, time.time() - t_loop)
-    return _result(model, cfg, error, n_params, device, history, steps_done, wall, rate), model
+    model = build(cfg, data.vocab_size)    # on cfg's device
+    return fit([cfg], model, adamw(model, cfg.lr), data, log)[0]
+
+
+def fit(cfgs, model, optimizer, data, log):
+    """train()'s loop: AdamW at lr_at(step) on batch(step), evaluated every eval_every steps and after
+    the last one. cfgs is [cfg] for one model; for an Ensemble (train_group) it lists its members, and
+    the loss is one per member (r,). Returns [(result, model)], one per config."""
+    cfg, total, start = cfgs[0], cfgs[0].total_steps(), time.time()
+    batch = training_batches(cfg, data)
+    histories, loss_sum, n_losses, error = [[] for _ in cfgs], 0.0, 0, None
+    model.train()
+    for step in range(total + 1):
+        if step % cfg.eval_every == 0 or step == total:          # evaluate: step 0, every eval_every, the end
+            record_evaluation(model, cfgs, data, step, loss_sum / max(n_losses, 1) if n_losses else None, histories)
+            log(progress(step, total, start, histories))
+            loss_sum, n_losses = 0.0, 0
+        if step == total:
+            break
+        for group, c in zip(optimizer.param_groups, cfgs):          # the schedule (one group per member)
+            group["lr"] = lr_at(step, total, c.warmup_frac, c.schedule, c.lr)
+        loss = answer_loss(model, *batch(step))  # forward: (), or (r,) for an Ensemble (its failed members: 0)
+        if not torch.isfinite(loss).all():       # a NaN/inf loss would poison every later step: stop here
+            error = f"loss is {loss.item()} at step {step} (lr {cfg.lr:g}); run stopped"
+            log(f"FAILED: {error}")
+            break
+        optimizer.zero_grad(set_to_none=True)
+        loss.sum().backward()                                       # backward
+        optimizer.step()                                            # AdamW
+        loss_sum, n_losses = loss_sum + loss.detach(), n_losses + 1
+    return run_results(model, cfgs, histories, step, error, time.time() - start)
 
 
 def adamw(model, lr):
@@ -654,11 +355,11 @@ def adamw(model, lr):
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
-def training_batches(cfg, data, device):
-    """The fixed training set on `device`, walked in order as the reference walks it: batch(step) is
+def training_batches(cfg, data):
+    """The fixed training set on cfg's device, walked in order as the reference walks it: batch(step) is
     (tokens, queries, answers) of rows [s*B, s*B + B) with s = step mod S (S = steps_per_epoch: a last
     partial batch is dropped), the tokens trimmed to the batch's longest document."""
-    B, S = cfg.batch_size, cfg.steps_per_epoch()
+    B, S, device = cfg.batch_size, cfg.steps_per_epoch(), resolve_device(cfg.device)
     tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
     queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
     answers = data.train.answers[: S * B].to(device)                # (S*B,)
@@ -671,79 +372,68 @@ def training_batches(cfg, data, device):
     return batch
 
 
-class _History:
-    """The evaluations of one run as it trains: its history entries (history_entry) and the time the
-    attribution timeline took in them."""
-
-    def __init__(self, cfg, data, novel=None):
-        self.cfg, self.data, self.novel = cfg, data, novel
-        self.entries, self.timeline_s = [], 0.0
-
-    def add(self, model, step, train_loss):
-        entry = history_entry(model, self.data, self.cfg, step, train_loss, self.novel)
-        self.timeline_s += entry.pop("timeline_s", 0.0)
-        self.entries.append(entry)
-        return entry
+def build(cfg, vocab_size):
+    """The model of a config on its device, initialised from cfg.seed alone (models.build_model)."""
+    cfg = cfg.resolved()
+    return models.build_model(cfg.arch, vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
+                              n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
+                              long_only=cfg.long_only, freeze_features=cfg.freeze_features,
+                              kernels=cfg.kernels, seed=cfg.seed).to(resolve_device(cfg.device))
 
 
-def _train_steps(model, optimizer, batches, history, cfg, log):
-    """train()'s loop: AdamW at lr_at(step) on batches(step), evaluated (history) every eval_every
-    steps and after the last one. Returns (steps done, error): a NaN/inf loss stops the run at that
-    step, and error says so (None when the run finished)."""
-    total, since, device = cfg.total_steps(), time.time(), next(model.parameters()).device
-    loss_sum, loss_count = torch.zeros((), device=device), 0
+def record_evaluation(model, cfgs, data, step, train_loss, histories):
+    """Append each member's history_entry at `step` to its history (one model: one member)."""
+    members = model.members() if isinstance(model, Ensemble) else [model]
+    losses = train_loss.reshape(-1).tolist() if train_loss is not None else [None] * len(cfgs)
+    for cfg, member, history, loss in zip(cfgs, members, histories, losses):
+        history.append(history_entry(member, data, cfg, step, loss))
 
-    def record(step):
-        nonlocal loss_sum, loss_count
-        train_loss = (loss_sum / loss_count).item() if loss_count else None
-        entry = history.add(model, step, train_loss)
-        loss_sum, loss_count = torch.zeros((), device=device), 0
-        rate, eta = _speed(step, total, since)
-        log(f"step {step}/{total} | loss {'-' if train_loss is None else f'{train_loss:.3f}'} | "
-            f"acc {entry['acc']:.3f}" + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
+
+def run_results(model, cfgs, histories, step, error, wall):
+    """[(record, model)] of fit's runs. A failed run (a lone run's error at `step`, or an Ensemble
+    member's) keeps the history up to the step it failed at, as a lone run's ends there."""
+    members = model.members() if isinstance(model, Ensemble) else [model]
+    failures = model.failures() if isinstance(model, Ensemble) else [(step, error) if error else None]
+    out = []
+    for cfg, member, history, failure in zip(cfgs, members, histories, failures):
+        steps_done, error = failure or (cfg.total_steps(), None)
+        history = [dict(h) for h in history if h["step"] <= steps_done]
+        timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
+        final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
+        out.append((json_safe({
+            "config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
+            "error": error, "n_params": models.count_parameters(member), "device": resolve_device(cfg.device),
+            "final": final, "history": history, "wall_s": round(wall, 2), "steps_done": steps_done,
+            "total_steps": cfg.total_steps(), "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
+            "timeline_s": round(timeline_s, 3)}), member))
+    return out
+
+
+def stderr_log(prefix=""):
+    """A log function printing one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
+    def log(msg):
+        print(f"{prefix}{msg}", file=sys.stderr, flush=True)
+    return log
+
+
+def progress(step, total, start, histories):
+    """The log line of an evaluation: 'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
+    rate = step / max(time.time() - start, 1e-9)
+    eta = fmt_time((total - step) / rate) if step else "?"
+    if len(histories) > 1:
+        accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
+        return f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({len(histories) * rate:.1f} model-steps/s) | ETA {eta}"
+    entry = histories[0][-1]
+    loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
+    return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
+            + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
             + (f" | attrib V {fmt_attrib(entry, 'attrib_value')} Q {fmt_attrib(entry, 'attrib_query')}"
                if "attrib_value" in entry else "") + f" | {rate:.1f} steps/s | ETA {eta}")
 
-    model.train()
-    for step in range(total):
-        if step % cfg.eval_every == 0:
-            record(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr)
-        loss = answer_loss(model, *batches(step))
-        # a NaN/inf loss would silently poison every later step: stop the run here. Checking every step
-        # costs one host sync; it is cheap next to the step and keeps the failure message exact.
-        if not torch.isfinite(loss).item():
-            error = f"loss is {loss.item()} at step {step} (lr {cfg.lr:g}); run stopped"
-            log(f"FAILED: {error}")
-            return step, error
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        loss_sum, loss_count = loss_sum + loss.detach(), loss_count + 1
-    record(total)   # the final model is always evaluated (the reference skips it: README, difference 7)
-    return total, None
 
-
-def _speed(step, total, since):
-    """(steps per second since `since`, the time left at that rate as text) for a log line."""
-    elapsed = time.time() - since
-    rate = step / elapsed if elapsed > 0 and step else 0.0
-    return rate, _fmt_time((total - step) / rate) if rate else "?"
-
-
-def _result(model, cfg, error, n_params, device, history, steps_done, wall, rate, **extra):
-    """The record of one trained run (train, train_group), after saving its final model under
-    out_dir/ckpt/ when cfg asks for a checkpoint and the run finished (error None)."""
-    checkpoint = None
-    if cfg.save_checkpoint and cfg.out_dir and error is None:
-        checkpoint = save(model, cfg, os.path.join(cfg.out_dir, "ckpt", cfg.file_name() + ".pt"))
-    final = {k: v for k, v in (history.entries[-1] if history.entries else {}).items() if k != "lr"}
-    return _json_safe({"config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
-                       "error": error, "n_params": n_params, "device": device, "final": final,
-                       "history": history.entries, "wall_s": round(wall, 2), "steps_done": steps_done,
-                       "total_steps": cfg.total_steps(), "steps_per_s": round(rate, 2), "checkpoint": checkpoint,
-                       "timeline_s": round(history.timeline_s, 3), **extra})
+def fmt_time(seconds):
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
 
 
 def fmt_attrib(entry, key):
@@ -753,40 +443,22 @@ def fmt_attrib(entry, key):
     return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
 
 
-def build(cfg, vocab_size):
-    """The model of a config, initialised from cfg.seed alone (models.build_model)."""
-    cfg = cfg.resolved()
-    return models.build_model(cfg.arch, vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
-                              n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
-                              long_only=cfg.long_only, freeze_features=cfg.freeze_features,
-                              kernels=cfg.kernels, seed=cfg.seed)
+# ----------------------------------------------------------------------------------------------
+# The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
+# ----------------------------------------------------------------------------------------------
 
-
-def count_parameters(cfg, vocab_size):
-    """The parameter count of cfg's model (the tied head counted once)."""
-    return models.count_parameters(build(cfg, vocab_size))
-
-
-def parameter_counts(configs, vocab_size):
-    """{row label: parameter count of its first config's model}, in order (row_label, count_parameters)."""
-    labels = {}
-    for cfg in configs:
-        labels.setdefault(row_label(cfg, configs), cfg)
-    return {label: count_parameters(cfg, vocab_size) for label, cfg in labels.items()}
-
-
-def history_entry(model, data, cfg, step, train_loss, novel=None):
+def history_entry(model, data, cfg, step, train_loss):
     """One evaluation of `model` during training: the history entry train() records.
 
     {step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)} and, when cfg.timeline_docs > 0, the
     headline pair on the first timeline_docs evaluation documents: attrib_value, attrib_query (the
     block input of layer 1 at the value and at the query, as interventions.mechanism reports them),
     attrib_gap (p_clean - p_corrupt) and attrib_low_signal (gap <= cfg.gap_filter: too little signal
-    to read). The entry's timeline_s is the time the timeline took (train() sums and removes it).
+    to read), and timeline_s, the time that took (run_result sums and removes it).
     """
     total = cfg.total_steps()
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
-             "train_loss": train_loss, **evaluate_all(model, data, novel)}
+             "train_loss": train_loss, **evaluate_all(model, data)}
     if cfg.timeline_docs:
         import interventions
         start = time.time()
@@ -796,289 +468,59 @@ def history_entry(model, data, cfg, step, train_loss, novel=None):
     return entry
 
 
-def _json_safe(x):
-    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
+def evaluate_all(model, data):
+    """Flat metrics over the eval (dev) set, plus test_* with a held-out split and novel_* for the
+    documents not seen verbatim in training (data.novel, ATR only)."""
+    metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
+    if data.test is not None:
+        metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
+    for split, mask in (data.novel or {}).items():
+        ds = data.eval if split == "eval" else data.test
+        prefix = "" if split == "eval" else "test_"
+        metrics[f"{prefix}novel_acc"] = evaluate(model, ds.subset(mask.nonzero().squeeze(1)))["acc"]
+        metrics[f"{prefix}novel_frac"] = mask.float().mean().item()
+    return metrics
 
 
 # ----------------------------------------------------------------------------------------------
-# Groups: runs that differ only in learning rate and seed, trained as one batched model. Runs this
-# small are bound by kernel launches on a GPU; r members in one model make every kernel do r times
-# the work for about the launch cost of one (`run.py bench`, part 5).
+# Checks of a run's data, before any training.
 # ----------------------------------------------------------------------------------------------
 
-class Ensemble:
-    """r models of one architecture and shape trained as one (shape glossary: r members).
-
-    The parameters of the members are rows of ONE (r, P) leaf; every member's loss comes from
-    torch.func.vmap over torch.func.functional_call of one base module, its row split back into
-    named parameters (the PyTorch docs' model-ensembling tutorial, with the stack kept flat); and one
-    AdamW step updates all rows at once, a handful of ops whatever r and however many parameter
-    tensors (torch.optim.AdamW on a CPU loops over them in Python).
-
-    The update is torch.optim.AdamW's single-tensor step (betas 0.9/0.999, eps 1e-8, no weight
-    decay) op for op, with one learning rate per member, so each member follows the run it would
-    have had alone, to rounding. The members' losses are summed before backward: they share no
-    parameter, so each row gets exactly its member's gradient. A member whose loss is not finite is
-    dead from that step on: its gradient row is masked (torch.where) and its step size is 0, so its
-    weights stay those at the step that failed (where a lone run stops), and no NaN reaches the
-    others. A parameter that never gets a gradient (frozen, or unused) gets zeros here instead of
-    None, and AdamW moves it by exactly 0, as torch's skips it.
-    """
-
-    BETAS, EPS = (0.9, 0.999), 1e-8
-
-    def __init__(self, modules):
-        self.modules, self.base = list(modules), modules[0]
-        named = list(self.base.named_parameters())                      # the tied head counted once
-        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
-        self.sizes = [p.numel() for _, p in named]
-        self.frozen = {n for n, p in named if not p.requires_grad}
-        for m in self.modules[1:]:
-            if [n for n, _ in m.named_parameters()] != self.names or \
-                    not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
-                raise ValueError("Ensemble: the members must share their parameter names and buffers")
-        with torch.no_grad():
-            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()]) for m in self.modules])
-        self.flat = flat.requires_grad_()                               # (r, P): the one trainable leaf
-        self.exp_avg, self.exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)   # (r, P) each
-        self.n_steps, r = 0, len(self.modules)
-        self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
-        self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: not failed
-        self.failed_loss = torch.zeros(r, dtype=flat.dtype, device=flat.device)
-
-    def losses(self, flat, tokens, queries, answers):
-        """Every member's answer_loss on the same batch: flat (r, P), tokens (b, l) -> (r,)."""
-        return torch.func.vmap(self._member_loss, in_dims=(0, None, None, None))(flat, tokens, queries, answers)
-
-    def params(self, row):
-        """One member's named parameters, views of its row (P,) of the stacked leaf."""
-        pieces = row.split(self.sizes)
-        return {n: (x.detach() if n in self.frozen else x).view(shape)
-                for n, shape, x in zip(self.names, self.shapes, pieces)}
-
-    def _member_loss(self, row, tokens, queries, answers):
-        params = self.params(row)
-        model = lambda t, readout: torch.func.functional_call(self.base, params, (t,), {"readout": readout})
-        return answer_loss(model, tokens, queries, answers)
-
-    def step(self, tokens, queries, answers, lrs, step):
-        """One AdamW step of every live member on the same batch, member i with learning rate lrs[i]
-        (this step's value; a list, or a float64 tensor (r,) already on the device, which keeps the
-        step free of host-to-device copies). Returns the losses (r,), detached. No host sync: a
-        member whose loss is not finite is recorded in failed_step / failed_loss, read when the
-        caller next looks."""
-        self.flat.grad = None
-        losses = self.losses(self.flat, tokens, queries, answers)         # (r,)
-        finite = torch.isfinite(losses.detach())
-        newly = self.alive & ~finite
-        self.failed_step = torch.where(newly, step, self.failed_step)
-        self.failed_loss = torch.where(newly, losses.detach(), self.failed_loss)
-        self.alive = self.alive & finite
-        losses.sum().backward()
-        beta1, beta2 = self.BETAS
-        self.n_steps += 1
-        bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
-        with torch.no_grad():
-            grad = torch.where(self.alive[:, None], self.flat.grad, 0.0)  # (r, P): dead rows get 0
-            lrs = torch.as_tensor(lrs, dtype=torch.float64, device=self.flat.device)   # (r,)
-            neg_step = ((-lrs / bias1).to(self.flat.dtype) * self.alive)[:, None]     # (r, 1): 0 when dead
-            self.exp_avg.lerp_(grad, 1 - beta1)
-            self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
-            self.flat.addcdiv_(self.exp_avg * neg_step, denom)           # p -= lr / bias1 * m / denom
-        self.flat.grad = None
-        return losses.detach()
-
-    def member(self, i):
-        """Member i as an ordinary module: its row of the stacked leaf copied into its own parameters."""
-        with torch.no_grad():
-            for p, x in zip(self.modules[i].parameters(), self.flat[i].split(self.sizes)):
-                p.copy_(x.view_as(p))
-        return self.modules[i]
+def probe_task(cfg):
+    """Generate a few documents of cfg's task (raises tasks' ValueError if it cannot be generated);
+    returns the vocabulary size. Cheap: use it to validate input before a long sweep."""
+    return _make_data(_data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
 
 
-def group_key(cfg):
-    """What the runs of one group share: every Config field but lr and seed."""
-    return json.dumps({k: v for k, v in sorted(asdict(cfg.resolved()).items()) if k not in ("lr", "seed")})
-
-
-def make_groups(configs, group_size=None):
-    """configs -> lists of configs that differ only in lr and seed (in order of first appearance), at
-    most group_size each (None: a whole (arch, width, ...) cell per group)."""
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
-    cells = {}
-    for cfg in configs:
-        cells.setdefault(group_key(cfg), []).append(cfg)
-    size = lambda cell: group_size or len(cell)
-    return [cell[i:i + size(cell)] for cell in cells.values() for i in range(0, len(cell), size(cell))]
-
-
-def default_group_size(device):
-    """1 (every run alone, in worker processes) on a CPU, where groups do not pay (`run.py bench`,
-    part 5); None (one group per cell) elsewhere."""
-    return 1 if resolve_device(device) == "cpu" else None
-
-
-def _group_of(configs):
-    """The resolved, checked configs of one group; ValueError unless they differ only in lr and seed."""
-    cfgs = [c.resolved().check() for c in configs]
-    if not cfgs:
-        raise ValueError("train_group: no configs")
-    if len({group_key(c) for c in cfgs}) > 1:
-        raise ValueError("train_group: the configs of a group must differ only in lr and seed")
-    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
-        raise ValueError("train_group: two configs of the group have the same lr and seed")
-    return cfgs
-
-
-def train_group(configs, *, data=None, log=None):
-    """Train configs that differ only in lr and seed as one batched model (Ensemble).
-
-    Returns [(result, model)], one per config in order, each what train(cfg) returns for it: the
-    same record keys (plus "group": {"size", "index"}), its history entries from history_entry at the
-    same steps, its own checkpoint; wall_s and steps_per_s are the group's. A member whose loss goes
-    NaN/inf is "failed" at that step, with train()'s error message and its weights of that step, and
-    the others go on undisturbed. Raises ValueError if the configs differ in anything else.
-    """
-    cfgs = _group_of(configs)
-    cfg, r = cfgs[0], len(cfgs)
-    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
-    device = resolve_device(cfg.device)
-    data = data or make_data(cfg)
-    t_start = time.time()
-    ens = Ensemble([build(c, data.vocab_size).to(device) for c in cfgs])   # each from its own seed
-    n_params, total, novel = models.count_parameters(ens.base), cfg.total_steps(), novel_masks(cfg, data)
-    histories = [_History(c, data, novel) for c in cfgs]
-    log(f"{r} runs as one batched model, {n_params:,} parameters each, on {device} | {total} steps | "
-        f"lr {','.join(f'{c.lr:g}' for c in cfgs)} | seeds {','.join(str(c.seed) for c in cfgs)}")
-    t_loop = time.time()
-    step, errors, steps_done = _group_steps(ens, cfgs, training_batches(cfg, data, device), histories, log)
-    wall, rate = time.time() - t_start, step / max(1e-9, time.time() - t_loop)
-    out = []
-    for i, c in enumerate(cfgs):
-        model = ens.member(i)
-        out.append((_result(model, c, errors[i], n_params, device, histories[i], steps_done[i], wall, rate,
-                            group={"size": r, "index": i}), model))
-    return out
-
-
-def _group_steps(ens, cfgs, batches, histories, log):
-    """train_group()'s loop, train()'s for every member at once: one Ensemble step per batch, member
-    i at lr_at(step) of its own lr, every live member evaluated every eval_every steps and after the
-    last one. Returns (steps done, errors, steps done per member): a member whose loss went NaN/inf
-    gets train()'s error and the step it failed at, read at the next evaluation (Ensemble.step never
-    waits for the device); the loop stops early once every member has failed."""
-    cfg, r, total, since = cfgs[0], len(cfgs), cfgs[0].total_steps(), time.time()
-    errors, steps_done, device = [None] * r, [total] * r, ens.flat.device
-    lr_table = torch.tensor([[lr_at(step, total, cfg.warmup_frac, cfg.schedule, c.lr) for c in cfgs]
-                             for step in range(total)], dtype=torch.float64).to(device)   # (steps, r), one copy
-    loss_sum, loss_count = torch.zeros(r, device=device), 0
-
-    def record(step):
-        nonlocal loss_sum, loss_count
-        for i, (s, loss) in enumerate(zip(ens.failed_step.tolist(), ens.failed_loss.tolist())):
-            if s >= 0 and errors[i] is None:
-                steps_done[i], errors[i] = s, f"loss is {loss} at step {s} (lr {cfgs[i].lr:g}); run stopped"
-                log(f"FAILED: {cfgs[i].name()}: {errors[i]}")
-        train_loss = (loss_sum / loss_count).tolist() if loss_count else [None] * r
-        for i in range(r):
-            if errors[i] is None:
-                histories[i].add(ens.member(i), step, train_loss[i])
-        loss_sum, loss_count = torch.zeros(r, device=device), 0
-        rate, eta = _speed(step, total, since)
-        accs = " ".join("failed" if e else f"{h.entries[-1]['acc']:.3f}" for h, e in zip(histories, errors))
-        log(f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({r * rate:.1f} model-steps/s) | ETA {eta}")
-
-    for m in ens.modules:
-        m.train()
-    for step in range(total):
-        if step % cfg.eval_every == 0:
-            record(step)
-            if all(errors):
-                return step, errors, steps_done
-        loss_sum = loss_sum + ens.step(*batches(step), lr_table[step], step)
-        loss_count += 1
-    record(total)   # the final models are always evaluated, as in train()
-    return total, errors, steps_done
-
-
-def make_step(model, tokens, queries, answers, lr, forward=None):
-    """A closure doing one training step of `model` on one batch as train() steps (answer_loss, then
-    adamw); it returns the loss. forward(tokens, readout=), if given, stands in for model in the loss
-    (`run.py bench` times a naive full-vocabulary head that way)."""
-    optimizer = adamw(model, lr)
-
-    def step():
-        loss = answer_loss(forward or model, tokens, queries, answers)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return loss
-    return step
-
-
-def time_group(configs, steps=20):
-    """(seconds per training step, seconds per evaluation of one member) of `configs` trained as one
-    group on their device (one config: stepped as train() steps it), timed over `steps` steps after
-    two untimed ones, and one history_entry. For planning: the models are thrown away."""
-    cfgs = _group_of(configs)
-    cfg, device = cfgs[0], resolve_device(cfgs[0].device)
-    data = make_data(cfg)
-    x, q, y = training_batches(cfg, data, device)(0)
-    if len(cfgs) == 1:
-        model = build(cfg, data.vocab_size).to(device)
-        step = make_step(model, x, q, y, cfg.lr)
+def check_length(cfg, data=None):
+    """Raise ValueError (one line) when cfg's documents are longer than its model accepts
+    (models.position_limit: learned positions, Hyena's filter), so that this fails before training,
+    not at the first step of a run or in a worker. AR documents all have 2 * num_pairs + 5 tokens;
+    ATR documents vary, so unless max_terminals + 5 fits, the longest one of `data` is read (cfg's
+    documents are generated when data is None, and cached for the run that follows)."""
+    cfg = cfg.resolved()
+    limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
+    if limit is None:
+        return
+    if cfg.task == "ar":
+        length = 2 * cfg.num_pairs + 5
+    elif cfg.max_terminals + 5 <= limit:
+        return
     else:
-        ensemble = Ensemble([build(c, data.vocab_size).to(device) for c in cfgs])
-        model, step = ensemble.base, lambda: ensemble.step(x, q, y, [c.lr for c in cfgs], 1)
-    for _ in range(2):
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    float(loss.detach().sum())                            # waits for the device
-    per_step = (time.perf_counter() - start) / steps
-    start = time.perf_counter()
-    history_entry(model, data, cfg, 0, None)
-    return per_step, time.perf_counter() - start
+        data = data or _make_data(_data_key(cfg))
+        length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
+    if length > limit:
+        what = "learned positions" if cfg.pos_emb else "implicit filter positions"
+        raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s model has "
+                         f"{limit} {what}; raise n_positions or shorten the documents")
 
 
-def plan(configs, group_size=None, jobs=1, warmup_steps=0):
-    """How a sweep of `configs` would run: {"runs", "groups", "largest" (members of the largest
-    group), "seconds"}, the groups being make_groups(configs, group_size). With warmup_steps > 0,
-    "seconds" is the expected wall time on the configs' device: one group per architecture (its widest
-    cell, its largest group) is timed (time_group, with jobs > 1 on one thread, as a worker runs),
-    every group of that architecture is assumed to cost as much per step and per evaluation, and the
-    total is shared by min(jobs, groups) jobs. An estimate (narrower cells cost less), not a promise."""
-    groups = make_groups(configs, group_size)
-    out = {"runs": len(configs), "groups": len(groups), "largest": max(map(len, groups), default=0), "seconds": None}
-    if not (warmup_steps and groups):
-        return out
-    threads = torch.get_num_threads()
-    try:
-        if jobs > 1:
-            torch.set_num_threads(1)
-        timed = {}
-        for arch in dict.fromkeys(g[0].arch for g in groups):
-            widest = max((g for g in groups if g[0].arch == arch), key=lambda g: (g[0].d_model * g[0].n_layers, len(g)))
-            timed[arch] = time_group(widest, warmup_steps)
-    finally:
-        torch.set_num_threads(threads)
-    total = 0.0
-    for g in groups:
-        per_step, per_eval = timed[g[0].arch]
-        steps = g[0].total_steps()
-        total += steps * per_step + (steps // g[0].eval_every + 1) * len(g) * per_eval
-    out["seconds"] = total / min(jobs, len(groups))
-    return out
+def novel_mask(train, dataset):
+    """(n,) bool: which documents of `dataset` do not appear verbatim in `train` (README, difference 8).
+    Each document is hashed as its unpadded token row."""
+    seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
+    return torch.tensor([row[:n].tobytes() not in seen
+                         for row, n in zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1136,697 +578,150 @@ def load(path, device="cpu"):
     return model.to(resolve_device(device)), cfg
 
 
-# ----------------------------------------------------------------------------------------------
-# Sweeps: a grid of runs, one JSON line per finished run, resumable.
-# ----------------------------------------------------------------------------------------------
+# ==============================================================================================
+# For many runs at once: the batched Ensemble. Runs this small are bound by kernel launches on a
+# GPU; r runs that differ only in lr and seed as one model make every kernel do r times the work for
+# about the launch cost of one (`run.py bench`, part 5). The loop is train()'s own (fit).
+# ==============================================================================================
 
-def grid_configs(base_cfg, archs, widths, lrs, seeds):
-    """The configs of the grid, in order arch -> width -> lr -> seed."""
-    return [replace(base_cfg, arch=arch, d_model=width, lr=float(lr), seed=seed)
-            for arch in archs for width in widths for lr in lrs for seed in seeds]
+class Ensemble:
+    """r models of one architecture and shape trained as one (shape glossary: r members).
 
-
-RECORD_CONFIG_KEYS = ("arch", "d_model", "lr", "seed")   # what best_by_lr reads from every record's config
-
-
-def is_record(x):
-    """Whether a parsed results line has the shape of a run record: a dict whose config names its
-    arch, width, lr and seed, with status "ok" or "failed" and a parameter count. Valid JSON of
-    another shape ({}, null, a list, a line someone else wrote) must not fail the sweep reading it."""
-    return (isinstance(x, dict) and isinstance(x.get("config"), dict)
-            and all(k in x["config"] for k in RECORD_CONFIG_KEYS)
-            and isinstance(x["config"]["lr"], (int, float)) and x.get("status") in ("ok", "failed")
-            and isinstance(x.get("n_params"), int))
-
-
-def read_results(path, warn=True):
-    """The run records in a results.jsonl file ([] if absent), in file order (a later record of the
-    same run supersedes an earlier one). A line that is not a whole record (a torn line from a crash
-    mid-write, garbage, valid JSON of another shape) is skipped with one warning naming the file and
-    the line number (none when warn is False)."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record, why = json.loads(line), "valid JSON but not a run record"
-            except json.JSONDecodeError:
-                record, why = None, "not valid JSON (a torn or corrupt line)"
-            if is_record(record):
-                records.append(record)
-            elif warn:
-                print(f"warning: {path}:{i}: {why}; skipped", file=sys.stderr)
-    return records
-
-
-@contextlib.contextmanager
-def _file_lock(fd):
-    """An exclusive lock on an open file while the block runs (fcntl.flock: processes on this machine,
-    and on NFS where the lock manager runs); no lock where fcntl does not exist (Windows)."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-
-
-def append_result(path, record):
-    """Append one JSON line, then fsync, so a crash or Ctrl-C leaves either the whole line or nothing
-    (plus, at worst, a torn last line that read_results skips). The line always starts on a new line:
-    after a torn line or a last line without its newline, a bare append would glue the new record
-    onto it and lose both. The check and the write hold the file's lock, so processes sharing the
-    file cannot interleave them."""
-    line = (json.dumps(_json_safe(record), sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        with _file_lock(fd):
-            size = os.fstat(fd).st_size
-            if size:
-                os.lseek(fd, size - 1, os.SEEK_SET)
-                if os.read(fd, 1) != b"\n":
-                    line = b"\n" + line
-            while line:                       # O_APPEND: every write lands at the end
-                line = line[os.write(fd, line):]
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# ----------------------------------------------------------------------------------------------
-# Claims: which process trains which run, so that processes sharing one results file (a second
-# `run.py` on the same --out, or machines sharing the folder) never train the same run twice.
-# A run is claimed by the file <results folder>/claims/<run_hash>.claim, JSON {host, pid, start, name,
-# since}, created just before the run starts and removed once its record is in results.jsonl. A claim
-# of a process that is gone (same host; the pid is dead, a zombie, or reused by a process that started
-# later) is stale and taken over. A claim from another host is trusted until its file is deleted: its
-# pid cannot be checked from here.
-# ----------------------------------------------------------------------------------------------
-
-CLAIMS = "claims"
-
-
-def claim_path(results_path, key):
-    """The claim file of run `key` of the sweep writing results_path."""
-    return os.path.join(os.path.dirname(os.path.abspath(results_path)), CLAIMS, run_hash(key) + ".claim")
-
-
-def _proc_stat(pid):
-    """(state letter, start time in clock ticks since boot) of process pid from /proc, or None where
-    /proc cannot tell (no such process, not Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields_ = f.read().rsplit(")", 1)[1].split()     # fields 3 ... of proc(5): state, ppid, ...
-        return fields_[0], int(fields_[19])                   # field 3 state, field 22 starttime
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _process_alive(pid, start=None):
-    """Whether process pid on this host still runs (a zombie does not), and is the same process
-    when its start time is known."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass                                   # another user's process: it exists
-    except OSError:
-        return False
-    stat = _proc_stat(pid)
-    if stat is None:
-        return True
-    return stat[0] != "Z" and (start is None or stat[1] == start)
-
-
-def claim_alive(holder):
-    """Whether a claim still belongs to a running process: one on this host that is alive, or any
-    claim from another host (trusted; see above)."""
-    if holder.get("host") != socket.gethostname():
-        return True
-    pid = holder.get("pid")
-    return isinstance(pid, int) and _process_alive(pid, holder.get("start"))
-
-
-def _read_claim(path):
-    """The claim at path as a dict, or None when there is none or it is unreadable (then stale)."""
-    try:
-        with open(path) as f:
-            holder = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return holder if isinstance(holder, dict) else None
-
-
-@contextlib.contextmanager
-def _claims_locked(results_path):
-    """The claims folder's lock (claims/.lock) while the block runs: a check and the write that acts on
-    it are one step for every process sharing the folder."""
-    folder = os.path.dirname(claim_path(results_path, ""))
-    os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        with _file_lock(fd):
-            yield
-    finally:
-        os.close(fd)
-
-
-def claim(results_path, key, name):
-    """Claim run `key` for this process. Returns None when it is now this process's (the claim file
-    names this host and pid), or the claim of the live process that holds it (a dict: host, pid,
-    name, since). A stale claim is taken over."""
-    path = claim_path(results_path, key)
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "start": (_proc_stat(os.getpid()) or (None, None))[1],
-          "name": name, "since": round(time.time(), 3)}
-    with _claims_locked(results_path):
-        holder = _read_claim(path)
-        if holder is not None and claim_alive(holder) and (holder.get("host"), holder.get("pid")) != (me["host"], me["pid"]):
-            return holder
-        write_json(path, me)
-    return None
-
-
-def release(results_path, key):
-    """Remove run `key`'s claim if it is this process's (never another process's)."""
-    path = claim_path(results_path, key)
-    with _claims_locked(results_path):
-        holder = _read_claim(path)
-        if holder is not None and (holder.get("host"), holder.get("pid")) == (socket.gethostname(), os.getpid()):
-            os.remove(path)
-
-
-def drop_stale_claims(results_path):
-    """Remove every stale claim of this host (its process is gone), e.g. those of workers just stopped;
-    returns how many. Claims of live processes and of other hosts stay."""
-    folder = os.path.dirname(claim_path(results_path, ""))
-    if not os.path.isdir(folder):
-        return 0
-    dropped = 0
-    with _claims_locked(results_path):
-        for name in os.listdir(folder):
-            path = os.path.join(folder, name)
-            if name.endswith(".claim"):
-                holder = _read_claim(path)
-                if holder is None or not claim_alive(holder):
-                    os.remove(path)
-                    dropped += 1
-    return dropped
-
-
-def is_complete(record, requires=()):
-    """Whether a recorded run has everything now asked for: a finished ("ok") run must carry every key
-    of `requires` (e.g. "mechanism" when interventions are wanted); a failed run has nothing to add."""
-    return record.get("status") != "ok" or all(record.get(k) is not None for k in requires)
-
-
-def sweep(base_cfg, archs=None, widths=None, lrs=None, seeds=None, *, results_path, jobs=1, after=None,
-          log=None, group_size="auto"):
-    """Train every (arch, width, lr, seed) of the grid not already in results_path; return the grid's
-    records (old and new) in grid order. base_cfg may also be the list of Configs to run (an
-    experiment's grid, experiment_configs), and then the grid arguments are not used.
-
-    Each finished run is appended to results_path at once as one JSON line (by the process that trained
-    it), so Ctrl-C or SIGTERM loses only the runs in flight. Resume: a run already there (same run_key,
-    see KEY_EXCLUDED) is skipped only when its record has everything now asked for: when `after`
-    declares the record keys it adds (after.adds, e.g. ("mechanism",)), a finished run recorded
-    without them is patched from its checkpoint, or trained again when there is none, and the log
-    says so. The same run twice in the grid is done and returned once.
-
-    Several processes may share results_path: each run is claimed just before it starts (claim(); a
-    file under claims/ next to results_path), a run claimed by another live process is skipped and
-    reported, and records that other processes wrote meanwhile are picked up at the end.
-
-    jobs > 1 trains in that many worker processes ("spawn", one thread each); stopping the sweep stops
-    them (no orphans) and drops their claims. after(model, data, cfg, result) -> dict, if given, runs
-    in the worker on each successful run and its dict is merged into the record before it is written
-    (run.py uses it for the interventions); it must be a module-level function so that it can be
-    sent to a worker.
-
-    group_size: runs that differ only in lr and seed are trained as one batched model (train_group)
-    in groups of at most group_size (make_groups; None: one group per cell; "auto": 1 on a CPU, where
-    every run trains alone, one group per cell elsewhere). A group's records are written when the
-    group finishes; `jobs` groups run at once.
+    The parameters of the members are rows of ONE (r, P) leaf; the members' logits come from
+    torch.func.vmap over torch.func.functional_call of one base module, its row split back into
+    named parameters (the PyTorch docs' model-ensembling tutorial, with the stack kept flat); and one
+    AdamW step (StackedAdamW) updates all rows at once, a handful of ops whatever r and however many
+    parameter tensors. The members' losses are summed before backward: they share no parameter, so
+    each row gets exactly its member's gradient. A member whose loss is not finite is dead from that
+    step on (drop_failed): its weights stay those of the step that failed (where a lone run stops),
+    and no NaN reaches the others.
     """
-    log = log or stderr_log()
-    configs = list(base_cfg) if isinstance(base_cfg, (list, tuple)) else \
-        grid_configs(base_cfg, archs, widths, lrs, seeds)
-    check_runs(configs)                        # bad input fails here, before any training
-    requires = tuple(getattr(after, "adds", ())) if after is not None else ()
-    os.makedirs(os.path.dirname(os.path.abspath(results_path)), exist_ok=True)
-    done, unique, todo = _pending(configs, results_path, requires, log)
-    size = default_group_size(configs[0].device) if group_size == "auto" else group_size
-    by_key = {key: (key, cfg, previous) for key, cfg, previous in todo}
-    groups = [[by_key[run_key(asdict(c.resolved()))] for c in g] for g in make_groups([c for _, c, _ in todo], size)]
-    new = _run_groups(groups, after, jobs, results_path, requires)
-    _pick_up_claimed(new, unique, results_path, requires, log)
-    return [new.get(k) or done[k] for k in unique if k in new or k in done]
+
+    def __init__(self, modules):
+        self.modules, self.base = list(modules), modules[0]
+        named = list(self.base.named_parameters())                      # the tied head counted once
+        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
+        self.sizes = [p.numel() for _, p in named]
+        self.frozen = {n for n, p in named if not p.requires_grad}
+        for m in self.modules[1:]:
+            if [n for n, _ in m.named_parameters()] != self.names or \
+                    not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
+                raise ValueError("Ensemble: the members must share their parameter names and buffers")
+        with torch.no_grad():
+            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()]) for m in self.modules])
+        self.flat = flat.requires_grad_()                               # (r, P): the one trainable leaf
+        r = len(self.modules)
+        self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
+        self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: not failed
+        self.failed_loss = torch.zeros(r, dtype=flat.dtype, device=flat.device)
+        self.optimizer = StackedAdamW(self)
+
+    def __call__(self, tokens, readout):
+        """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
+        def member_logits(row):
+            return torch.func.functional_call(self.base, self.params(row), (tokens,), {"readout": readout})
+        return torch.func.vmap(member_logits)(self.flat)
+
+    def params(self, row):
+        """One member's named parameters, views of its row (P,) of the stacked leaf."""
+        pieces = row.split(self.sizes)
+        return {n: (x.detach() if n in self.frozen else x).view(shape)
+                for n, shape, x in zip(self.names, self.shapes, pieces)}
+
+    def drop_failed(self, losses):
+        """losses (r,) with the members that failed (now or before) set to 0; a member whose loss is not
+        finite at this step is recorded as failed there. No host sync: failures() reads it at the end."""
+        step, finite = self.optimizer.n_steps, torch.isfinite(losses.detach())
+        newly = self.alive & ~finite
+        self.failed_step = torch.where(newly, step, self.failed_step)
+        self.failed_loss = torch.where(newly, losses.detach(), self.failed_loss)
+        self.alive = self.alive & finite
+        return torch.where(self.alive, losses, 0.0)
+
+    def failures(self):
+        """Per member: None, or (step, error) as a lone run reports it."""
+        return [None if s < 0 else (s, f"loss is {loss} at step {s} (lr {group['lr_peak']:g}); run stopped")
+                for s, loss, group in zip(self.failed_step.tolist(), self.failed_loss.tolist(),
+                                          self.optimizer.param_groups)]
+
+    def train(self):
+        self.base.train()
+
+    def members(self):
+        """The members as ordinary modules: each row of the stacked leaf copied into its own module."""
+        with torch.no_grad():
+            for m, row in zip(self.modules, self.flat):
+                for p, x in zip(m.parameters(), row.split(self.sizes)):
+                    p.copy_(x.view_as(p))
+        return self.modules
 
 
-def check_runs(configs):
-    """Raise ValueError (one line) for the first bad run of `configs`: a bad field (Config.check), a task
-    that cannot be generated (probe_task, once per task) or documents longer than the model takes
-    (check_length). Cheap: call it before a long sweep. Returns the first run's vocabulary size."""
-    for cfg in configs:
-        cfg.check()
-    vocab = {}
-    for cfg in configs:
-        if _data_key(cfg) not in vocab:
-            vocab[_data_key(cfg)] = probe_task(cfg)
-        check_length(cfg)
-    return vocab[_data_key(configs[0])] if configs else None
+class StackedAdamW:
+    """torch.optim.AdamW's single-tensor step (betas 0.9/0.999, eps 1e-8, no weight decay) on an
+    Ensemble's (r, P) leaf, op for op, with one param group (learning rate) per member, so that each
+    member follows the run it would have had alone, to rounding. A dead member's row gets no gradient
+    and a step of 0. A parameter that never gets a gradient (frozen, or unused) gets zeros here
+    instead of None, and AdamW moves it by exactly 0, as torch's skips it."""
+
+    BETAS, EPS = (0.9, 0.999), 1e-8
+
+    def __init__(self, ensemble):
+        self.ensemble, flat = ensemble, ensemble.flat
+        self.param_groups = [{"lr": 0.0, "lr_peak": 0.0} for _ in ensemble.modules]
+        self.exp_avg, self.exp_avg_sq, self.n_steps = torch.zeros_like(flat), torch.zeros_like(flat), 0
+
+    def zero_grad(self, set_to_none=True):
+        self.ensemble.flat.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        flat, alive, (beta1, beta2) = self.ensemble.flat, self.ensemble.alive, self.BETAS
+        self.n_steps += 1
+        bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
+        grad = torch.where(alive[:, None], flat.grad, 0.0)                  # (r, P): dead rows get 0
+        lrs = torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64).to(flat.device)  # (r,)
+        neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]        # (r, 1): 0 when dead
+        self.exp_avg.lerp_(grad, 1 - beta1)
+        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
+        flat.addcdiv_(self.exp_avg * neg_step, denom)                      # p -= lr / bias1 * m / denom
 
 
-def _pending(configs, results_path, requires, log):
-    """(done, unique, todo) of a sweep: the latest record of every run in results_path, by run_key; the
-    grid's runs by run_key, each once, in grid order; and (key, config, previous record or None) of
-    every run still to do: not recorded, or recorded without what `requires` asks."""
-    done = {run_key(record["config"]): record for record in read_results(results_path)}   # later ones win
-    unique = {}
-    for cfg in configs:
-        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
-    if len(unique) < len(configs):
-        log(f"sweep: {len(configs) - len(unique)} repeated run(s) in the grid collapsed (same config twice)")
-    todo = [(k, cfg, done.get(k)) for k, cfg in unique.items() if not (k in done and is_complete(done[k], requires))]
-    if len(todo) < len(unique):
-        log(f"sweep: {len(unique) - len(todo)} of {len(unique)} runs already in {results_path}; skipped")
-    lacking = [previous for _, _, previous in todo if previous is not None]
-    if lacking:
-        saved = sum(1 for prev in lacking if prev.get("checkpoint") and os.path.isfile(prev["checkpoint"]))
-        log(f"sweep: {len(lacking)} run(s) in {results_path} were recorded without {', '.join(requires)}: "
-            f"{saved} will be patched from their checkpoints, {len(lacking) - saved} trained again")
-    return done, unique, todo
+def group_key(cfg):
+    """What the runs of one group share: every Config field but lr and seed."""
+    return json.dumps({k: v for k, v in sorted(asdict(cfg.resolved()).items()) if k not in ("lr", "seed")})
 
 
-def _run_groups(groups, after, jobs, results_path, requires):
-    """Run a sweep's groups (each a list of (key, config, previous)) here or, with jobs > 1, in that many
-    worker processes; {run_key: record}. Stopping the sweep stops the workers and drops their claims."""
-    new = {}
-    if jobs <= 1 or len(groups) <= 1:
-        for group in groups:
-            new.update(zip([key for key, _, _ in group], _run_group(group, after, results_path, requires)))
-        return new
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from concurrent.futures.process import BrokenProcessPool
-    _make_data.cache_clear()   # the workers generate their own documents: free the parent's copy
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(groups)), initializer=_worker_init,
-                               initargs=(os.getpid(),), mp_context=multiprocessing.get_context("spawn"))
-    try:
-        futures = {pool.submit(_run_group, group, after, results_path, requires): [key for key, _, _ in group]
-                   for group in groups}
-        for future in as_completed(futures):
-            new.update(zip(futures[future], future.result()))
-    except BrokenProcessPool:  # a worker was killed: stop the others, keep what is written
-        _stop_workers(pool, results_path)
-        raise WorkerLost(f"a worker process died (killed by a signal, or out of memory); finished runs "
-                         f"are kept in {results_path}; rerun to continue") from None
-    except BaseException:      # Ctrl-C, SIGTERM (run.py raises it as KeyboardInterrupt), a crash
-        _stop_workers(pool, results_path)
-        raise
-    pool.shutdown(wait=True)
-    return new
+def train_group(configs, *, data=None, log=None):
+    """Train configs that differ only in lr and seed as one batched model (Ensemble) with train()'s
+    loop. Returns [(result, model)], one per config in order, each what train(cfg) returns for it (to
+    rounding), plus "group": {"size", "index"}; wall_s and steps_per_s are the group's. A member whose
+    loss goes NaN/inf is "failed" at that step, and the others go on undisturbed."""
+    cfgs = [c.resolved().check() for c in configs]
+    if not cfgs or len({group_key(c) for c in cfgs}) > 1:
+        raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
+    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
+        raise ValueError("train_group: configs: two have the same lr and seed")
+    cfg, r = cfgs[0], len(cfgs)
+    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
+    data = make_data(cfg, data)
+    ens = Ensemble([build(c, data.vocab_size) for c in cfgs])  # own seeds
+    for group, c in zip(ens.optimizer.param_groups, cfgs):
+        group["lr_peak"] = c.lr
+    log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
+        f"seeds {','.join(str(c.seed) for c in cfgs)}")
+    pairs = fit(cfgs, ens, ens.optimizer, data, log)
+    for i, (result, _) in enumerate(pairs):
+        result["group"] = {"size": r, "index": i}
+    return pairs
 
 
-def _pick_up_claimed(new, unique, results_path, requires, log):
-    """Replace each "claimed" record of `new` (a run another process held) by the record that process
-    has written since; a run it has not finished yet is dropped from `new`, and the log says so."""
-    claimed = [key for key in unique if key in new and new[key]["status"] == "claimed"]
-    if not claimed:
-        return
-    latest = {run_key(r["config"]): r for r in read_results(results_path, warn=False)}
-    for key in claimed:
-        holder = new.pop(key)["claimed_by"]
-        if key in latest and is_complete(latest[key], requires):
-            new[key] = latest[key]
-        else:
-            log(f"sweep: {unique[key].name()} is being trained by {holder.get('host')} pid "
-                f"{holder.get('pid')}; not done here (rerun once it has finished to include it)")
-
-
-def _run_group(group, after, results_path, requires):
-    """The runs of one group of a sweep, [(key, config, previous record or None)] of configs that differ
-    only in lr and seed, in this process or a worker. Each run is claimed (one another live process
-    holds comes back as a "claimed" record, untrained) and looked up again (one another process has
-    recorded since the sweep read the file comes back as that record); a run recorded without what
-    `requires` asks is patched from its checkpoint; the rest train together (train_group; one alone:
-    train). `after` is applied, each record appended to results_path, and the claims released: a
-    record is written before its claim goes, so no other process sees a run neither claimed nor
-    recorded. Returns the records in order. Never raises on a bad run: a crash gives status "error"
-    (not saved, so a rerun retries)."""
-    records, held, fresh = [None] * len(group), [], []
-
-    def keep(i, record):
-        records[i] = record
-        if record["status"] != "error":
-            append_result(results_path, record)
-
-    try:
-        for i, (key, cfg, previous) in enumerate(group):
-            holder = claim(results_path, key, cfg.name())
-            if holder is not None:
-                records[i] = _stub(cfg, "claimed", claimed_by=holder)
-                continue
-            held.append(key)
-            latest = [r for r in read_results(results_path, warn=False) if run_key(r["config"]) == key]
-            previous = latest[-1] if latest else previous
-            if previous is not None and is_complete(previous, requires):   # recorded meanwhile elsewhere
-                records[i] = previous
-            elif previous is not None:
-                keep(i, _patch(cfg, after, previous) or _train_all([cfg], after)[0])
-            else:
-                fresh.append(i)
-        for i, record in zip(fresh, _train_all([group[i][1] for i in fresh], after)):
-            keep(i, record)
-    finally:
-        for key in held:
-            release(results_path, key)
-    return records
-
-
-def _train_all(cfgs, after):
-    """The records of runs trained together (train_group; one run: train), `after` applied to each.
-    A crash gives each run a record with status "error" (never written, so a rerun retries)."""
-    if not cfgs:
-        return []
-    try:
-        pairs = [train(cfgs[0])] if len(cfgs) == 1 else train_group(cfgs)
-    except Exception as e:
-        traceback.print_exc()
-        return [_stub(cfg, "error", error=f"{type(e).__name__}: {e}") for cfg in cfgs]
-    return [_apply_after(after, model, cfg, result) for cfg, (result, model) in zip(cfgs, pairs)]
-
-
-def _patch(cfg, after, previous):
-    """previous (a finished run's record that lacks what `after` adds) with `after` applied to the model
-    of its checkpoint; None when no checkpoint of this very run is at hand (no file, unreadable, or a
-    file of another run with the same name), and then the run is trained again."""
-    path = previous.get("checkpoint")
-    log = stderr_log(f"[{cfg.name()}] ")
-    if after is None or not path or not os.path.isfile(path):
-        return None
-    try:
-        model, saved = load(path, device=resolve_device(cfg.device))
-    except (CheckpointError, OSError) as e:
-        log(f"checkpoint unusable ({' '.join(str(e).split())}); training the run again")
-        return None
-    if run_key(asdict(saved.resolved())) != run_key(previous["config"]):
-        log(f"{path} holds another run with the same name; training the run again")
-        return None
-    log(f"recorded without {', '.join(getattr(after, 'adds', ('what is now asked',)))}: patching its saved model {path}")
-    return _apply_after(after, model, cfg, {k: v for k, v in previous.items() if k != "after_error"})
-
-
-def _apply_after(after, model, cfg, record):
-    """record (JSON-safe) with after(model, data, cfg, record)'s dict merged in when the run finished;
-    an exception in `after` is printed and kept as "after_error" (the training is still worth keeping)."""
-    if after is not None and record["status"] == "ok":
-        try:
-            record.update(after(model, make_data(cfg), cfg.resolved(), record) or {})
-        except Exception as e:
-            traceback.print_exc()
-            record["after_error"] = f"{type(e).__name__}: {e}"
-    return _json_safe(record)
-
-
-def _stub(cfg, status, **fields):
-    """The record of a run that has no result: status "error" (it crashed) or "claimed" (another process
-    trains it). Neither is ever written to results.jsonl."""
-    return {"config": asdict(cfg.resolved()), "name": cfg.name(), "status": status, **fields}
-
-
-def _worker_init(parent=None):
-    """Set up a sweep worker: one torch thread; SIGINT ignored (Ctrl-C reaches the whole process group,
-    and the parent, which handles it, stops the workers itself; a worker interrupted on its own would
-    only print a traceback); and, given the parent's pid, a watchdog thread that ends the worker when
-    its parent is gone (killed with SIGKILL, say), so that no orphan keeps training."""
-    torch.set_num_threads(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent is not None:
-        threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-
-
-def _exit_with_parent(parent, interval=1.0):
-    """Poll the parent pid; once this process has been re-parented (its parent died), exit at once."""
-    while os.getppid() == parent:
-        time.sleep(interval)
-    os._exit(1)
-
-
-def _stop_workers(pool, results_path):
-    """Stop a sweep's worker processes now (Ctrl-C, SIGTERM, a crash): SIGTERM each, wait, SIGKILL any
-    left, then drop the claims they held. Further SIGINT/SIGTERM are held back meanwhile, so that a
-    second signal cannot cut the clean-up short and leave a worker training."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())   # no public API before 3.14
-    blocked = {signal.SIGINT, signal.SIGTERM}
-    masking = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
-    if masking:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
-    try:
-        for process in processes:
-            process.terminate()
-        deadline = time.time() + 5
-        for process in processes:
-            process.join(max(0.0, deadline - time.time()))
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-        pool.shutdown(wait=False, cancel_futures=True)
-        drop_stale_claims(results_path)
-    finally:
-        if masking:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class WorkerLost(RuntimeError):
-    """A sweep worker process died under the sweep (killed by a signal, or by the out-of-memory killer)."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (what timeout, SLURM, systemd and kill send) raised in the main thread by
-    sigterm_as_interrupt. A KeyboardInterrupt, so that it takes Ctrl-C's path everywhere: a sweep stops
-    its workers and drops their claims, finished runs stay in results.jsonl, and a rerun resumes."""
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """While the block runs, SIGTERM raises Terminated in the main thread (Python's default for SIGTERM
-    is to die at once, leaving a sweep's workers training as orphans); the previous handler comes
-    back after. Outside the main thread (no signal handlers there) it does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def best_by_lr(results, metric="acc"):
-    """Per group of runs that differ only in lr and seed (in practice: per (arch, width)), the lr with
-    the best mean final `metric` over seeds (the paper: max over learning rates). Returns one row per group:
-    arch, d_model, best_lr, mean, std, n_seeds, values (per seed), per_lr {lr: mean}, and the chosen
-    run records (`runs`). With a held-out split the choice uses dev accuracy ("acc") and the row also
-    carries test_mean (generalisation). Only records with status "ok" or "failed" count
-    ("error", "claimed" are not results), and each run once (its last record, e.g. when a results file
-    holds it twice). "failed" runs (loss NaN/inf) count with their last metrics (None -> 0) but never
-    win: an lr with fewer failed runs always ranks first, so the chosen lr is one whose runs all
-    finished whenever one exists, whatever a failed run's last evaluation said."""
-    latest = {}
-    for r in results:
-        if r is not None and r.get("status") in ("ok", "failed"):
-            latest[run_key(r["config"])] = r
-    groups = {}
-    for r in latest.values():
-        c = r["config"]
-        gkey = run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
-        groups.setdefault(gkey, {}).setdefault(c["lr"], []).append(r)
-    rows = []
-    for per_lr in groups.values():
-        def score(r, m=metric):
-            v = (r.get("final") or {}).get(m)
-            return v if v is not None else 0.0
-        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
-        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
-        best = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        runs = per_lr[best]
-        values = [score(r) for r in runs]
-        mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
-        row = {"arch": runs[0]["config"]["arch"], "d_model": runs[0]["config"]["d_model"], "best_lr": best,
-               "mean": mean, "std": std, "n_seeds": len(values), "values": values,
-               "per_lr": dict(sorted(means.items())), "runs": runs}
-        if any("test_acc" in (r.get("final") or {}) for r in runs):
-            row["test_mean"] = sum(score(r, "test_acc") for r in runs) / len(runs)
-        # the best run of the group, over every lr and seed (the paper: max over learning rates);
-        # a run that finished beats one that failed, whatever the failed one's last evaluation said
-        row["best"] = max((r for runs_ in per_lr.values() for r in runs_),
-                          key=lambda r: (r.get("status") == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
-        rows.append(row)
-    order = {a: i for i, a in enumerate(ALL_ARCHS)}
-    return sorted(rows, key=lambda row: (order.get(row["arch"], len(order)), row["arch"], row["d_model"]))
-
-
-# ----------------------------------------------------------------------------------------------
-# The summary table (run.py prints it for a sweep, and for one --checkpoint).
-# ----------------------------------------------------------------------------------------------
-
-def markdown_table(rows, paper=None):
-    """The summary table in markdown, one line per row of best_by_lr (plus its "label"): the row's best
-    run, as the paper reports the best learning rate, with its mechanism summary; the spread over seeds
-    at the chosen learning rate (when some row has several); and the paper's number for the row from
-    `paper` ({row label or arch: text}). Test and novel accuracy columns appear when some row has them."""
-    lines = []
-    for row in rows:
-        best = row["best"]
-        final, mech = best.get("final") or {}, best.get("mechanism") or {}
-        cells = {"architecture": row.get("label", row["arch"]), "parameters": f"{best['n_params']:,}",
-                 "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
-        if any(r["n_seeds"] > 1 for r in rows):
-            cells["over seeds"] = fmt_pct(row["mean"], row["std"], row["n_seeds"]) + f" ({row['n_seeds']})"
-        if "test_acc" in final:
-            cells["test accuracy"] = fmt_pct(final["test_acc"])
-        if "novel_acc" in final:
-            cells["novel accuracy"] = fmt_pct(final["novel_acc"])
-        for name, key in (("Attrib@Key", "attrib_key"), ("Attrib@Value", "attrib_value"), ("Attrib@Query", "attrib_query")):
-            cells[name] = fmt_num(mech.get(key))
-        if any((r["best"].get("mechanism") or {}).get("conv_next_key") is not None for r in rows):
-            cells["conv@next_key"] = fmt_num(mech.get("conv_next_key"))
-        cells["verdict"] = mech.get("verdict") or "-"
-        if paper is not None:
-            cells["paper"] = paper.get(cells["architecture"], paper.get(row["arch"], "-"))
-        lines.append(cells)
-    columns = list(dict.fromkeys(c for cells in lines for c in cells))   # optional columns of any row
-    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-                     + ["| " + " | ".join(cells.get(c, "-") for c in columns) + " |" for cells in lines])
-
-
-def report(records, configs, name, preset, out):
-    """The summary of a sweep: the rows of best_by_lr, labelled (row_label), and the text run.py
-    prints: the table (markdown_table), a note on what it shows and the timeline (timeline_text), also
-    written to out/results_<name>.md; each row's full mechanism copied to out/mechanism_<name>_<row>.json."""
-    rows = best_by_lr(records)
-    if not rows:
-        raise ValueError("no run finished; nothing to report")
-    for row in rows:
-        row["label"] = row_label(Config(**row["best"]["config"]), configs)
-    exp = EXPERIMENTS[name]
-    table = markdown_table(rows, exp.paper)
-    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
-    note = (f"accuracy: final model on {configs[0].eval_size} fresh documents, the best run of the row's grid "
-            f"(learning rate: {chosen}); over seeds: mean ± std at that learning rate; Attrib@X: the best "
-            f"run's restoration of the clean answer probability (block input of layer 1); paper: "
-            f"{exp.section}, its largest width unless it says otherwise.")
-    timelines = "\n".join(timeline_text(row) for row in rows)
-    with open(os.path.join(out, f"results_{name}.md"), "w") as f:
-        f.write(f"# mechsm results: experiment {name}, preset {preset}\n\n{table}\n\n{note}\n\n{timelines}\n")
-    for row in rows:
-        path = row["best"].get("mechanism_path")
-        if path and os.path.exists(path):
-            slug = row["label"].replace(" ", "_").replace("(", "").replace(")", "").replace(",", "")
-            shutil.copyfile(path, os.path.join(out, f"mechanism_{name}_{slug}.json"))
-    return rows, (f"{table}\n{note}\n\ntimeline (step: accuracy, Attrib@Value / Attrib@Query on the first "
-                  f"{configs[0].timeline_docs} eval documents; '-' = too little signal to read):\n{timelines}")
-
-
-def fmt_pct(mean, std=None, n=1):
-    """'98.4%', or '50.7% ± 43.9' over n > 1 seeds; '-' when missing."""
-    if mean is None:
-        return "-"
-    return f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}" if n > 1 else "")
-
-
-def fmt_num(x):
-    return "-" if x is None else f"{x:.2f}"
-
-
-def timeline_text(row, max_rows=6):
-    """The best run's history as one line: 'mamba: 0: 0% -/-; 2000: 45% 0.01/0.97; ...' with at most
-    max_rows evaluations (evenly spaced, the last one always kept): accuracy, Attrib@Value/Attrib@Query."""
-    history = row["best"].get("history") or []
-    keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
-    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {fmt_attrib(h, 'attrib_value')}/{fmt_attrib(h, 'attrib_query')}"
-             for h in (history[i] for i in keep)]
-    return f"  {row.get('label', row['arch'])}: " + "; ".join(steps)
-
-
-def pick_heatmap_row(rows):
-    """The row whose heatmap run.py prints: Mamba when it was trained and patched (the paper's central
-    contrast: it retrieves directly at the query, and its short conv carries the key forward, which
-    its internal sites show), otherwise the most accurate non-attention model, otherwise attention."""
-    candidates = [row for row in rows if row["best"].get("mechanism_path")]
-    mamba = [row for row in candidates if row["arch"] == "mamba"]
-    others = mamba or [row for row in candidates if row["arch"] != "attention"] or candidates
-    return max(others, key=lambda row: (row["best"].get("final") or {}).get("acc") or 0) if others else None
-
-
-# ----------------------------------------------------------------------------------------------
-# Interventions after training (run.py's default pipeline), as a sweep `after` hook.
-# ----------------------------------------------------------------------------------------------
-
-def run_interventions(model, data, cfg, result):
-    """The sweep's `after` hook: patch_model, the full result written to
-    <out_dir>/mechanism/<file name>.json when cfg has an out_dir."""
-    path = os.path.join(cfg.out_dir, "mechanism", cfg.file_name() + ".json") if cfg.out_dir else None
-    return patch_model(model, data, cfg, path)
-
-
-run_interventions.adds = ("mechanism",)   # what a record must carry to count as patched (sweep's resume)
-
-
-def patch_model(model, data, cfg, path=None):
-    """Run interventions.mechanism on the eval set of a trained model; write the full result to `path`
-    (if given) and return {"mechanism": its summary, "mechanism_path": path}."""
-    import interventions
-    mech = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
-    if path is not None:
-        write_json(path, mech)
-    return {"mechanism": mechanism_summary(mech), "mechanism_path": path}
-
-
-def evaluate_saved(model, cfg, checkpoint, folder, device, eval_size=None, patch=True):
-    """The record of a saved model (model, cfg = load(checkpoint, device)) evaluated on its own task as a
-    sweep records a run: config, status, n_params, final metrics (eval_size documents; None keeps the
-    run's), checkpoint, and with patch its mechanism (patch_model, the full result in
-    folder/mechanism.json). The record is written to folder/result.json."""
-    cfg = replace(cfg, out_dir=None, device=device, save_checkpoint=False, eval_size=eval_size or cfg.eval_size).check()
-    data = make_data(cfg)
-    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "n_params": models.count_parameters(model),
-              "final": evaluate_all(model, data, novel_masks(cfg, data)), "checkpoint": os.path.abspath(checkpoint)}
-    if patch:
-        record.update(patch_model(model, data, cfg, os.path.join(folder, "mechanism.json")))
-    write_json(os.path.join(folder, "result.json"), record)
-    return record
-
-
-def mechanism_summary(mech):
-    """The few numbers the summary table shows: Attrib@Key/Value/Query (the block input of layer 1,
-    the paper's headline site; the layer-0 mixer output for 1-layer models) and the verdict."""
-    head = mech.get("headline") or mech.get("mixer_out") or {}
-    return _json_safe({"attrib_key": head.get("key"), "attrib_value": head.get("value"),
-                       "attrib_query": head.get("query"), "verdict": mech.get("verdict"),
-                       "p_clean": mech.get("p_clean"), "p_corrupt": mech.get("p_corrupt"),
-                       "low_signal": mech.get("low_signal"), "conv_next_key": mech.get("conv_next_key")})
-
-
-def write_json(path, obj):
-    """Write obj as JSON atomically (temp file + os.replace)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(_json_safe(obj), f, indent=1)
-    os.replace(tmp, path)
-    return path
-
+def json_safe(x):
+    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x

@@ -823,6 +823,7 @@ register("mamba", Mamba, "Mamba: short conv + input-dependent selective SSM scan
 register("deltanet", DeltaNet, "DeltaNet: linear attention with the delta-rule state update, short convs on q/k/v + MLP")
 BUILT_IN_ARCHS = tuple(ARCHS)
 
+_base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)
 # Classes the factories above build and hand their **options to: their keyword parameters are build options too.
 MIXER_PARTS = (BaseConv, BasedAttention)
 NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
@@ -838,6 +839,13 @@ def mixer_options():
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty:
                 names.add(p.name)
     return frozenset(names.difference(NOT_OPTIONS))
+
+
+def takes_option(arch, name):
+    """Whether arch's mixer takes build option `name` (d_conv, long_only, n_heads, ...): a keyword of its
+    factory's signature, or of the classes the factory builds (its `builds` attribute)."""
+    factory = MIXER_CLASSES[arch]
+    return any(name in inspect.signature(f).parameters for f in (factory, *getattr(factory, "builds", ())))
 
 
 def _pos_emb_or_default(arch, pos_emb):

@@ -1,347 +1,1244 @@
-"""run.py: train the seven architectures on AR (or ATR), patch them, and print one table.
+"""run.py: the driver. Train the architectures of one experiment of the paper, patch them, report.
 
-Replicates the central finding of "Mechanistic evaluation of Transformers and state space models"
-(Arora et al. 2025, arXiv 2505.15105, Sec. 5): accuracy alone does not tell how a model retrieves;
-interchange interventions do (attention/based: induction through the value token; mamba: direct
-retrieval at the query). The recipe is mechsm.py's (paper Sec. 4 and App. C); the patching is
-interventions.py's (paper Sec. 3-4).
+Replicates "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
+2505.15105): accuracy alone does not tell how a model retrieves; interchange interventions do
+(attention/based: induction through the value token; mamba: direct retrieval at the query). The
+recipe of one run is mechsm.py's (paper Sec. 4, App. C); the patching is interventions.py's (Sec. 3-4).
+This file holds what serves many runs: the experiments, the sweep (resume, shards, worker processes),
+the report (tables, results/*.md, figures) and the benchmark.
 
 CPU examples:
-  python run.py                                    # quick preset on AR: 7 archs in 2 parallel jobs
-  python run.py --experiment atr-medium            # one result of the paper; --list shows all twelve
+  python run.py                                    # the quick `ar` experiment: 7 archs, one job per core
+  python run.py --experiment atr-medium            # one result of the paper; --list shows them all
   python run.py --arch attention,mamba --d-model 32,64 --lr 1e-3,3e-3 --seeds 0-2
+  python run.py --shard 0/4                        # every 4th run of the grid (SLURM arrays: automatic)
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
-  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references (GPU: --device cuda)
+  python run.py --figures results/                 # redraw the figures of a results folder
+  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references
 GPU examples:
   python run.py --device cuda                      # quick preset, one job on the GPU
-  python run.py --preset paper --device cuda       # the paper's grid (7 archs x 5 widths x 7 lrs), each
-                                                   # cell's lrs and seeds as one batched model (at most K
-                                                   # with --group-size K, if memory runs short)
+  python run.py --preset paper --device cuda       # the paper's grid, each cell's lrs and seeds as one
+                                                   # batched model (--group-size K if memory runs short)
 
-Outputs under --out (default out/): results.jsonl (a JSON line per finished run: config, metrics,
-history, mechanism summary; reruns skip what is there), results_<experiment>.md (the table),
-mechanism_<experiment>_<row>.json (each row's full patching result), ckpt/ and mechanism/ (every run's
-checkpoint and patching result), claims/ (which process trains which run: processes can share one
---out). --checkpoint writes only to checkpoint_eval/<checkpoint name>-<hash>/. Bad input prints one
-line "error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers and keep every finished run.
+Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard): a JSON
+line per finished run (config, metrics, history, the full patching table); reruns skip what is there,
+reading every results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
+<experiment>_*.png (figures, with matplotlib), ckpt/ (checkpoints). Bad input prints one line
+"error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers and keep every finished run.
 """
 
 import argparse
-import difflib
+import glob
 import hashlib
 import json
 import math
 import os
+import platform
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
+from dataclasses import asdict, dataclass, fields, replace
 
 # Set before torch's first allocation: PyTorch's CPU allocator then backs tensors of 2 MB and more with
 # transparent huge pages. Filling fresh 4 KB pages cost a Mamba scan's (b, l, e, n) tensors more than
-# the arithmetic (`run.py bench`: the CPU scan at L = 1024 ran 2.3x the plain loop with it, 1.3-1.7x
-# without). A no-op on a GPU, on macOS or where Linux THP is off; THP_MEM_ALLOC_ENABLE=0 turns it off.
+# the arithmetic. A no-op on a GPU, on macOS or where Linux THP is off; THP_MEM_ALLOC_ENABLE=0 turns it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402  (after the allocator setting above)
 
+import interventions  # noqa: E402
 import mechsm  # noqa: E402
 import models  # noqa: E402
+from mechsm import Config  # noqa: E402
+
+
+# ==============================================================================================
+# The experiments: one entry per result of the paper, each with a "quick" grid (at most 20 minutes
+# on a 2-core CPU) and a "paper" grid (the paper's widths, learning rates and steps). A grid is
+# {"config": Config fields shared by its runs, "runs": one dict of Config fields per family of runs
+# (each names its arch), "widths", "lrs": {arch: [...]}, "seeds": {arch: [...]}, "steps": {arch: n}},
+# where the arch "*" is the default.
+# ==============================================================================================
+
+ALL_ARCHS = list(models.BUILT_IN_ARCHS)
+PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
+LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
+LR7 = LR5 + [1e-2, 3e-2]
+
+# quick AR: the paper's recipe (a fixed 100,032-document training set walked in order, batch 32, 10%
+# warmup, cosine decay), but 8 pairs instead of 16 (21 tokens), width 64, one learning rate per
+# architecture, 4k-16k steps instead of 50k, and QUICK_VOCAB keys and values instead of 4,096 (README,
+# difference 19, with the probes `ar-vocab` that chose it). Attention gets the most steps: it sits on
+# the "copy any value in the context" plateau for thousands of steps before induction forms.
+QUICK_VOCAB = 4096
+QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pairs=8, d_model=64, n_layers=2,
+                train_size=100_032, steps=6000, eval_every=1000)
+QUICK_STEPS = {"attention": 16_000, "mamba": 8000, "based": 8000, "h3": 4000}   # the others: 6,000
+QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3], "hyena": [1e-3],
+             "mamba": [1e-2], "deltanet": [1e-3]}
+# quick ATR: a few sentences of hundreds of terminals make every batch that long (batches are padded
+# to their longest document), so the quick grids reject sentences over 64 terminals (1.5% at L_max 5,
+# 21% at L_max 10: README, difference 14). Step budgets per architecture from the probes `atr-budget`.
+QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
+                 train_size=100_032, steps=4000, eval_every=1000, gap_filter=0.1, max_terminals=64)
+QUICK_ATR_STEPS = {"attention": 10_000, "mamba": 4000, "based": 6000, "h3": 2500}   # the others: 4,000
+PAPER_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=16, n_layers=2, batch_size=32,
+                train_size=100_032, epochs=16, eval_every=200)
+PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2, batch_size=32,
+                 data_seed=125, train_size=100_032, epochs=32, eval_every=200, gap_filter=0.1)
+ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)          # grammar seed 124: lengths near the reference's
+
+
+def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
+    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs=QUICK_LRS,
+                seeds=seeds or {"*": [0]}, steps=steps or QUICK_STEPS)
+
+
+def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
+    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs}, seeds={"*": [42]})
+
+
+def archs(*names, **fields_):
+    return [dict(arch=a, **fields_) for a in names]
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    section: str        # where the paper reports it
+    claim: str          # the claim, in one line
+    paper_numbers: dict  # table row label (or arch) -> the paper's number / finding for that row
+    quick: dict         # the quick grid
+    paper: dict         # the paper's grid (preset "paper")
+
+
+# Longest runs first in each list, so that parallel jobs finish together.
+EXPERIMENTS = {e.name: e for e in [
+    Experiment("ar", "Sec. 5.1", "AR accuracy and mechanism of every architecture at one width",
+               {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
+                "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
+                "h3": "direct retrieval"},
+               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv"),
+                     seeds={"mamba": [0, 1, 2], "*": [0]}),
+               paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
+    Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
+               {"attention": "100% at every d >= 32", "mamba": "rises with d: 91.25% at d 256"},
+               quick(QUICK_AR, archs("attention"), widths=(16, 32, 64)),   # CPU budget: attention only
+               paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
+    Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
+               {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
+               quick(QUICK_AR, archs("attention", pos_emb=False) + archs("attention", pos_emb=True)),
+               paper(PAPER_AR, archs("attention", pos_emb=False) + archs("attention", pos_emb=True))),
+    Experiment("ar-layers", "App. D.2, D.3", "AR with 1 and 3 layers (1-layer Mamba still learns it)",
+               {"mamba (1 layer)": "96.25%"},
+               quick(QUICK_AR, archs("mamba", "attention", n_layers=1) + archs("mamba", "attention")),
+               paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3), lrs=LR7)),
+    Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
+               {"mamba (d_conv 0)": "fails without the conv", "mamba (default conv)": "91.25% (d 256; conv 4)"},
+               quick(QUICK_AR, [dict(arch="mamba", d_conv=k) for k in (0, None)]),   # CPU budget: 0 and 4
+               paper(PAPER_AR, [dict(arch="mamba", d_conv=k) for k in (0, 1, 2, 3, None)], lrs=LR7)),
+    Experiment("based-ablation", "Sec. 5.4", "Based with long convs only, and short kernels 1-4",
+               {"based (default conv)": "99.06%; induction"},
+               quick(QUICK_AR, archs("based", long_only=True) + [dict(arch="based", d_conv=k) for k in (1, None)]),
+               paper(PAPER_AR, archs("based", "base_conv", long_only=True)
+                     + [dict(arch="based", d_conv=k) for k in (1, 2, None, 4)])),
+    Experiment("atr", "Sec. 5.2", "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
+               {"attention": "induction-like: the parent's token holds the association",
+                "mamba": "direct retrieval at the query", "h3": "direct retrieval", "hyena": "direct retrieval",
+                "based": "induction-like"},
+               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
+                     steps=QUICK_ATR_STEPS),
+               paper(PAPER_ATR, archs(*PAPER_ARCHS))),
+    Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
+               {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
+               quick(QUICK_ATR, archs("mamba", "attention"), steps=QUICK_ATR_STEPS, **ATR_MEDIUM),
+               paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"), **ATR_MEDIUM)),
+    Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
+               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, num_terminals=8192),
+               paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
+    Experiment("atr-generalisation", "Sec. 5.3", "ATR on held-out (parent, child) label pairs: dev against test",
+               {"attention": "95.62% dev / 68.12% test (d 256)"},
+               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2, gap_filter=0.01),
+               paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
+    Experiment("ar-generalisation", "the paper's notebook (not in its text)",
+               "AR on held-out (key, value) pairs: dev against test", {},
+               quick(QUICK_AR, archs("attention"), holdout=0.2),
+               paper(PAPER_AR, archs("attention"), holdout=0.2, epochs=32)),
+    Experiment("atr-mamba-conv", "arXiv v3", "Mamba without its short conv learns attention-like induction on ATR",
+               {"mamba (d_conv 0)": "induction (high Attrib@Value)", "mamba (default conv)": "direct retrieval"},
+               quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")], steps=QUICK_ATR_STEPS),
+               paper(PAPER_ATR, [dict(arch="mamba", d_conv=k) for k in (0, None)])),
+]}
+PRESETS = ("quick", "paper")
+LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout", "freeze_features",
+                "num_keys", "steps", "lr", "seed")
+
+
+def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None, **fields_):
+    """The Configs of one experiment's grid, runs -> widths -> lrs -> seeds, with `fields_` (Config
+    fields, e.g. device, steps) set on every run. archs / widths / lrs / seeds narrow or replace the
+    grid's: archs keeps the grid's runs of those archs and adds a plain run for an arch the grid
+    lacks (with the grid's learning rate and steps for it)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
+    grid = getattr(EXPERIMENTS[name], preset)
+    runs = grid["runs"]
+    if archs is not None:
+        runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
+                                                          if a not in {r["arch"] for r in runs}]
+    pick = lambda table, arch: table.get(arch, table.get("*", [1e-3] if table is grid["lrs"] else None))
+    configs = []
+    for run in runs:
+        steps = pick(grid.get("steps", {}), run["arch"])
+        base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_})
+        for width in widths or grid["widths"]:
+            for lr in lrs or pick(grid["lrs"], run["arch"]):
+                for seed in seeds or pick(grid["seeds"], run["arch"]):
+                    configs.append(replace(base, d_model=width, lr=float(lr), seed=seed))
+    return configs
+
+
+def describe(name, value):
+    """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
+    words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
+             "pos_emb": "PE" if value else "NoPE", "long_only": "long convs only" if value else None,
+             "d_conv": "default conv" if value is None else f"d_conv {value}", "num_keys": f"{value} keys",
+             "steps": f"{value} steps", "lr": f"lr {value:g}", "seed": f"seed {value}",
+             "holdout": f"holdout {value:g}" if isinstance(value, float) else None}
+    return words.get(name, f"{name} {value}")
+
+
+def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
+    """A table label for cfg: its arch, plus every field of `fields_` that differs between the configs
+    of the same arch in `configs`, e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
+    cfg = cfg.resolved()
+    same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
+    parts = [describe(name, getattr(cfg, name)) for name in fields_
+             if len({getattr(c, name) for c in same_arch}) > 1 and not (name == "d_conv" and cfg.long_only)]
+    parts = [p for p in parts if p]
+    return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
 # ----------------------------------------------------------------------------------------------
-# Parsing. Every mistake becomes one "error: ..." line.
+# The planner: expected CPU time of a grid, from measured step rates.
 # ----------------------------------------------------------------------------------------------
+
+# Training steps per second of one CPU thread at the quick AR shape (width 64, 2 layers, batch 32,
+# 21 tokens, 8,195 tokens of vocabulary), from `python run.py bench` (part 3) on an idle 2-core x86-64
+# machine; estimate_seconds scales them by tokens, width, layers and batch: a guide, not a promise.
+CPU_STEPS_PER_S = {"attention": 43.4, "base_conv": 35.7, "based": 39.4, "h3": 8.2, "hyena": 22.0,
+                   "mamba": 12.1, "deltanet": 22.8}
+WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
+
+
+def estimate_seconds(configs, jobs=1):
+    """Rough CPU wall time of training `configs` with `jobs` one-thread workers (CPU_STEPS_PER_S)."""
+    total = 0.0
+    for cfg in configs:
+        cfg = cfg.resolved()
+        tokens = 2 * cfg.num_pairs + 5 if cfg.task == "ar" else min(cfg.max_terminals, 64) + 5
+        rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 21 / tokens / max(1.0, cfg.d_model / 64)
+                * 2 / cfg.n_layers * 32 / cfg.batch_size)
+        total += cfg.total_steps() / rate
+    return total / max(1, min(jobs, len(configs)))
+
+
+def default_jobs(device, n_runs):
+    """(jobs, why): on a CPU one one-thread worker per core, as many as memory allows; one on a GPU."""
+    if device != "cpu":
+        return 1, "one process drives the GPU"
+    cores = os.cpu_count() or 1
+    try:
+        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
+        free_gib = float("inf")
+    fit = max(1, int(free_gib // WORKER_GIB))
+    jobs = max(1, min(cores, fit, n_runs))
+    why = f"{cores} CPU cores" + (f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else "") \
+        + (f", {n_runs} runs" if n_runs < min(cores, fit) else "")
+    return jobs, why
+
+
+def fmt_hours(seconds):
+    """'14 min' or '3.2 h'."""
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def catalogue():
+    """`run.py --list`: every experiment, its claim and the paper's numbers, with the runs of each preset
+    and their expected time on a 2-core CPU (estimate_seconds)."""
+    lines = []
+    for name, exp in EXPERIMENTS.items():
+        times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
+                 for preset in PRESETS for configs in [experiment_configs(name, preset)]]
+        numbers = "; ".join(f"{k} {v}" for k, v in exp.paper_numbers.items()) or "no number quoted"
+        lines += [f"{name:<19} {exp.section}: {exp.claim}", f"{'':<19} paper: {numbers}",
+                  f"{'':<19} " + " | ".join(times) + " (2 CPU cores, 2 jobs)"]
+    return "\n".join(lines)
+
+
+# ==============================================================================================
+# The command line. Every mistake becomes one "error: ..." line (exit 2), before anything runs.
+# ==============================================================================================
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: error() raises ValueError (main prints it), and an unknown option
-    is named as such. argparse alone would hand the value after a typo'd flag (--lrr 1e-3) to the
-    optional positional command and report "invalid choice: '1e-3'", hiding the typo. A token that
-    starts with '-' is a value, not an option, when a digit or '.' follows (-1e-3)."""
-
-    def error(self, message):
+    def error(self, message):                 # argparse prints usage + message; we print one line
         raise ValueError(message)
 
-    def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        known = list(self._option_string_actions)
-        for token in args[:args.index("--")] if "--" in args else args:
-            name = token.split("=", 1)[0]
-            if not token.startswith("-") or token == "-" or token[1] in "0123456789." or name in known \
-                    or (name.startswith("--") and any(option.startswith(name) for option in known)):
-                continue
-            close = difflib.get_close_matches(name, known, n=1)
-            raise ValueError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else "")
-                             + "; see run.py --help")
-        return super().parse_known_args(args, namespace)
+
+class Once(argparse.Action):
+    """Store an option's value, refusing a second occurrence (--lr 1e-3 --lr 3e-3 would silently keep
+    the last one: give one comma list instead)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in getattr(namespace, "_given", {}):
+            raise ValueError(f"{option_string}: given twice; give it once (a comma list for several values)")
+        namespace._given = {**getattr(namespace, "_given", {}), option_string: values}
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
-def comma_list(kind, what):
-    """'a,b,c' -> [kind(a), kind(b), kind(c)]."""
-    def parse(text):
-        try:
-            items = [kind(s.strip()) for s in text.split(",") if s.strip()]
-        except ValueError:
-            items = []
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {text!r}")
-        return items
-    return parse
-
-
-def seed_list(text):
-    """'42' -> [42]; '0,1,2' -> [0, 1, 2]; '0-4' -> [0, 1, 2, 3, 4]."""
+def parse_value(kind, flag, text):
+    """One value of a flag: int (at most 2**62), float (finite) or non-empty str; ValueError names the flag."""
+    text = text.strip()
+    if not text:
+        raise ValueError(f"{flag}: empty value")
     try:
-        if "-" in text.strip("-") and "," not in text:
-            lo, hi = (int(s) for s in text.split("-"))
-            if hi < lo:
-                raise ValueError
-            return list(range(lo, hi + 1))
-        return comma_list(int, "integers")(text)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(f"expected seeds like 42, 0,1,2 or 0-4, got {text!r}") from None
+        value = kind(text)
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
+        raise ValueError(f"{flag}: {text} is out of range")
+    return value
+
+
+def typed(kind, flag, many=False):
+    """An argparse type: one value, or with many a comma list ("1e-3,3e-3"; seeds also "0-4")."""
+    def parse(text):
+        if not many:
+            return parse_value(kind, flag, text)
+        values = []
+        for part in text.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            if dash and kind is int and lo:           # a range of seeds, e.g. 0-4
+                values += range(parse_value(int, flag, lo), parse_value(int, flag, hi) + 1)
+            else:
+                values.append(parse_value(kind, flag, part))
+        return values
+    return parse
 
 
 def build_parser():
     p = Parser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog="Options left unset take their value from the experiment's preset (README: what each runs).")
-    a = p.add_argument
-    a("command", nargs="?", default="train", choices=["train", "bench"], help="train (default) or bench")
-    a("--experiment", choices=list(mechsm.EXPERIMENTS), metavar="NAME", help="a result of the paper (default: ar)")
-    a("--list", action="store_true", help="print the catalogue of experiments and exit")
-    a("--preset", default="quick", choices=mechsm.PRESET_NAMES, help="quick (default; <= 15 min on 2 CPU cores) or paper")
-    a("--task", default="ar", choices=mechsm.TASKS, help="ar (default) or atr: the same as --experiment ar / atr")
+
+    def a(flag, kind=None, many=False, **kw):
+        if kind is not None:
+            kw["type"] = typed(kind, flag, many)
+        p.add_argument(flag, action=Once, **({"nargs": 0} if kw.pop("switch", False) else {}), **kw)
+
+    p.add_argument("command", nargs="?", default="train", choices=["train", "bench"], help="train (default) or bench")
+    a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a result of the paper (default: ar)")
+    a("--list", switch=True, help="print the catalogue of experiments and exit")
+    a("--preset", choices=PRESETS, help="quick (default; <= 20 min on 2 CPU cores) or paper")
+    a("--task", choices=mechsm.TASKS, help="ar or atr: the same as --experiment ar / atr")
     # the grid
-    a("--arch", type=comma_list(str, "architecture names"),
-      help="one architecture or a comma list, or 'all' (" + ", ".join(mechsm.ALL_ARCHS) + ")")
-    a("--d-model", type=comma_list(int, "integers"), help="width(s), e.g. 64 or 16,32,64")
-    a("--lr", type=comma_list(float, "numbers"), help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
-    a("--seeds", type=seed_list, help="model seed(s): 42, or 0,1,2, or 0-4")
-    # the model
-    a("--layers", type=int, help="number of blocks (paper: 2)")
-    a("--heads", type=int, help="attention heads (paper: 1); must divide every width")
-    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: attention only, as the paper's figures)")
-    a("--d-conv", type=int, help="mamba short-conv size (0 removes it) / based, base_conv short kernel")
-    a("--long-only", action="store_true", default=None, help="based/base_conv: long conv instead of the short conv")
-    # the task
-    a("--num-keys", type=int, help="AR keys (paper: 4096)")
-    a("--num-values", type=int, help="AR values (paper: 4096)")
-    a("--num-pairs", type=int, help="AR key-value pairs per document (paper: 16)")
-    a("--num-terminals", type=int, help="ATR terminals |Σ| (paper: 20 or 8192)")
-    a("--max-rhs-len", type=int, help="ATR L_max (paper: 5 or 10)")
-    a("--max-depth", type=int, help="ATR d_max (paper: 10)")
-    a("--holdout", type=float, help="fraction of pairs held out for a test split (paper's generalisation runs: 0.2)")
-    a("--data-seed", type=int, help="language seed: grammar, held-out pairs and documents (default 42)")
-    # training
+    a("--arch", str, True, help="one architecture or a comma list, or 'all' (" + ", ".join(ALL_ARCHS) + ")")
+    a("--d-model", int, True, help="width(s), e.g. 64 or 16,32,64")
+    a("--lr", float, True, help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
+    a("--seeds", int, True, help="model seed(s): 42, or 0,1,2, or 0-4")
+    # the model, the task, training: each sets the Config field of the same name (--layers: n_layers)
+    for flag, kind, text in [
+            ("--layers", int, "number of blocks (paper: 2)"), ("--heads", int, "attention heads (paper: 1)"),
+            ("--d-conv", int, "short-conv size of the archs that have one (mamba: 0 removes it)"),
+            ("--num-keys", int, "AR keys (paper: 4096)"), ("--num-values", int, "AR values (paper: 4096)"),
+            ("--num-pairs", int, "AR key-value pairs per document (paper: 16)"),
+            ("--num-terminals", int, "ATR terminals |Σ| (paper: 20 or 8192)"),
+            ("--max-rhs-len", int, "ATR L_max (paper: 5 or 10)"), ("--max-depth", int, "ATR d_max (paper: 10)"),
+            ("--holdout", float, "fraction of pairs held out for a test split (paper: 0.2)"),
+            ("--data-seed", int, "language seed: grammar, held-out pairs, documents (default 42)"),
+            ("--steps", int, "total optimizer steps (beats --epochs; the training set is walked cyclically)"),
+            ("--epochs", int, "passes over the training set (paper: 16 AR, 32 ATR)"),
+            ("--train-size", int, "documents in the fixed training set (paper: 100,032)"),
+            ("--batch-size", int, "batch size (paper: 32)"),
+            ("--eval-every", int, "steps between evaluations (paper: 200); the last step is always evaluated"),
+            ("--eval-size", int, "evaluation documents (paper: 320)")]:
+        a(flag, kind, help=text)
+    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: the archs that use them)")
+    a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup: cosine (paper) or linear")
-    a("--steps", type=int, metavar="N", help="total optimizer steps (beats --epochs; the training set is walked cyclically)")
-    a("--epochs", type=int, metavar="N", help="passes over the training set (paper: 16 AR, 32 ATR)")
-    a("--train-size", type=int, metavar="N", help="documents in the fixed training set (paper: 100,032)")
-    a("--batch-size", type=int, metavar="N", help="batch size (paper: 32)")
-    a("--eval-every", type=int, metavar="N", help="steps between evaluations (paper: 200); the last step is always evaluated")
-    a("--eval-size", type=int, metavar="N", help="evaluation documents (paper: 320)")
     # where and how
-    a("--device", default="auto", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
-    a("--jobs", type=int, help="runs trained in parallel (default: 2 on a CPU with >= 2 cores, 1 on cuda)")
-    a("--group-size", type=int, metavar="K",
-      help="train up to K runs that differ only in lr and seed as one batched model (default: 1 on a CPU, where "
-           "groups do not pay; a whole (arch, width) cell on cuda); lower it if a group runs out of memory")
-    a("--out", default="out", help="output folder (default: out/)")
-    a("--no-interventions", action="store_true", help="train and evaluate only, skip the patching")
-    a("--no-save", action="store_true", help="do not save checkpoints under OUT/ckpt/")
-    a("--checkpoint", help="skip training: evaluate and patch this saved model (a .pt from OUT/ckpt/)")
+    a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
+    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; 1 on cuda)")
+    a("--group-size", int, metavar="K", help="train up to K runs that differ only in lr and seed as one batched "
+      "model (default: 1 on a CPU, where groups do not pay; a whole (arch, width) cell on cuda)")
+    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: SLURM_ARRAY_TASK_ID/"
+      "SLURM_ARRAY_TASK_COUNT when set); every shard of one --out reads all the others' results")
+    a("--out", str, help="output folder (default: out/)")
+    a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
+    a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
+    a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/ckpt/)")
+    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) and exit")
     return p
 
 
-# ----------------------------------------------------------------------------------------------
-# The default pipeline, top to bottom: the experiment's grid, the plan, the sweep, the table, the
-# timeline, the heatmap.
-# ----------------------------------------------------------------------------------------------
+# command-line flag -> Config field, for the flags that set one field of every run they apply to
+FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
+    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth holdout data_seed "
+    "steps epochs train_size batch_size schedule eval_every eval_size").split()}}
+TASK_FIELDS = {"ar": {"num_keys", "num_values", "num_pairs"},
+               "atr": {"num_terminals", "max_rhs_len", "max_depth"}}
+# the options each command takes; any other option given with it is refused, never silently ignored
+COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"},
+                   "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
+
+
+def applies(field, cfg):
+    """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv, long_only,
+    n_heads only the archs whose mixer takes that option (models.takes_option)."""
+    for task, names in TASK_FIELDS.items():
+        if field in names:
+            return cfg.task == task
+    return field not in ("d_conv", "long_only", "n_heads") or models.takes_option(cfg.arch, field)
+
+
+def grid_runs(args, name, device):
+    """The Configs to train: the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, and the
+    field flags set on every run they apply to. A flag that applies to no run is an error; one that
+    applies to some runs only is set on those, with one note, and never enters the others' identity."""
+    given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items() if getattr(args, flag) is not None}
+    if "pos_emb" in given:
+        given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
+    for flag in ("arch", "d_model", "lr", "seeds"):
+        values = getattr(args, flag)
+        if values is not None and len(set(values)) < len(values):
+            raise ValueError(f"--{flag.replace('_', '-')}: a value is repeated in {values}")
+    arch_list = ALL_ARCHS if args.arch == ["all"] else args.arch
+    configs = experiment_configs(name, args.preset or "quick", archs=arch_list, widths=args.d_model, lrs=args.lr,
+                                 seeds=args.seeds, device=device)
+    if args.epochs is not None and args.steps is None:
+        given["steps"] = None                                       # --epochs beats the grid's step counts
+    for field, value in given.items():
+        hit = [applies(field, c) for c in configs]
+        flag = "--" + next(f for f, v in FIELD_FLAGS.items() if v == field).replace("_", "-")
+        if not any(hit):
+            raise ValueError(f"{flag}: does not apply to any run of this grid "
+                             f"({', '.join(sorted({c.arch for c in configs}))} on {configs[0].task})")
+        if not all(hit):
+            print(f"note: {flag} ignored for {', '.join(sorted({c.arch for c, h in zip(configs, hit) if not h}))}, "
+                  "which do not have it", file=sys.stderr)
+        configs = [replace(c, **{field: value}) if h else c for c, h in zip(configs, hit)]
+    return configs
+
+
+def shard_of(text):
+    """(I, N) from --shard "I/N", or from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
+    if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
+        text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
+    if text is None:
+        return 0, 1
+    i, slash, n = text.partition("/")
+    if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
+        raise ValueError(f"--shard: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
+    return int(i), int(n)
+
+
+# ==============================================================================================
+# The sweep: train every run of a grid that is not recorded yet, one JSON line per finished run.
+# ==============================================================================================
+
+# Where and on what a run happens does not change what it is: a rerun that differs only in these finds
+# the run done. Every other field changes the trained model or what its record reports.
+KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
+
+
+def run_key(config_dict):
+    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
+    return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED}, sort_keys=True)
+
+
+def file_name(cfg):
+    """cfg.name() plus 8 hex digits of the run's identity, for its checkpoint: runs that differ only in
+    fields name() leaves out (d_conv, pos_emb, ...) must not share a file."""
+    return f"{cfg.name()}_{hashlib.sha1(run_key(asdict(cfg.resolved())).encode()).hexdigest()[:8]}"
+
+
+def config_of(record):
+    """The Config of a record (fields of older versions that Config no longer has are dropped)."""
+    known = {f.name for f in fields(Config)}
+    return Config(**{k: v for k, v in record["config"].items() if k in known})
+
+
+def is_record(x):
+    """Whether a parsed results line is a run record this code can read: the types of every field the
+    report reads, and a checkpoint path inside its folder (a record never makes us read a file outside)."""
+    number = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not (isinstance(x, dict) and isinstance(x.get("config"), dict) and x.get("status") in ("ok", "failed")):
+        return False
+    c, final = x["config"], x.get("final")
+    ckpt = x.get("checkpoint")
+    return (isinstance(c.get("arch"), str) and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
+            and number(c.get("lr")) and c.get("lr") is not None and isinstance(x.get("n_params"), int)
+            and isinstance(final, dict) and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
+            and isinstance(x.get("history", []), list) and all(isinstance(h, dict) and number(h.get("step"))
+                                                            and number(h.get("acc")) for h in x.get("history", []))
+            and isinstance(x.get("mechanism") or {}, dict) and isinstance(x.get("mechanism_table") or {}, dict)
+            and all(number(v) for k, v in (x.get("mechanism") or {}).items() if k != "verdict" and k != "low_signal")
+            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt) and ".." not in ckpt.split("/")))
+
+
+def read_results(out, warn=True):
+    """The run records of one results file, or of every results*.jsonl in the folder `out` (one file per
+    shard), in a fixed order; [] when there are none. A line
+    that is not a whole record (a torn line from a crash mid-write, garbage, a record of another shape
+    or with fields of the wrong type) is skipped with one warning naming the file and the line."""
+    records = []
+    paths = sorted(glob.glob(os.path.join(out, "results*.jsonl"))) if os.path.isdir(out) else glob.glob(out)
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):
+                    record = None
+                if is_record(record):
+                    records.append(record)
+                elif warn:
+                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); skipped",
+                          file=sys.stderr)
+    return records
+
+
+def append_result(path, record):
+    """Append one JSON line, then fsync: a crash leaves the whole line or, at worst, a torn last line
+    that read_results skips. The line always starts on a new line (after a torn line, a bare append
+    would glue the new record onto it and lose both)."""
+    line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
+    with open(path, "a+b") as f:
+        if f.tell() and (f.seek(-1, os.SEEK_END) or f.read(1) != b"\n"):
+            line = b"\n" + line
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def is_complete(record, wants, out):
+    """Whether a recorded run has everything asked for now: a finished run carries its patching table
+    when interventions are wanted and a checkpoint file in `out` when one is; a failed run is complete."""
+    if record["status"] != "ok":
+        return True
+    return (not wants["patch"] or record.get("mechanism_table") is not None) and \
+        (not wants["save"] or bool(record.get("checkpoint")) and os.path.isfile(os.path.join(out, record["checkpoint"])))
+
+
+def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1, log=mechsm.stderr_log()):
+    """Train every run of `configs` (this shard's: runs i with i % N == I of the grid's unique runs) not
+    yet complete in `out`; return the records of the whole grid found in `out` afterwards, in grid
+    order. Each finished run is appended to this shard's results file at once, so Ctrl-C or SIGTERM
+    loses only the runs in flight. A run recorded without its patching table is patched from its
+    checkpoint (trained again when it has none); one recorded without the checkpoint now asked for is
+    trained again. With jobs > 1 the runs train in that many worker processes (one thread each);
+    stopping the sweep stops them. Runs that differ only in lr and seed train as one batched model in
+    groups of at most group_size (None: one group per cell)."""
+    check_runs(configs)
+    os.makedirs(out, exist_ok=True)
+    unique = {}
+    for cfg in configs:
+        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
+    i, n = shard
+    mine = [key for j, key in enumerate(unique) if j % n == i]
+    wants = dict(patch=patch, save=save)
+    done = {run_key(r["config"]): r for r in read_results(out)}
+    todo = [key for key in mine if not (key in done and is_complete(done[key], wants, out))]
+    if len(todo) < len(mine):
+        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
+    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and is_complete(done[k], dict(wants, patch=False), out)]
+    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + \
+                [("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable], group_size)]
+    results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
+    for records in run_jobs(jobs_list, out, wants, jobs):
+        for record in records:
+            append_result(results, record)
+    latest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    return [latest[k] for k in unique if k in latest]
+
+
+def check_runs(configs):
+    """Raise ValueError (one line) for the first bad run of `configs` (Config.check, a task that cannot
+    be generated, documents longer than the model takes), before a long sweep starts."""
+    for cfg in configs:
+        cfg.check()
+    for key in dict.fromkeys(mechsm._data_key(c) for c in configs):
+        mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
+    for cfg in configs:
+        mechsm.check_length(cfg)
+
+
+def group_key(cfg):
+    return mechsm.group_key(cfg)
+
+
+def make_groups(configs, group_size=None):
+    """configs -> lists of configs that differ only in lr and seed (in order of first appearance), at
+    most group_size each (None: a whole (arch, width, ...) cell per group)."""
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
+    cells = {}
+    for cfg in configs:
+        cells.setdefault(group_key(cfg), []).append(cfg)
+    size = lambda cell: group_size or len(cell)
+    return [cell[i:i + size(cell)] for cell in cells.values() for i in range(0, len(cell), size(cell))]
+
+
+def run_jobs(jobs_list, out, wants, jobs):
+    """Yield the records of each job (("train", configs) or ("patch", [(config, record)])) as it
+    finishes: here, or in `jobs` worker processes ("spawn", one thread each). Ctrl-C, SIGTERM or a
+    crash stops the workers (no orphans); a worker killed under us is a WorkerLost."""
+    if jobs <= 1 or len(jobs_list) <= 1:
+        for kind, payload in jobs_list:
+            yield do_job(kind, payload, out, wants)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
+                               initargs=(os.getpid(),), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
+        for future in as_completed(futures):
+            yield future.result()
+    except BrokenProcessPool:
+        stop_workers(pool)
+        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished runs are "
+                         f"kept in {out}; rerun to continue") from None
+    except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
+        stop_workers(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def do_job(kind, payload, out, wants):
+    """Train a group of configs (one: train) or patch a recorded run from its checkpoint; return the
+    records, each with its patching table and checkpoint as `wants` asks. A crash is printed and the
+    job gives no record (a rerun retries it)."""
+    try:
+        if kind == "patch":
+            (cfg, record), = payload
+            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]), device=mechsm.resolve_device(cfg.device))
+            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
+                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
+            pairs = [(dict(record), model)]
+        else:
+            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
+        out_records = []
+        for record, model in pairs:
+            cfg = config_of(record)
+            if record["status"] == "ok" and wants["patch"]:
+                table = interventions.mechanism(model, mechsm.make_data(cfg).eval, threshold=cfg.gap_filter)
+                record.update(mechanism=mechanism_summary(table), mechanism_table=table)
+            if record["status"] == "ok" and wants["save"] and not record.get("checkpoint"):
+                record["checkpoint"] = save_checkpoint(model, cfg, out)
+            record.setdefault("provenance", provenance())
+            out_records.append(mechsm.json_safe(record))
+        return out_records
+    except Exception as e:
+        import traceback
+        traceback.print_exc()
+        print(f"error: {kind} of {payload[0] if kind == 'train' else payload[0][0].name()}: {type(e).__name__}: "
+              f"{e} (not recorded; a rerun retries it)", file=sys.stderr)
+        return []
+
+
+def save_checkpoint(model, cfg, out):
+    """mechsm.save under out/ckpt/; the path relative to `out`, or None (with a warning) when the
+    write fails (a full disk): the finished run is recorded all the same, without its checkpoint."""
+    path = os.path.join("ckpt", file_name(cfg) + ".pt")
+    try:
+        mechsm.save(model, cfg, os.path.join(out, path))
+        return path
+    except OSError as e:
+        print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the run is recorded "
+              "without it", file=sys.stderr)
+        return None
+
+
+def mechanism_summary(table):
+    """The few numbers the summary table shows: Attrib@Key/Value/Query (the block input of layer 1, the
+    paper's headline site; the layer-0 mixer output for 1-layer models), the verdict and the extra
+    sites' numbers (e.g. Mamba's conv@next_key)."""
+    head = table.get("headline") or table.get("mixer_out") or {}
+    return mechsm.json_safe({"attrib_key": head.get("key"), "attrib_value": head.get("value"),
+                             "attrib_query": head.get("query"), "verdict": table.get("verdict"),
+                             "p_clean": table.get("p_clean"), "p_corrupt": table.get("p_corrupt"),
+                             "low_signal": table.get("low_signal"), **table.get("extra", {})})
+
+
+def provenance():
+    """Where and with what a record was made: date, machine, torch, the code's git commit."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__, "commit": commit}
+
+
+def worker_init(parent=None):
+    """A sweep worker: one torch thread; SIGINT ignored (Ctrl-C reaches the whole process group, and the
+    parent stops the workers itself); a watchdog ends the worker when its parent is gone (SIGKILL)."""
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def exit_with_parent():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
+def stop_workers(pool):
+    """Stop a sweep's workers now: SIGTERM each, wait, SIGKILL any left. Further SIGINT/SIGTERM are held
+    back meanwhile, so that a second Ctrl-C cannot cut the clean-up short."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())   # no public API before 3.14
+    masking = threading.current_thread() is threading.main_thread()
+    if masking:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        pool.shutdown(wait=False, cancel_futures=True)
+    finally:
+        if masking:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class WorkerLost(RuntimeError):
+    """A sweep worker process died under the sweep (killed by a signal, or by the out-of-memory killer)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what timeout, SLURM and kill send), raised in the main thread as Ctrl-C is: the sweep
+    stops its workers, finished runs stay recorded, and a rerun resumes."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
+# ==============================================================================================
+# The report: the best run per row (the paper reports the best learning rate), its table beside
+# the paper's numbers, the timeline, results/<experiment>.md and the README's summary table.
+# ==============================================================================================
+
+def best_by_lr(records, metric="acc"):
+    """Per group of runs that differ only in lr and seed (per (arch, width, ...)), the lr with the best
+    mean final `metric` over seeds. Returns one row per group: arch, d_model, best_lr, mean, std,
+    n_seeds, values (per seed), per_lr {lr: mean}, runs (of best_lr) and best (the best run over every
+    lr and seed; with a held-out split, test_mean too). A failed run (loss NaN/inf) counts with its last
+    metrics but never wins: an lr with fewer failed runs always ranks first."""
+    latest = {run_key(r["config"]): r for r in records}
+    groups = {}
+    for r in latest.values():
+        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
+        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
+    score = lambda r, m=metric: (r.get("final") or {}).get(m) or 0.0
+    rows = []
+    for per_lr in groups.values():
+        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
+        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
+        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
+        runs = per_lr[best_lr]
+        values = [score(r) for r in runs]
+        row = {"arch": runs[0]["config"]["arch"], "d_model": runs[0]["config"]["d_model"], "best_lr": best_lr,
+               "mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+               "n_seeds": len(values), "values": values, "per_lr": dict(sorted(means.items())), "runs": runs,
+               "best": max((r for rs in per_lr.values() for r in rs), key=lambda r: (
+                   r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))}
+        if any("test_acc" in (r.get("final") or {}) for r in runs):
+            row["test_mean"] = statistics.fmean(score(r, "test_acc") for r in runs)
+        rows.append(row)
+    order = {a: i for i, a in enumerate(ALL_ARCHS)}
+    return sorted(rows, key=lambda row: (order.get(row["arch"], len(order)), row["arch"], row["d_model"]))
+
+
+def fmt_pct(mean, std=None, n=1):
+    """'98.4%', or '50.7% ± 43.9' over n > 1 seeds; '-' when missing."""
+    return "-" if mean is None else f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}" if n > 1 else "")
+
+
+def fmt_num(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown(rows, columns):
+    """A markdown table of dicts (one per row), with the given columns (missing cells: '-')."""
+    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+                     + ["| " + " | ".join(str(r.get(c, "-")) for c in columns) + " |" for r in rows])
+
+
+def result_table(rows, paper_numbers=None):
+    """The summary table: per row of best_by_lr (with its "label"), the best run's accuracy and
+    patching summary, the spread over seeds at the best lr (when some row has several), the extra
+    sites' attributions (e.g. Mamba's conv@next_key) and the paper's number for the row."""
+    cells = []
+    for row in rows:
+        best = row["best"]
+        final, mech = best.get("final") or {}, best.get("mechanism") or {}
+        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}",
+             "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
+        if any(r["n_seeds"] > 1 for r in rows):
+            c["over seeds"] = fmt_pct(row["mean"], row["std"], row["n_seeds"]) + f" ({row['n_seeds']})"
+        for key, name in (("test_acc", "test accuracy"), ("novel_acc", "novel accuracy")):
+            if key in final:
+                c[name] = fmt_pct(final[key])
+        for name in ("key", "value", "query"):
+            c[f"Attrib@{name.capitalize()}"] = fmt_num(mech.get(f"attrib_{name}"))
+        for name, value in mech.items():
+            if "@" in name:                  # the extra sites of the mixer class, e.g. conv@next_key
+                c[name] = " / ".join(fmt_num((r.get("mechanism") or {}).get(name)) for r in row["runs"])
+        c["verdict"] = mech.get("verdict") or "-"
+        if paper_numbers is not None:
+            c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
+        cells.append(c)
+    return markdown(cells, list(dict.fromkeys(k for c in cells for k in c)))
+
+
+def timeline_text(row, max_rows=6):
+    """The best run's history as one line: 'mamba: 0: 0% -/-; 2000: 45% 0.01/0.97; ...' with at most
+    max_rows evaluations (evenly spaced, the last one kept): accuracy, Attrib@Value/Attrib@Query."""
+    history = row["best"].get("history") or []
+    keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
+    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {mechsm.fmt_attrib(h, 'attrib_value')}/"
+             f"{mechsm.fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
+    return f"- {row['label']}: " + "; ".join(steps)
+
+
+def labelled_rows(records, configs=None):
+    """best_by_lr of records, each row labelled by row_label against `configs` (default: the records')."""
+    rows = best_by_lr(records)
+    configs = configs or [config_of(r) for r in records]
+    for row in rows:
+        row["label"] = row_label(config_of(row["best"]), configs)
+    return rows
+
+
+def render(name, preset, records, configs=None):
+    """(rows, markdown text) of an experiment's records: the table beside the paper's numbers, what it
+    shows, the timeline and the provenance of the records (date, machine, commit, wall time)."""
+    exp, rows = EXPERIMENTS[name], labelled_rows(records, configs)
+    if not rows:
+        raise ValueError(f"{name}: no run finished; nothing to report")
+    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
+    made = sorted({json.dumps(r.get("provenance"), sort_keys=True) for r in records if r.get("provenance")})
+    made = [json.loads(m) for m in made]
+    wall = sum(r.get("wall_s") or 0 for r in records)
+    figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")]
+    return rows, "\n".join([
+        f"# {name}: {exp.claim} ({exp.section}), preset {preset}", "", result_table(rows, exp.paper_numbers), "",
+        f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the best run of the "
+        f"row (learning rate: {chosen}); Attrib@X: its restoration of the clean answer probability when the "
+        f"block input of layer 1 is patched at X (README: what the sites mean); paper: {exp.section}.", "",
+        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': too little "
+        "signal to read):", *[timeline_text(row) for row in rows], "",
+        f"Records: {len(records)} runs, {wall / 60:.1f} CPU-minutes of training, made "
+        + "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at commit "
+                    f"{m.get('commit')}" for m in made) + ".", "", *figures, ""])
+
+
+def experiment_records(name, preset, records):
+    """The records of `records` that are runs of the experiment's grid (by run identity)."""
+    keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name, preset)}
+    return [r for r in records if run_key(r["config"]) in keys]
+
+
+def write_report(name, preset, records, folder, configs=None):
+    """folder/<name>.md and the figures; returns (rows, text)."""
+    rows, text = render(name, preset, records, configs)
+    with open(os.path.join(folder, f"{name}.md"), "w") as f:
+        f.write(text)
+    if draw_figures(records, rows, name, folder, records[0]["config"]["task"]) is None:
+        print(FIGURES_HINT, file=sys.stderr)
+    return rows, text
+
+
+def holds(paper_text, row):
+    """Whether our row agrees with the paper's text for it: the verdict it names (induction, direct
+    retrieval), or "fails"; '-' where the paper gives only a number to compare by eye."""
+    final, verdict = row["best"].get("final") or {}, (row["best"].get("mechanism") or {}).get("verdict")
+    for word in ("induction", "direct retrieval"):
+        if word in paper_text:
+            return "yes" if verdict == word else "no"
+    if "fails" in paper_text:
+        return "yes" if (final.get("acc") or 0) < 0.5 else "no"
+    return "-"
+
+
+def summary_table(folder="results"):
+    """The README's summary: per experiment with records in `folder`, each row the paper quotes: the
+    paper's number, ours (accuracy, verdict) and whether the claim holds."""
+    lines = []
+    for name, exp in EXPERIMENTS.items():
+        records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+        for row in labelled_rows(records) if records else []:
+            text = exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
+            if text:
+                ours = f"{fmt_pct((row['best'].get('final') or {}).get('acc'))}, " + \
+                    ((row["best"].get("mechanism") or {}).get("verdict") or "-")
+                lines.append({"experiment": f"[{name}]({folder}/{name}.md)", "claim": exp.claim, "row": row["label"],
+                              "paper": text, "ours": ours, "holds?": holds(text, row)})
+    return markdown(lines, ["experiment", "claim", "row", "paper", "ours", "holds?"])
+
+
+def evaluate_checkpoint(args):
+    """--checkpoint: evaluate (and patch) one saved model on its own task; the table with a single row.
+    Outputs go to OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/."""
+    device = mechsm.resolve_device(args.device or "auto")
+    model, cfg = mechsm.load(args.checkpoint, device=device)
+    cfg = replace(cfg, device=device, eval_size=args.eval_size or cfg.eval_size).check()
+    digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
+    folder = os.path.join(args.out or "out", "checkpoint_eval",
+                          os.path.splitext(os.path.basename(args.checkpoint))[0] + "-" + digest)
+    os.makedirs(folder, exist_ok=True)
+    data = mechsm.make_data(cfg)
+    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "n_params": models.count_parameters(model),
+              "final": mechsm.evaluate_all(model, data), "checkpoint": None}
+    if not args.no_interventions:
+        table = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
+        record.update(mechanism=mechanism_summary(table), mechanism_table=table)
+    with open(os.path.join(folder, "result.json"), "w") as f:
+        json.dump(mechsm.json_safe(record), f, indent=1)
+    print(result_table([{"arch": cfg.arch, "label": cfg.arch, "best": record, "runs": [record], "n_seeds": 1}]))
+    if not args.no_interventions:
+        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n" + interventions.render_heatmap(record["mechanism_table"]))
+    print(f"\nresult in {folder}/result.json", file=sys.stderr)
+    return 0
+
 
 def run(argv=None):
-    """The command line: bench, --list or --checkpoint, else the default pipeline, top to bottom."""
+    """The command line: bench, --list, --figures or --checkpoint, else the experiment's pipeline: the
+    grid, the plan, the sweep, the table, the timeline, the heatmap, the report and its figures."""
     t0 = time.time()
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        bench(args.device)
+    command = "bench" if args.command == "bench" else next(
+        (c for c in ("list", "figures", "checkpoint") if getattr(args, c)), "train")
+    given = {flag.lstrip("-").replace("-", "_") for flag in getattr(args, "_given", {})}
+    if command != "train" and given - COMMAND_OPTIONS[command]:
+        raise ValueError(f"{', '.join('--' + g.replace('_', '-') for g in sorted(given - COMMAND_OPTIONS[command]))}: "
+                         f"cannot be used with {'bench' if command == 'bench' else '--' + command} (it takes "
+                         + (", ".join("--" + o.replace("_", "-") for o in sorted(COMMAND_OPTIONS[command] - {command})) or "no options")
+                         + ")")
+    if command == "bench":
+        bench(args.device or "auto")
         return 0
-    if args.list:
-        print(mechsm.catalogue())
+    if command == "list":
+        print(catalogue())
         return 0
-    if args.experiment and args.task != "ar":
+    if command == "checkpoint":
+        return evaluate_checkpoint(args)
+    if command == "figures":
+        return redraw_figures(args.figures)
+    if args.experiment and args.task:
         raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
-    if args.checkpoint:
-        return checkpoint_command(args, explicit_options(argv))
-    name = args.experiment or args.task          # --task atr is the experiment "atr"
-    configs = experiment_runs(args, name)
-    vocab = mechsm.check_runs(configs)           # one "error: ..." line for bad input, before anything runs
-    device = mechsm.resolve_device(args.device)
+    name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
+    device = mechsm.resolve_device(args.device or "auto")
+    configs = grid_runs(args, name, device)
+    check_runs(configs)                              # bad input: one line, before anything runs
     for flag, value in (("--jobs", args.jobs), ("--group-size", args.group_size)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: got {value}, expected a positive integer")
-    jobs = args.jobs or (min(2, os.cpu_count() or 1) if device == "cpu" else 1)
-    group_size = args.group_size or mechsm.default_group_size(device)
-    # built before anything is printed, so that a model too large to allocate is the only line
-    counts = " | ".join(f"{label} {n:,}" for label, n in mechsm.parameter_counts(configs, vocab).items())
-    prepare_out(args.out)                  # an unwritable --out fails now, not after an hour of training
-    print(f"mechsm | experiment {name} ({mechsm.EXPERIMENTS[name].section}) | preset {args.preset} | "
-          f"{len(configs)} runs | device {device} | {jobs} job{'s' * (jobs > 1)} | vocabulary {vocab}",
+    jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
+    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
+    os.makedirs(out, exist_ok=True)
+    vocab = mechsm.probe_task(configs[0])
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | {len(configs)} runs"
+          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "") + f" | device {device} | vocabulary {vocab}",
           file=sys.stderr)
-    print("parameters: " + counts, file=sys.stderr)
-    print_plan(configs, group_size, jobs, device, warmup_steps=20 if args.preset == "paper" else 0)
-    records = mechsm.sweep(configs, results_path=os.path.join(args.out, "results.jsonl"), jobs=jobs,
-                           after=None if args.no_interventions else mechsm.run_interventions, group_size=group_size)
-    errors = [r for r in records if r["status"] == "error"]
-    for r in errors:
-        print(f"error in run {r['name']}: {r['error']} (not recorded; a rerun retries it)", file=sys.stderr)
-    rows, text = mechsm.report(records, configs, name, args.preset, args.out)
-    print(text)
-    pick = mechsm.pick_heatmap_row(rows)
-    if not args.no_interventions and pick is not None:
-        why = {"mamba": "the paper's central contrast", "attention": "no other architecture was patched"}.get(
-            pick["arch"], "the most accurate non-attention model")
-        print(f"\nheatmap of {pick['label']} ({why}):\n" + heatmap(pick["best"]["mechanism_path"]))
-    print(f"\nresults in {args.out}/ (results.jsonl, results_{name}.md, mechanism_{name}_*.json) | "
-          f"total wall time {time.time() - t0:.1f}s", file=sys.stderr)
-    return 1 if errors else 0
+    expected = f" | expected ~{fmt_hours(estimate_seconds(configs, jobs) / shard[1])} on a 2-core CPU" \
+        if device == "cpu" else ""
+    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions, save=not args.no_save,
+                    group_size=group_size)
+    if not records:
+        raise ValueError("no run finished; nothing to report")
+    rows, text = write_report(name, preset, records, out, configs)
+    print(text.split("\n", 2)[2].split("\n![")[0])
+    patched = [row for row in rows if row["best"].get("mechanism_table")]
+    if patched:
+        pick = max(patched, key=lambda row: (row["best"]["mechanism_table"].get("extra") is not None,
+                                             (row["best"].get("final") or {}).get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most accurate):\n"
+              + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (f"; {missing} still to train (other "
+          "shards, or runs that crashed)" if missing else "") + f" | total wall time {time.time() - t0:.1f}s",
+          file=sys.stderr)
+    return 1 if missing and shard[1] == 1 else 0
 
 
-# command-line flag -> Config field, for the flags that override every run of the grid (all but two same-named)
-OVERRIDES = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
-    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth holdout data_seed "
-    "steps epochs train_size batch_size schedule eval_every eval_size").split()}}
-
-
-def experiment_runs(args, name):
-    """The Configs to train: the experiment's grid (mechsm.experiment_configs), narrowed by --arch,
-    --d-model, --lr, --seeds and overridden field by field by the other flags. An explicit --epochs
-    beats the grid's step counts."""
-    fields = {field: getattr(args, flag) for flag, field in OVERRIDES.items() if getattr(args, flag) is not None}
-    if "pos_emb" in fields:                      # auto: None, the paper's convention
-        fields["pos_emb"] = {"on": True, "off": False, "auto": None}[fields["pos_emb"]]
-    if args.epochs is not None and args.steps is None:
-        fields["steps"] = None
-    archs = mechsm.ALL_ARCHS if args.arch == ["all"] else collapse(args.arch, "--arch")
-    return mechsm.experiment_configs(name, args.preset, archs=archs, widths=collapse(args.d_model, "--d-model"),
-                                     lrs=collapse(args.lr, "--lr"), seeds=collapse(args.seeds, "--seeds"),
-                                     device=args.device, out_dir=args.out,
-                                     save_checkpoint=not args.no_save, **fields)
-
-
-def collapse(values, flag):
-    """values (None: the flag was not given) without repeats, in order, with a note on stderr when some
-    were repeated: --seeds 0,0 is one seed, never two runs of the same seed counted as two seeds."""
-    if values is None:
-        return None
-    unique = list(dict.fromkeys(values))           # 1e-3 and 0.001 are the same learning rate
-    if len(unique) < len(values):
-        text = lambda vs: ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in vs)
-        print(f"note: {flag}: repeated values collapsed: {text(values)} -> {text(unique)}", file=sys.stderr)
-    return unique
-
-
-def prepare_out(out):
-    """Create the output folder and make sure we can write into it, before any training."""
+def redraw_figures(folder):
+    """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (results/:
+    results/<experiment>.jsonl; an --out folder: its results*.jsonl, per experiment they belong to)."""
     try:
-        os.makedirs(out, exist_ok=True)
-        probe = os.path.join(out, f".write_test_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-
-
-def print_plan(configs, group_size, jobs, device, warmup_steps=0):
-    """One stderr line: runs, groups (runs that differ only in lr and seed train as one batched model,
-    mechsm.train_group) and, after a short timed warm-up when warmup_steps > 0, the expected wall time."""
-    if warmup_steps:
-        print(f"plan: timing {warmup_steps} steps of one group per architecture...", file=sys.stderr)
-    plan = mechsm.plan(configs, group_size, jobs, warmup_steps)
-    expected = "" if plan["seconds"] is None else \
-        f" | expected ~{mechsm.fmt_hours(plan['seconds'])} on {device} (from a {warmup_steps}-step warm-up)"
-    print(f"plan: {plan['runs']} runs in {plan['groups']} group{'s' * (plan['groups'] != 1)} of at most "
-          f"{plan['largest']} (--group-size) | {jobs} job{'s' * (jobs > 1)}{expected}", file=sys.stderr)
-
-
-def heatmap(mechanism_path):
-    import interventions
-    with open(mechanism_path) as f:
-        return interventions.render_heatmap(json.load(f))
-
-
-# ----------------------------------------------------------------------------------------------
-# --list and --checkpoint
-# ----------------------------------------------------------------------------------------------
-
-# The options --checkpoint honours. The saved model fixes its task, architecture, data and training, so
-# any other option given with it (--task, --arch, --steps, --jobs, ...) is refused, not silently ignored.
-CHECKPOINT_OPTIONS = {"checkpoint", "device", "out", "eval_size", "no_interventions"}
-
-
-def explicit_options(argv):
-    """The dests of the options given on the command line: the parsed namespace alone cannot tell
-    `--task ar` from no --task, since argparse fills in defaults."""
-    parser = build_parser()
-    for action in parser._actions:           # parse again with no defaults: only what was typed remains
-        if action.option_strings:            # (a positional keeps its default: argparse checks it)
-            action.default = argparse.SUPPRESS
-    return set(vars(parser.parse_args(argv))) - {"command"}
-
-
-def checkpoint_command(args, explicit):
-    """Evaluate (and patch) one saved model (mechsm.evaluate_saved): the table with a single row. Its
-    outputs go to OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/, never
-    to the sweep's files (two checkpoints of one name in different folders get different folders).
-    An option in `explicit` (those given) outside CHECKPOINT_OPTIONS is refused with one line."""
-    t0 = time.time()
-    refused = sorted(explicit - CHECKPOINT_OPTIONS)
-    if refused:
-        raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in refused)}: cannot be used with "
-                         "--checkpoint, which evaluates the saved model on its own task and data (with it: "
-                         "--device, --out, --eval-size, --no-interventions)")
-    device = mechsm.resolve_device(args.device)          # --device cuda without CUDA: one line, first
-    model, cfg = mechsm.load(args.checkpoint, device=device)   # checks the vocabulary against the task
-    digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    folder = os.path.join(args.out, "checkpoint_eval", os.path.splitext(os.path.basename(args.checkpoint))[0] + "-" + digest)
-    prepare_out(folder)
-    print(f"device: {device} | {models.count_parameters(model):,} parameters | {cfg.name()} | outputs in {folder}/",
-          file=sys.stderr)
-    patch = not args.no_interventions
-    record = mechsm.evaluate_saved(model, cfg, args.checkpoint, folder, device, args.eval_size, patch)
-    print(mechsm.markdown_table([{"arch": cfg.arch, "best": record, "n_seeds": 1, "label": cfg.arch}]))
-    if patch:
-        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n" + heatmap(record["mechanism_path"]))
-    print(f"\nresults in {folder}/ (result.json{', mechanism.json' if patch else ''}) | "
-          f"total wall time {time.time() - t0:.1f}s", file=sys.stderr)
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(FIGURES_HINT)
+        return 0
+    found = 0
+    for name in EXPERIMENTS:
+        path = os.path.join(folder, f"{name}.jsonl")
+        records = read_results(path) if os.path.exists(path) else \
+            experiment_records(name, "quick", read_results(folder, warn=False))
+        if records:
+            draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"])
+            found += 1
+    print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
     return 0
 
 
 def main(argv=None):
-    """Exit status: 0 ok, 1 some run crashed (or a worker process died), 2 bad input (one line on
-    stderr), 130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
+    """Exit status: 0 ok, 1 a run crashed (or a worker died), 2 bad input (one line on stderr),
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        with mechsm.sigterm_as_interrupt():
-            return run(argv)
-    except (ValueError, OSError, mechsm.WorkerLost) as e:   # bad input, tasks that cannot be generated, ...
+        return run(argv)
+    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be generated, ...
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1 if isinstance(e, mechsm.WorkerLost) else 2
+        return 1 if isinstance(e, WorkerLost) else 2
     except KeyboardInterrupt as e:
-        sigterm = isinstance(e, mechsm.Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in results.jsonl; "
-              "rerun to continue", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C now cannot cut this short
+        sigterm = isinstance(e, Terminated)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in the results "
+              "files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
+# ==============================================================================================
+# Figures: the paper's plots of a sweep as PNGs. matplotlib is optional: imported only to draw.
 # ----------------------------------------------------------------------------------------------
+
+FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
+FIG_ARCHS = ("attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet")
+FIG_ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
+               "query": ("Attrib@Query", "tab:blue")}
+FIG_LINES = (("acc", "accuracy", "black"), ("attrib_value", *FIG_ATTRIBS["value"]),
+             ("attrib_query", *FIG_ATTRIBS["query"]))                  # the timeline's lines
+FIG_WIDTH, FIG_DPI, FIG_FRAME = 8.0, 100, (-0.25, 1.25)   # 800-pixel-wide PNGs; scatter's frame
+
+
+def fig_archs(archs):
+    """The distinct archs in FIG_ARCHS order, others after them (alphabetically)."""
+    return sorted(set(archs), key=lambda a: (FIG_ARCHS.index(a) if a in FIG_ARCHS else 99, a))
+
+
+def fig_colour(arch):
+    """A fixed tab10 colour per arch: FIG_ARCHS in order, any other arch one of the last three."""
+    import matplotlib
+    i = FIG_ARCHS.index(arch) if arch in FIG_ARCHS else 7 + sum(map(ord, arch)) % 3
+    return matplotlib.colormaps["tab10"](i)
+
+
+def patched_runs(records, signal=False):
+    """Records with a mechanism summary (each run once: its last), with signal only if `signal`."""
+    runs = {json.dumps(r["config"], sort_keys=True): r for r in records
+            if (r.get("mechanism") or {}).get("attrib_value") is not None}
+    return [r for r in runs.values() if not (signal and r["mechanism"].get("low_signal"))]
+
+
+def series_label(row):
+    """A row's label without its width: 'attention (d 16, NoPE)' -> 'attention (NoPE)'."""
+    d = row["d_model"]
+    return row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
+
+
+def widest_rows(rows):
+    """Per series_label, the row of its largest width (the paper reports its largest width)."""
+    keep = {}
+    for row in rows:
+        label = series_label(row)
+        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
+    return list(keep.values())
+
+
+def _grid(fig, n, cols, height):
+    """n axes in `cols` columns, each line of them `height` inches tall."""
+    fig.set_size_inches(FIG_WIDTH, height * math.ceil(n / cols) + 0.6)
+    return [fig.add_subplot(math.ceil(n / cols), cols, i + 1) for i in range(n)]
+
+
+def plot_scatter(fig, records):
+    """Attrib@Value against Attrib@Query, every patched run; hollow: too little signal."""
+    import interventions as iv
+    runs = patched_runs(records)
+    arch = [r["config"]["arch"] for r in runs]
+    x, y = (np.array([r["mechanism"][k] for r in runs], float) for k in ("attrib_value",
+                                                                          "attrib_query"))
+    low = np.array([bool(r["mechanism"].get("low_signal")) for r in runs], bool)
+    (lo, hi), v = FIG_FRAME, iv.INDUCTION_MIN_VALUE            # the verdict regions, shaded:
+    ax = fig.subplots()
+    ax.fill_between([v, hi], [lo, lo], [v, hi], color="tab:green", alpha=0.12, lw=0)
+    ax.fill_between([lo, iv.DIRECT_MAX_VALUE], iv.DIRECT_MIN_QUERY, hi, color="tab:purple",
+                    alpha=0.12, lw=0)
+    ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
+    ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
+    for a in fig_archs(arch):
+        for hollow in (False, True):              # points off the frame are drawn on its edge
+            m, c = np.array([b == a for b in arch]) & (low == hollow), fig_colour(a)
+            ax.scatter(np.clip(x[m], lo, hi), np.clip(y[m], lo, hi), s=40, edgecolors=c,
+                       facecolors="none" if hollow else c, clip_on=False, label=[a, None][hollow])
+    ax.scatter([], [], s=40, facecolors="none", edgecolors="grey", label="too little signal")
+    ax.set(xlim=(lo, hi), ylim=(lo, hi), aspect="equal", xlabel="Attrib@Value",
+           ylabel="Attrib@Query", title="Attribution at the value and at the query, every run")
+    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return {"arch": arch, "value": x, "query": y, "low_signal": low}
+
+
+def plot_width(fig, rows):
+    """Accuracy against width (log2 axis), one line per series_label: its best run at each width."""
+    lines, out, seen, ax = {}, {}, [], fig.subplots()
+    for row in sorted(rows, key=lambda r: r["d_model"]):
+        lines.setdefault(series_label(row), []).append(row)
+    for label, line in lines.items():
+        out[label] = (np.array([r["d_model"] for r in line]),
+                      np.array([(r["best"].get("final") or {}).get("acc") for r in line], float))
+        seen.append(line[0]["arch"])
+        ax.plot(*out[label], ("-", "--", ":", "-.")[(seen.count(seen[-1]) - 1) % 4], marker="o",
+                color=fig_colour(seen[-1]), label=label)
+    widths = sorted({r["d_model"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.set(ylim=(-0.02, 1.02), xlabel="model width (d_model)", ylabel="accuracy",
+           title="Accuracy against width (best run of each width)")
+    ax.legend()
+    return out
+
+
+def plot_heatmaps(fig, rows):
+    """Per series_label (largest width), the best run's table: site x layer by position."""
+    rows, panels = [r for r in widest_rows(rows) if r["best"].get("mechanism_table")], []
+    n_sites = max(len(row["best"]["mechanism_table"]["rows"]) for row in rows)
+    for ax, row in zip(_grid(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
+        table = row["best"]["mechanism_table"]
+        positions = table["positions"]
+        cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
+        sites = [f"L{t['layer']} {t['label'].replace('_', ' ')}" for t in table["rows"]]
+        image = ax.imshow(cells, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(positions)), positions, fontsize=7, rotation=30)
+        ax.set_yticks(range(len(sites)), sites, fontsize=7)
+        for (i, j), c in np.ndenumerate(cells):
+            if np.isfinite(c):
+                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center",
+                        fontsize=6, color="white" if abs(c) > 0.6 else "black")
+        ax.set_title(f"{series_label(row)} (d {row['d_model']}): {table['verdict']}", fontsize=9)
+        panels.append({"label": row.get("label", row["arch"]), "sites": sites, "cells": cells,
+                       "positions": list(positions)})
+    fig.colorbar(image, ax=fig.axes, shrink=0.5, label="attribution")
+    return panels
+
+
+def plot_timeline(fig, rows):
+    """Per series_label (largest width), its best run's accuracy and attributions by step."""
+    rows, out = widest_rows(rows), {}
+    axes = _grid(fig, len(rows), min(3, len(rows)), 2.2)
+    for ax, row in zip(axes, rows):
+        history = row["best"].get("history") or []
+        s = {k: np.array([h.get(k) for h in history], float)
+             for k in ("step", "acc", "attrib_value", "attrib_query")}
+        low = np.array([bool(h.get("attrib_low_signal")) for h in history], bool)
+        s["attrib_value"][low] = s["attrib_query"][low] = np.nan    # too little signal: a gap
+        for k, name, colour in FIG_LINES:
+            ax.plot(s["step"], s[k], color=colour, label=name, marker=".", ms=3)
+        ax.set(ylim=(-0.1, 1.1), title=f"{series_label(row)} (d {row['d_model']})")
+        ax.tick_params(labelsize=7)
+        out[row.get("label", row["arch"])] = s
+    fig.supxlabel("training step")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncols=3)
+    return out
+
+
+def plot_box(fig, records):
+    """ATR: per arch, boxes of Attrib@Key, Attrib@Value, Attrib@Query over its runs with signal."""
+    runs, ax, handles = patched_runs(records, signal=True), fig.subplots(), []
+    archs = fig_archs(r["config"]["arch"] for r in runs)
+    out = {a: {k: np.array([r["mechanism"][f"attrib_{k}"] for r in runs
+                            if r["config"]["arch"] == a], float) for k in FIG_ATTRIBS}
+           for a in archs}
+    for j, (k, (name, colour)) in enumerate(FIG_ATTRIBS.items()):
+        handles.append(ax.boxplot([out[a][k][np.isfinite(out[a][k])] for a in archs], widths=0.8,
+                                  positions=4 * np.arange(len(archs)) + j, patch_artist=True,
+                                  boxprops={"facecolor": colour, "alpha": 0.7},
+                                  medianprops={"color": "k"})["boxes"][0])
+    ax.set_xticks(4 * np.arange(len(archs)) + 1, archs)
+    ax.set(ylabel="attribution", title="ATR: attribution at the key, value and query")
+    fig.legend(handles, [n for n, _ in FIG_ATTRIBS.values()], loc="outside upper center", ncols=3)
+    return out
+
+
+def draw_figures(records, rows, name, folder, task="ar"):
+    """Write folder/<name>_<kind>.png: scatter, timeline, heatmaps, width (an arch has several
+    widths), box (ATR); a kind with nothing to plot is left out. Returns {kind: plotted data},
+    or None (nothing written) without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    widths = [len({r["d_model"] for r in rows if r["arch"] == row["arch"]}) for row in rows]
+    tables = any(r["best"].get("mechanism_table") for r in rows)
+    kinds = {"scatter": (plot_scatter, records, patched_runs(records), 6),
+             "timeline": (plot_timeline, rows, rows, 0),
+             "heatmaps": (plot_heatmaps, rows, tables, 0),
+             "width": (plot_width, rows, max(widths, default=0) > 1, 4.5),
+             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True), 4.5)}
+    os.makedirs(folder, exist_ok=True)
+    out = {}
+    for kind, (draw, data, wanted, height) in kinds.items():
+        if wanted:
+            fig = Figure(figsize=(FIG_WIDTH, height or 4.5), layout="constrained")
+            out[kind] = draw(fig, data)
+            fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=FIG_DPI,
+                        metadata={"Software": None})
+    return out
+
+
+# ==============================================================================================
 # `python run.py bench`: each fast path against its slow reference, timed in the same run and printed
 # as ratios. Our models are tiny, so the cost lies in the scan, the long convolutions and framework
 # overhead. Each time is the median of interleaved repeats (candidate and reference alternate, so a
 # burst of load from another process hits both). With OpenMP's default (spinning) wait policy a busy
 # second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
-# ----------------------------------------------------------------------------------------------
+# ==============================================================================================
 
-# "full": the README's numbers (minutes on a 2-core CPU); "tiny": the test's (seconds). Scans take b =
-# min(b, tokens // L) documents; direct_conv's (L, L, d) tensor stays under toeplitz_mib (x16 on a GPU).
+def make_step(model, tokens, queries, answers, lr, forward=None):
+    """A closure doing one training step of `model` (or of an Ensemble) on one batch as train() steps:
+    answer_loss, backward, AdamW; it returns the loss. forward(tokens, readout=), if given, stands in
+    for model in the loss (the benchmark times a naive full-vocabulary head that way)."""
+    optimizer = model.optimizer if isinstance(model, mechsm.Ensemble) else mechsm.adamw(model, lr)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+    def step():
+        loss = mechsm.answer_loss(forward or model, tokens, queries, answers)
+        optimizer.zero_grad(set_to_none=True)
+        loss.sum().backward()
+        optimizer.step()
+        return loss
+    return step
+
+
 SIZES = {
     "full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128, toeplitz_mib=64,
                  repeats=5, batch=32, steps=10, archs=None, docs=320, ks=(1, 7, 35), width=64),
@@ -452,8 +1349,8 @@ def bench_train(device, sizes, print_fn):
         fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
                      for k in ("fast", "reference"))
         full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
-        steps = {"fast": mechsm.make_step(fast, x, q, y, 1e-3),
-                 "reference": mechsm.make_step(ref, x, q, y, 1e-3, full_head)}
+        steps = {"fast": make_step(fast, x, q, y, 1e-3),
+                 "reference": make_step(ref, x, q, y, 1e-3, full_head)}
         t = medians({k: lambda s=s: [s() for _ in range(sizes["steps"])][-1].item() for k, s in steps.items()},
                     sizes["repeats"], device)
         rows.append(dict(arch=arch, params=models.count_parameters(fast), fast_steps_s=sizes["steps"] / t["fast"],
@@ -484,8 +1381,7 @@ def bench_ensemble(device, sizes, print_fn):
     for arch in sizes["archs"] or models.ARCHS:
         for k in sizes["ks"]:
             members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
-            ensemble, alone = mechsm.Ensemble(members), [mechsm.make_step(m, x, q, y, 1e-3) for m in members]
-            group = lambda: ensemble.step(x, q, y, [1e-3] * k, 1)
+            group, alone = make_step(mechsm.Ensemble(members), x, q, y, 1e-3), [make_step(m, x, q, y, 1e-3) for m in members]
             t = medians({"group": lambda: group().sum().item(), "separate": lambda: [s().item() for s in alone]},
                         sizes["repeats"], device)
             group_ops, separate_ops = ops_per_call(group) / k, ops_per_call(alone[0])
