@@ -339,47 +339,59 @@ class Config:
         def bad(name, allowed):
             raise ValueError(f"{name}: got {getattr(self, name)!r}, expected {allowed}")
 
-        def positive_int(name, allow_none=False):
+        MAX_SIZE = 2**31      # sizes (keys, widths, steps, ...): a larger one overflows deep inside torch
+
+        def whole(name, low, high, what, allow_none=False):
             v = getattr(self, name)
             if allow_none and v is None:
                 return
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                bad(name, "a positive integer" + (" or None" if allow_none else ""))
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v < high:
+                bad(name, what + (" or None" if allow_none else ""))
+
+        def positive_int(name, allow_none=False):
+            whole(name, 1, MAX_SIZE, "a positive integer below 2**31", allow_none)
+
+        def number(name, low, high, what):           # a real number (not a bool, not a string), finite
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not low <= v < high:
+                bad(name, what)
 
         if self.task not in TASKS:
             bad("task", " or ".join(TASKS))
-        if self.arch not in models.ARCHS:
+        if not isinstance(self.arch, str) or self.arch not in models.ARCHS:     # a list is unhashable
             bad("arch", "one of " + ", ".join(models.ARCHS))
-        if not isinstance(self.timeline_docs, int) or isinstance(self.timeline_docs, bool) or self.timeline_docs < 0:
-            bad("timeline_docs", "a non-negative integer (0 turns the timeline off)")
-        if not isinstance(self.gap_filter, (int, float)) or not 0 <= self.gap_filter < 1:
-            bad("gap_filter", "a number in [0, 1)")
+        whole("timeline_docs", 0, MAX_SIZE, "a non-negative integer (0 turns the timeline off)")
+        number("gap_filter", 0, 1, "a number in [0, 1)")
         for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals", "max_terminals",
-                     "max_rules", "max_depth", "d_model", "n_layers", "n_heads", "n_positions",
+                     "max_rules", "max_depth", "terminal_weight", "d_model", "n_layers", "n_heads", "n_positions",
                      "batch_size", "train_size", "eval_every", "eval_size"):
             positive_int(name)
+        whole("max_rhs_len", 2, MAX_SIZE, "an integer in [2, 2**31) (head + at least one dependent)")
         positive_int("epochs", allow_none=True)
         positive_int("steps", allow_none=True)
         if self.d_model % self.n_heads:
             bad("n_heads", f"a divisor of d_model={self.d_model}")
-        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+        number("lr", 0, math.inf, "a positive finite number")
+        if self.lr == 0:
             bad("lr", "a positive finite number")
         if self.train_size < self.batch_size:
             bad("train_size", f"at least batch_size={self.batch_size}")
-        if not 0 <= self.warmup_frac < 1:
-            bad("warmup_frac", "a number in [0, 1)")
-        if not 0 <= self.holdout < 1:
-            bad("holdout", "a number in [0, 1)")
+        number("warmup_frac", 0, 1, "a number in [0, 1)")
+        number("holdout", 0, 1, "a number in [0, 1)")
         if self.schedule not in SCHEDULES:
             bad("schedule", " or ".join(SCHEDULES))
         if self.kernels not in ("fast", "reference"):
             bad("kernels", "fast or reference")
-        if self.pos_emb not in (None, True, False):
+        if self.pos_emb is not None and not isinstance(self.pos_emb, bool):
             bad("pos_emb", "True, False or None (auto: attention only)")
-        if self.d_conv is not None and (not isinstance(self.d_conv, int) or self.d_conv < 0):
-            bad("d_conv", "None or a non-negative integer")
-        if not isinstance(self.seed, int) or self.seed < 0 or not isinstance(self.data_seed, int) or self.data_seed < 0:
-            raise ValueError(f"seed/data_seed: got {self.seed!r}/{self.data_seed!r}, expected non-negative integers")
+        for name in ("long_only", "freeze_features", "save_checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+        whole("d_conv", 0, MAX_SIZE, "a non-negative integer below 2**31", allow_none=True)
+        for name in ("seed", "data_seed"):
+            whole(name, 0, 2**63, "a non-negative integer below 2**63")
+        if self.out_dir is not None and not isinstance(self.out_dir, str):
+            bad("out_dir", "None or a directory path (a string)")
         if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
             bad("device", " or ".join(DEVICES))
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():

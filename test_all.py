@@ -2100,3 +2100,28 @@ def test_the_readme_mixer_example_registers_trains_and_patches():
     finally:
         models.unregister("gated_rnn")
     assert "gated_rnn" not in models.ARCHS
+
+
+# ---- Strict inputs (library) ----
+
+def one_line_value_error(excinfo, name):
+    """The error is a ValueError of one line that names `name`."""
+    message = str(excinfo.value)
+    return excinfo.type is not None and issubclass(excinfo.type, ValueError) and "\n" not in message and name in message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("holdout", "0.1"), ("warmup_frac", "0.1"), ("gap_filter", "0.1"), ("gap_filter", False), ("lr", True),
+    ("holdout", float("inf")), ("warmup_frac", float("nan")), ("pos_emb", 1), ("long_only", "no"),
+    ("freeze_features", 1), ("save_checkpoint", "yes"), ("seed", 10**30), ("data_seed", 10**30), ("seed", True),
+    ("num_keys", 10**20), ("d_model", 10**20), ("steps", 10**20), ("d_conv", True), ("terminal_weight", 0),
+    ("terminal_weight", "20"), ("max_rhs_len", 1), ("arch", ["attention"]), ("out_dir", 5), ("timeline_docs", 2.0)])
+def test_strict_config_rejects_wrong_types_and_huge_numbers(field, value):
+    """Every float/int/bool field: a string, a bool where a number is meant, NaN/inf, or an integer too
+    large for torch (seeds from 2**63, sizes from 2**31) is a ValueError of one line naming the field,
+    not a TypeError, an overflow deep inside torch, or a silently different run."""
+    with pytest.raises(ValueError, match=f"^{field}: got ") as excinfo:
+        mechsm.Config(**{field: value}).check()
+    assert one_line_value_error(excinfo, field)
+    mechsm.Config(seed=2**63 - 1, data_seed=0, gap_filter=0, lr=1, holdout=0.5, pos_emb=False).check()   # limits
+
