@@ -2125,3 +2125,31 @@ def test_strict_config_rejects_wrong_types_and_huge_numbers(field, value):
     assert one_line_value_error(excinfo, field)
     mechsm.Config(seed=2**63 - 1, data_seed=0, gap_filter=0, lr=1, holdout=0.5, pos_emb=False).check()   # limits
 
+
+def test_strict_tasks_name_the_real_cause():
+    """Tiny vocabularies fail in make_ar / make_atr (not at training time), and an ATR grammar whose
+    sentences are all too long for max_terminals, or all too short, names that cause and its range."""
+    for kwargs, name in [(dict(num_keys=1, num_values=8, num_pairs=1), "num_keys"),
+                         (dict(num_keys=8, num_values=1, num_pairs=1), "num_values"),
+                         (dict(num_keys=3, num_values=8, num_pairs=4), "num_keys")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            make_ar(8, **kwargs)
+        assert one_line_value_error(excinfo, name)
+    with pytest.raises(ValueError, match="^num_keys") as excinfo:
+        mechsm.train(tiny(num_keys=1, num_pairs=1), log=quiet)      # Config-driven data making
+    with pytest.raises(ValueError, match="^num_terminals must be >= 2"):
+        make_atr(5, PCFG(num_terminals=1, seed=0))
+    always_seven = PCFG(num_nonterminals=1, max_rules=1, max_rhs_len=10, seed=0)   # one rule: 6 terminals + head
+    assert always_seven.sentence_lengths() == (7, 7)
+    with pytest.raises(ValueError, match=r"^max_terminals must be >= 7 .*got 5") as excinfo:
+        make_atr(5, always_seven, max_terminals=5)
+    assert one_line_value_error(excinfo, "max_terminals")
+    assert len(make_atr(5, always_seven, max_terminals=7)) == 5
+    with pytest.raises(ValueError, match=r"^max_rhs_len/max_depth .*at most 2") as excinfo:
+        make_atr(5, PCFG(max_rhs_len=2, max_depth=1, seed=0))           # every sentence: one dependent + head
+    assert one_line_value_error(excinfo, "max_rhs_len")
+    for seed in range(3):                      # the exact range brackets what the sampler draws
+        g = PCFG(seed=seed)
+        lo, hi = g.sentence_lengths()
+        sizes = [len(make_atr(1, g, seed=s).meta["per_doc"]["parents"][0]) for s in range(20)]
+        assert lo <= min(sizes) and max(sizes) <= min(hi, tasks.MAX_TERMINALS)
