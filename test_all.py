@@ -2153,3 +2153,38 @@ def test_strict_tasks_name_the_real_cause():
         lo, hi = g.sentence_lengths()
         sizes = [len(make_atr(1, g, seed=s).meta["per_doc"]["parents"][0]) for s in range(20)]
         assert lo <= min(sizes) and max(sizes) <= min(hi, tasks.MAX_TERMINALS)
+
+
+def test_strict_interventions_refuse_unknown_roles_bad_thresholds_and_none_patches():
+    """An unknown position or corruption role, a NaN / negative / >= 1 threshold, and a patch
+    function that returns None are one-line ValueErrors naming the parameter (or the site), not a
+    KeyError, a "mixed" verdict, or an activation silently left unchanged."""
+    data = make_ar(16, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2, seed=0)
+    assert iv.POSITIONS is tasks.ROLES                                      # one list of roles
+    for call, name in [(lambda: iv.mechanism(model, data, n_docs=4, positions=("keyy",)), "positions"),
+                       (lambda: iv.corrupt(data, role="bogus"), "role"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, corrupt_role="query"), "role"),  # no class
+                       (lambda: iv.headline(model, data, n_docs=4, corrupt_role="bogus"), "role"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, sites=["blocks.0.nope"]), "sites")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            call()
+        assert one_line_value_error(excinfo, name)
+    p = torch.tensor([0.9, 0.8])
+    for threshold in (float("nan"), -0.1, 1.0, float("inf"), "0.01", True):
+        for call in [lambda: iv.attribution(p, p / 2, p, threshold),
+                     lambda: iv.verdict(0.1, 0.1, False, threshold=threshold),
+                     lambda: iv.mechanism(model, data, n_docs=4, threshold=threshold),
+                     lambda: iv.headline(model, data, n_docs=4, threshold=threshold)]:
+            with pytest.raises(ValueError, match="^threshold must be a number in") as excinfo:
+                call()
+            assert one_line_value_error(excinfo, "threshold")
+    assert iv.verdict(0.9, 0.1, False, threshold=0.0)[0] == "induction"
+    site = "blocks.0.hook_resid_pre"
+    with pytest.raises(ValueError, match=site):
+        with iv.patch(model, {site: lambda act: None}):
+            model(data.tokens[:4])
+    assert no_hooks_left(model)
+    with iv.patch(model, {site: lambda act: act * 0}):                 # a real patch still applies
+        assert not torch.allclose(model(data.tokens[:4]), models.build_model(**model.build_args)(data.tokens[:4]))
+
