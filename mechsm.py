@@ -1104,10 +1104,47 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match the model it describes."""
 
 
+def _mismatch(built, build_args, state):
+    """How a model described by (build_args, state: its state_dict) differs from `built` (the model a
+    config builds), in one line; None when they agree: every build argument but the init seed, then the
+    state_dict's keys and shapes (what load_state_dict(strict=True) requires)."""
+    if not isinstance(build_args, dict) or not isinstance(state, dict):
+        return "its build_args or state_dict is not a dict"
+    ours = built.build_args
+    for k in dict.fromkeys([*ours, *build_args]):
+        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: its default (None or False)
+        if k == "seed" or a == b or (k not in ours and b in (None, False)) or (k not in build_args and a in (None, False)):
+            continue
+        return f"the config builds {k}={a!r}, the weights were built with {k}={b!r}"
+    expected = built.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        return (f"{len(missing)} weights missing (e.g. {missing[:1]}), {len(unexpected)} unexpected (e.g. "
+                f"{unexpected[:1]}) for the config's {ours['arch']} model")
+    for k, v in expected.items():
+        if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape:
+            shape = tuple(state[k].shape) if isinstance(state[k], torch.Tensor) else type(state[k]).__name__
+            return f"{k} is {shape}, the config's model has {tuple(v.shape)}"
+    return None
+
+
 def save(model, cfg, path):
-    """torch.save {format, config, build_args, state_dict} to path, atomically (temp file + os.replace)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """torch.save {format, config, build_args, state_dict} to path, atomically (temp file + os.replace).
+    cfg must describe the model (a ValueError naming cfg otherwise): its task's vocabulary and its build
+    (arch, d_model, n_layers, ...) are the model's, so that load() rebuilds this model from it."""
+    if not isinstance(cfg, Config):
+        raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
+    replace(cfg, device="cpu").check()                  # a run may be saved where its device is absent
+    vocab = getattr(model, "build_args", {}).get("vocab_size")
+    probe = _make_data.__wrapped__(_data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))  # uncached
+    if vocab != probe.vocab_size:
+        raise ValueError(f"cfg: its {cfg.task} task has a vocabulary of {probe.vocab_size} tokens, but the "
+                         f"model's has {vocab}; cfg does not describe this model")
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    what = _mismatch(build(cfg, vocab), dict(model.build_args), state)
+    if what:
+        raise ValueError(f"cfg does not describe this model: {what}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg), "build_args": dict(model.build_args),
             "state_dict": state}
     tmp = f"{path}.tmp{os.getpid()}"
@@ -1118,7 +1155,9 @@ def save(model, cfg, path):
 
 def load(path, device="cpu"):
     """(model, cfg) from a checkpoint written by save(). Raises CheckpointError (a ValueError) with
-    a one-line message for a truncated, corrupt or mismatched file; OSError if it cannot be opened."""
+    a one-line message for a truncated, corrupt or mismatched file; OSError if it cannot be opened.
+    The model is built from the checkpoint's config (every Config field, none unknown, valid), which
+    must agree with the saved build_args and weights (keys and shapes); model.task is its task."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
@@ -1127,24 +1166,39 @@ def load(path, device="cpu"):
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
     if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: not a {CHECKPOINT_FORMAT} checkpoint")
+    config, known = blob.get("config"), [f.name for f in fields(Config)]
+    if not isinstance(config, dict):
+        raise CheckpointError(f"checkpoint {path}: its config is not a dict")
+    missing, unknown = [k for k in known if k not in config], [k for k in config if k not in known]
+    if missing or unknown:
+        raise CheckpointError(f"checkpoint {path}: its config " + (f"lacks the field {missing[0]!r}" if missing
+                              else f"has an unknown field {unknown[0]!r}") + "; expected exactly mechsm.Config's fields")
     try:
-        known = {f.name for f in fields(Config)}
-        cfg = Config(**{k: v for k, v in blob["config"].items() if k in known})
-        model = models.build_model(**blob["build_args"])
-        model.load_state_dict(blob["state_dict"])   # strict: missing/unexpected/mis-shaped -> RuntimeError
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        msg = " ".join(str(e).split())[:200]
-        raise CheckpointError(f"checkpoint {path}: does not rebuild its model ({type(e).__name__}: {msg})") from None
+        cfg = Config(**config)
+        replace(cfg, device="cpu").check()              # trained on a GPU, loaded here: still valid
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: its config is invalid ({' '.join(str(e).split())})") from None
     # the model must read the documents of its own config: a vocabulary smaller than the task's would
     # meet ids it has no embedding for, a larger one would be scored on data it was not trained on
     try:
         task_vocab = probe_task(cfg)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: its task cannot be generated ({' '.join(str(e).split())})") from None
-    if model.embed.num_embeddings != task_vocab:
-        raise CheckpointError(f"checkpoint {path}: its model has a vocabulary of {model.embed.num_embeddings} "
+    build_args = blob.get("build_args") if isinstance(blob.get("build_args"), dict) else {}
+    if build_args.get("vocab_size") != task_vocab:
+        raise CheckpointError(f"checkpoint {path}: its model has a vocabulary of {build_args.get('vocab_size')} "
                               f"tokens but its {cfg.task} task ({cfg.name()}) has {task_vocab}; the config "
                               "does not describe the data this model was trained on")
+    try:
+        model = build(cfg, task_vocab)
+        what = _mismatch(model, blob.get("build_args"), blob.get("state_dict"))
+        if what is None:
+            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree, so this is rare
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        what = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    if what:
+        raise CheckpointError(f"checkpoint {path}: does not rebuild its model ({what})")
+    model.task = cfg.task                               # models.check_dataset refuses other tasks' data
     return model.to(resolve_device(device)), cfg
 
 

@@ -2188,3 +2188,50 @@ def test_strict_interventions_refuse_unknown_roles_bad_thresholds_and_none_patch
     with iv.patch(model, {site: lambda act: act * 0}):                 # a real patch still applies
         assert not torch.allclose(model(data.tokens[:4]), models.build_model(**model.build_args)(data.tokens[:4]))
 
+
+def test_strict_checkpoints_config_and_weights_must_describe_each_other(tmp_path):
+    """save() refuses a config that does not describe the model (arch, width, vocabulary); load()
+    refuses a checkpoint whose config lacks a field, has an unknown one, or builds another model than
+    its weights (keys and shapes), each with one line; a malicious pickle is still refused unrun."""
+    cfg = tiny(train_size=32, steps=1, timeline_docs=0)
+    _, model = mechsm.train(cfg, log=quiet)
+    for other, needle in [(replace(cfg, arch="mamba"), "arch"), (replace(cfg, d_model=16), "d_model"),
+                          (replace(cfg, num_keys=32), "vocabulary"), (replace(cfg, pos_emb=False), "pos_emb"),
+                          (replace(cfg, lr="1e-3"), "lr")]:
+        with pytest.raises(ValueError, match=needle) as excinfo:
+            mechsm.save(model, other, str(tmp_path / "bad.pt"))
+        assert one_line_value_error(excinfo, "cfg" if needle not in ("lr",) else "lr")
+    assert not (tmp_path / "bad.pt").exists()
+    good = mechsm.save(model, cfg, str(tmp_path / "good.pt"))
+    mamba_weights = mechsm.build(replace(cfg, arch="mamba"), model.build_args["vocab_size"])
+
+    def variant(name, edit):
+        blob = torch.load(good, weights_only=True)
+        edit(blob)
+        torch.save(blob, tmp_path / name)
+        return str(tmp_path / name)
+
+    cases = [(lambda b: b["config"].update(arch="mamba"), "arch='mamba'"),                     # config only
+             (lambda b: (b["config"].update(arch="mamba"), b["build_args"].update(mamba_weights.build_args)),
+              "weights missing"),                                                             # weights: attention
+             (lambda b: b["state_dict"].update({"embed.weight": torch.zeros(3, 32)}), "embed.weight"),
+             (lambda b: b["config"].pop("lr"), "lacks the field 'lr'"),
+             (lambda b: b["config"].update(bogus=1), "unknown field 'bogus'"),
+             (lambda b: b["config"].update(lr="fast"), "lr")]
+    for i, (edit, needle) in enumerate(cases):
+        with pytest.raises(mechsm.CheckpointError, match=needle) as excinfo:
+            mechsm.load(variant(f"v{i}.pt", edit))
+        assert one_line_value_error(excinfo, "checkpoint")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"format": mechsm.CHECKPOINT_FORMAT, "config": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(mechsm.CheckpointError, match="unreadable"):
+        mechsm.load(str(tmp_path / "evil.pt"))
+    assert not marker.exists()
+    loaded, cfg2 = mechsm.load(good)
+    tokens = mechsm.make_data(cfg).eval.tokens[:4]
+    assert torch.equal(loaded(tokens), model(tokens)) and cfg2 == cfg and loaded.task == "ar"
