@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from models import HookPoint
+from models import HookPoint, check_dataset
 from tasks import ROLES
 
 POSITIONS = ROLES            # the positions a table patches: every role of tasks.Dataset.positions
@@ -407,6 +407,7 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
     deep inside the batching."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
+    check_dataset(model, dataset)
     if len(dataset) == 0:
         raise ValueError("dataset has no documents to patch (n_docs needs at least one).")
     device = next(model.parameters()).device

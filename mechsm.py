@@ -583,6 +583,7 @@ def answer_loss(model, tokens, queries, answers):
 def evaluate(model, dataset, batch_size=64):
     """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the full vocabulary at the query position
     == answer; mean softmax probability of the answer; mean cross-entropy."""
+    models.check_dataset(model, dataset)
     n = len(dataset)
     if n == 0:
         return {"acc": float("nan"), "prob": float("nan"), "loss": float("nan"), "n": 0}
@@ -607,6 +608,8 @@ def evaluate(model, dataset, batch_size=64):
 def evaluate_all(model, data, novel=None):
     """Flat metrics over the eval (dev) set, plus test_* with a held-out split and novel_* for the
     documents not seen verbatim in training (novel = dict split -> bool mask, ATR only)."""
+    if not isinstance(data, Data):
+        raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
     metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
     if data.test is not None:
         metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
@@ -616,6 +619,29 @@ def evaluate_all(model, data, novel=None):
         metrics[f"{prefix}novel_acc"] = evaluate(model, ds.subset(mask.nonzero().squeeze(1)))["acc"]
         metrics[f"{prefix}novel_frac"] = mask.float().mean().item()
     return metrics
+
+
+def check_data(cfg, data):
+    """Raise a one-line ValueError naming data unless data (a Data) holds cfg's task: the same task and
+    the settings that make its vocabulary and documents (AR: keys, values, pairs; ATR: the grammar and
+    max_terminals; the held-out fraction). A model trained on other documents would be recorded as cfg's."""
+    if not isinstance(data, Data):
+        raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
+    meta = data.train.meta
+    if data.train.task != cfg.task:
+        raise ValueError(f"data holds {data.train.task} documents, but cfg.task is {cfg.task!r}.")
+    if cfg.task == "ar":
+        made = {k: meta.get(k) for k in ("num_keys", "num_values", "num_pairs")}
+    else:
+        grammar = meta.get("grammar") or {}
+        made = {k: grammar.get(k) for k in ("num_terminals", "num_nonterminals", "max_rhs_len", "max_rules",
+                                            "max_depth", "terminal_weight")}
+        made.update(data_seed=grammar.get("seed"), max_terminals=meta.get("max_terminals"))
+    made["holdout"] = meta.get("holdout")
+    for name, value in made.items():
+        if value != getattr(cfg, name):
+            raise ValueError(f"data was made with {name}={value!r}, but cfg has {name}={getattr(cfg, name)!r}: "
+                             f"the data is not cfg's {cfg.task} task.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -646,6 +672,7 @@ def train(cfg, *, data=None, log=None):
     log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] ")
     device = resolve_device(cfg.device)
     data = data or make_data(cfg)
+    check_data(cfg, data)                  # data passed in must be cfg's task: its record says so
     check_length(cfg, data)                # documents the model cannot take: before step 0, not at it
     t_start = time.time()
     torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone (on a CPU: the same run)

@@ -2189,6 +2189,36 @@ def test_strict_interventions_refuse_unknown_roles_bad_thresholds_and_none_patch
         assert not torch.allclose(model(data.tokens[:4]), models.build_model(**model.build_args)(data.tokens[:4]))
 
 
+def test_strict_model_and_data_must_agree(tmp_path):
+    """A model trained on AR refuses ATR documents (another vocabulary; or, once loaded, the same
+    vocabulary size but another task) in evaluate, evaluate_all, mechanism and headline, and train()
+    refuses data that is not its config's task: one-line ValueErrors naming dataset / data."""
+    cfg = tiny(train_size=64, steps=2, eval_every=2, timeline_docs=0, out_dir=str(tmp_path), save_checkpoint=True)
+    result, model = mechsm.train(cfg, log=quiet)
+    atr_cfg = tiny(task="atr", num_terminals=20, max_terminals=32, train_size=64, eval_size=16)
+    atr = mechsm.make_data(atr_cfg)
+    assert atr.vocab_size != model.build_args["vocab_size"]
+    for call, name in [(lambda: mechsm.evaluate(model, atr.eval), "dataset"),
+                       (lambda: mechsm.evaluate_all(model, atr), "dataset"),
+                       (lambda: iv.mechanism(model, atr.eval, n_docs=8), "dataset"),
+                       (lambda: iv.headline(model, atr.eval, n_docs=8), "dataset"),
+                       (lambda: mechsm.evaluate(model, atr), "dataset"),             # a Data, not a Dataset
+                       (lambda: mechsm.train(cfg, data=atr, log=quiet), "data"),
+                       (lambda: mechsm.train(cfg, data=mechsm.make_data(replace(cfg, num_pairs=3)), log=quiet),
+                        "num_pairs")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            call()
+        assert one_line_value_error(excinfo, name)
+    loaded, _ = mechsm.load(result["checkpoint"])
+    same_size = make_atr(8, PCFG(num_terminals=model.build_args["vocab_size"] - 6, seed=0), max_terminals=32)
+    assert same_size.vocab_size == model.build_args["vocab_size"]           # ids all fit: only the task differs
+    with pytest.raises(ValueError, match="^dataset holds atr documents, but the model was trained on ar"):
+        mechsm.evaluate(loaded, same_size)
+    with pytest.raises(ValueError, match="^dataset holds atr"):
+        iv.mechanism(loaded, same_size, n_docs=4)
+    assert mechsm.evaluate(loaded, mechsm.make_data(cfg).eval)["n"] == cfg.eval_size   # its own data still works
+
+
 def test_strict_checkpoints_config_and_weights_must_describe_each_other(tmp_path):
     """save() refuses a config that does not describe the model (arch, width, vocabulary); load()
     refuses a checkpoint whose config lacks a field, has an unknown one, or builds another model than
