@@ -40,9 +40,10 @@ import time
 
 import torch
 
-from models import HookPoint
+from models import HookPoint, check_dataset
+from tasks import ROLES
 
-POSITIONS = ("key", "value", "next_key", "divider", "query", "answer")
+POSITIONS = ROLES            # the positions a table patches: every role of tasks.Dataset.positions
 BLOCK_SITES = {  # name inside blocks.{i} -> table label, in forward order
     "hook_resid_pre": "block_in",
     "mixer.hook_in": "mixer_in",
@@ -62,6 +63,21 @@ DIRECT_MAX_VALUE = 0.25      # ... and Attrib@Value < this -> "direct retrieval"
 LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt at or below this -> "no signal" (the paper's 0.01 filter)
 CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l, e, n) scan tensors
                              # near the cache: 2x faster on CPU than one 1920-row batch (measured)
+
+
+def _check_threshold(threshold):
+    """threshold is a gap of probabilities: a number in [0, 1), else a one-line ValueError (a NaN would
+    silently make every verdict "mixed")."""
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 <= threshold < 1:
+        raise ValueError(f"threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt gap at or below which "
+                         f"there is no signal); got {threshold!r}.")
+
+
+def _check_roles(name, roles, allowed):
+    """Each of roles must be in allowed, else a one-line ValueError naming the parameter and the choices."""
+    for role in roles:
+        if not isinstance(role, str) or role not in allowed:
+            raise ValueError(f"{name} must be among {', '.join(allowed)}; got {role!r}.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,11 +134,20 @@ def patch(model, edits):
         for site, fn in edits.items():
             if not isinstance(modules.get(site), HookPoint):
                 raise KeyError(f"{site!r} is not a HookPoint of this model")
-            handles.append(modules[site].register_forward_hook(lambda m, inp, out, fn=fn: fn(out)))
+            handles.append(modules[site].register_forward_hook(lambda m, inp, out, fn=fn, site=site:
+                                                               _patched(site, fn(out))))
         yield model
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _patched(site, out):
+    """What a patch function returned: it must be a tensor (a hook returning None would silently leave
+    the activation unchanged)."""
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"edits[{site!r}] must return the activation tensor to use; got {type(out).__name__}.")
+    return out
 
 
 @torch.no_grad()
@@ -169,6 +194,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     One draw per document; mechanism() reuses it for every site (README, difference 6: the paper re-drew
     per site, so its sites compared different corrupted documents).
     """
+    _check_roles("role", [role], tuple(dataset.classes))
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
     pos = dataset.positions[role].to(tokens.device)
@@ -217,6 +243,7 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
         score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt).
     Inputs are per-document probabilities (N,). low_signal when the gap is <= threshold;
     score is nan when the gap is exactly 0."""
+    _check_threshold(threshold)
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
     return {
@@ -229,6 +256,7 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
 
 def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
     """(verdict, reason) from the headline pair Attrib@Value, Attrib@Query (thresholds above)."""
+    _check_threshold(threshold)
     if low_signal:
         return "no signal", f"P̄_clean − P̄_corrupt <= {threshold}: nothing to attribute"
     pair = f"Attrib@Value {value:.2f}, Attrib@Query {query:.2f}"
@@ -379,6 +407,7 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
     deep inside the batching."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
+    check_dataset(model, dataset)
     if len(dataset) == 0:
         raise ValueError("dataset has no documents to patch (n_docs needs at least one).")
     device = next(model.parameters()).device
@@ -394,6 +423,7 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     documents, {"key", "value", "query", "gap", "low_signal"}. The same numbers mechanism() reports
     for the same documents (same corruption, same batched patching); mechsm.train calls this at
     every evaluation to show when the circuit forms."""
+    _check_threshold(threshold)
     was_training = model.training
     model.eval()
     data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,
@@ -420,6 +450,12 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     mixer_out (1 layer), conv_next_key (Mamba), seconds.
     """
     start = time.perf_counter()
+    _check_threshold(threshold)
+    _check_roles("positions", positions, POSITIONS)
+    unknown = [s for s in sites or () if s not in hook_points(model)]
+    if unknown:
+        raise ValueError(f"sites must be patchable sites of this model (hook_points(model), e.g. "
+                         f"{', '.join(default_sites(model)[:3])}, ...); got {unknown[0]!r}.")
     model.eval()
     device = next(model.parameters()).device
     data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,

@@ -102,47 +102,57 @@ class Config:
         def bad(name, allowed):
             raise ValueError(f"{name}: got {getattr(self, name)!r}, expected {allowed}")
 
-        def positive_int(name, allow_none=False):
+        MAX_SIZE = 2**31      # sizes (keys, widths, steps, ...): a larger one overflows deep inside torch
+
+        def whole(name, low, high, what, allow_none=False):
             v = getattr(self, name)
             if allow_none and v is None:
                 return
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                bad(name, "a positive integer" + (" or None" if allow_none else ""))
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v < high:
+                bad(name, what + (" or None" if allow_none else ""))
+
+        def positive_int(name, allow_none=False):
+            whole(name, 1, MAX_SIZE, "a positive integer below 2**31", allow_none)
+
+        def number(name, low, high, what):           # a real number (not a bool, not a string), finite
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not low <= v < high:
+                bad(name, what)
 
         if self.task not in TASKS:
             bad("task", " or ".join(TASKS))
-        if self.arch not in models.ARCHS:
+        if not isinstance(self.arch, str) or self.arch not in models.ARCHS:     # a list is unhashable
             bad("arch", "one of " + ", ".join(models.ARCHS))
-        if not isinstance(self.timeline_docs, int) or isinstance(self.timeline_docs, bool) or self.timeline_docs < 0:
-            bad("timeline_docs", "a non-negative integer (0 turns the timeline off)")
-        if not isinstance(self.gap_filter, (int, float)) or not 0 <= self.gap_filter < 1:
-            bad("gap_filter", "a number in [0, 1)")
+        whole("timeline_docs", 0, MAX_SIZE, "a non-negative integer (0 turns the timeline off)")
+        number("gap_filter", 0, 1, "a number in [0, 1)")
         for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals", "max_terminals",
-                     "max_rules", "max_depth", "d_model", "n_layers", "n_heads", "n_positions",
+                     "max_rules", "max_depth", "terminal_weight", "d_model", "n_layers", "n_heads", "n_positions",
                      "batch_size", "train_size", "eval_every", "eval_size"):
             positive_int(name)
+        whole("max_rhs_len", 2, MAX_SIZE, "an integer in [2, 2**31) (head + at least one dependent)")
         positive_int("epochs", allow_none=True)
         positive_int("steps", allow_none=True)
         if self.d_model % self.n_heads:
             bad("n_heads", f"a divisor of d_model={self.d_model}")
-        if not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr <= 0:
+        number("lr", 0, math.inf, "a positive finite number")
+        if self.lr == 0:
             bad("lr", "a positive finite number")
         if self.train_size < self.batch_size:
             bad("train_size", f"at least batch_size={self.batch_size}")
-        if not 0 <= self.warmup_frac < 1:
-            bad("warmup_frac", "a number in [0, 1)")
-        if not 0 <= self.holdout < 1:
-            bad("holdout", "a number in [0, 1)")
+        number("warmup_frac", 0, 1, "a number in [0, 1)")
+        number("holdout", 0, 1, "a number in [0, 1)")
         if self.schedule not in SCHEDULES:
             bad("schedule", " or ".join(SCHEDULES))
         if self.kernels not in ("fast", "reference"):
             bad("kernels", "fast or reference")
-        if self.pos_emb not in (None, True, False):
+        if self.pos_emb is not None and not isinstance(self.pos_emb, bool):
             bad("pos_emb", "True, False or None (auto: attention only)")
-        if self.d_conv is not None and (not isinstance(self.d_conv, int) or self.d_conv < 0):
-            bad("d_conv", "None or a non-negative integer")
-        if not isinstance(self.seed, int) or self.seed < 0 or not isinstance(self.data_seed, int) or self.data_seed < 0:
-            raise ValueError(f"seed/data_seed: got {self.seed!r}/{self.data_seed!r}, expected non-negative integers")
+        for name in ("long_only", "freeze_features"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+        whole("d_conv", 0, MAX_SIZE, "a non-negative integer below 2**31", allow_none=True)
+        for name in ("seed", "data_seed"):
+            whole(name, 0, 2**63, "a non-negative integer below 2**63")
         if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
             bad("device", " or ".join(DEVICES))
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
@@ -236,6 +246,8 @@ def _make_data(key):
 def make_data(cfg, data=None):
     """The Data of cfg (cached in-process: a sweep's runs share their documents), or `data` when given;
     either way checked to fit cfg's model (check_length), so that a bad run fails before step 0."""
+    if data is not None:
+        check_data(cfg, data)      # data passed in must be cfg's task: its record will say so
     data = data or _make_data(_data_key(cfg))
     check_length(cfg, data)
     return data
@@ -278,6 +290,7 @@ def answer_loss(model, tokens, queries, answers):
 def evaluate(model, dataset, batch_size=64):
     """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the full vocabulary at the query position
     == answer; mean softmax probability of the answer; mean cross-entropy."""
+    models.check_dataset(model, dataset)
     n = len(dataset)
     if n == 0:
         return {"acc": float("nan"), "prob": float("nan"), "loss": float("nan"), "n": 0}
@@ -471,6 +484,8 @@ def history_entry(model, data, cfg, step, train_loss):
 def evaluate_all(model, data):
     """Flat metrics over the eval (dev) set, plus test_* with a held-out split and novel_* for the
     documents not seen verbatim in training (data.novel, ATR only)."""
+    if not isinstance(data, Data):
+        raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
     metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
     if data.test is not None:
         metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
@@ -485,6 +500,29 @@ def evaluate_all(model, data):
 # ----------------------------------------------------------------------------------------------
 # Checks of a run's data, before any training.
 # ----------------------------------------------------------------------------------------------
+
+def check_data(cfg, data):
+    """Raise a one-line ValueError naming data unless data (a Data) holds cfg's task: the same task and
+    the settings that make its vocabulary and documents (AR: keys, values, pairs; ATR: the grammar and
+    max_terminals; the held-out fraction). A model trained on other documents would be recorded as cfg's."""
+    if not isinstance(data, Data):
+        raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
+    meta = data.train.meta
+    if data.train.task != cfg.task:
+        raise ValueError(f"data holds {data.train.task} documents, but cfg.task is {cfg.task!r}.")
+    if cfg.task == "ar":
+        made = {k: meta.get(k) for k in ("num_keys", "num_values", "num_pairs")}
+    else:
+        grammar = meta.get("grammar") or {}
+        made = {k: grammar.get(k) for k in ("num_terminals", "num_nonterminals", "max_rhs_len", "max_rules",
+                                            "max_depth", "terminal_weight")}
+        made.update(data_seed=grammar.get("seed"), max_terminals=meta.get("max_terminals"))
+    made["holdout"] = meta.get("holdout")
+    for name, value in made.items():
+        if value != getattr(cfg, name):
+            raise ValueError(f"data was made with {name}={value!r}, but cfg has {name}={getattr(cfg, name)!r}: "
+                             f"the data is not cfg's {cfg.task} task.")
+
 
 def probe_task(cfg):
     """Generate a few documents of cfg's task (raises tasks' ValueError if it cannot be generated);
@@ -534,10 +572,47 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match the model it describes."""
 
 
+def _mismatch(built, build_args, state):
+    """How a model described by (build_args, state: its state_dict) differs from `built` (the model a
+    config builds), in one line; None when they agree: every build argument but the init seed, then the
+    state_dict's keys and shapes (what load_state_dict(strict=True) requires)."""
+    if not isinstance(build_args, dict) or not isinstance(state, dict):
+        return "its build_args or state_dict is not a dict"
+    ours = built.build_args
+    for k in dict.fromkeys([*ours, *build_args]):
+        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: its default (None or False)
+        if k == "seed" or a == b or (k not in ours and b in (None, False)) or (k not in build_args and a in (None, False)):
+            continue
+        return f"the config builds {k}={a!r}, the weights were built with {k}={b!r}"
+    expected = built.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        return (f"{len(missing)} weights missing (e.g. {missing[:1]}), {len(unexpected)} unexpected (e.g. "
+                f"{unexpected[:1]}) for the config's {ours['arch']} model")
+    for k, v in expected.items():
+        if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape:
+            shape = tuple(state[k].shape) if isinstance(state[k], torch.Tensor) else type(state[k]).__name__
+            return f"{k} is {shape}, the config's model has {tuple(v.shape)}"
+    return None
+
+
 def save(model, cfg, path):
-    """torch.save {format, config, build_args, state_dict} to path, atomically (temp file + os.replace)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """torch.save {format, config, build_args, state_dict} to path, atomically (temp file + os.replace).
+    cfg must describe the model (a ValueError naming cfg otherwise): its task's vocabulary and its build
+    (arch, d_model, n_layers, ...) are the model's, so that load() rebuilds this model from it."""
+    if not isinstance(cfg, Config):
+        raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
+    replace(cfg, device="cpu").check()                  # a run may be saved where its device is absent
+    vocab = getattr(model, "build_args", {}).get("vocab_size")
+    probe = _make_data.__wrapped__(_data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))  # uncached
+    if vocab != probe.vocab_size:
+        raise ValueError(f"cfg: its {cfg.task} task has a vocabulary of {probe.vocab_size} tokens, but the "
+                         f"model's has {vocab}; cfg does not describe this model")
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    what = _mismatch(build(cfg, vocab), dict(model.build_args), state)
+    if what:
+        raise ValueError(f"cfg does not describe this model: {what}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg), "build_args": dict(model.build_args),
             "state_dict": state}
     tmp = f"{path}.tmp{os.getpid()}"
@@ -548,7 +623,9 @@ def save(model, cfg, path):
 
 def load(path, device="cpu"):
     """(model, cfg) from a checkpoint written by save(). Raises CheckpointError (a ValueError) with
-    a one-line message for a truncated, corrupt or mismatched file; OSError if it cannot be opened."""
+    a one-line message for a truncated, corrupt or mismatched file; OSError if it cannot be opened.
+    The model is built from the checkpoint's config (every Config field, none unknown, valid), which
+    must agree with the saved build_args and weights (keys and shapes); model.task is its task."""
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
@@ -557,24 +634,39 @@ def load(path, device="cpu"):
         raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
     if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: not a {CHECKPOINT_FORMAT} checkpoint")
+    config, known = blob.get("config"), [f.name for f in fields(Config)]
+    if not isinstance(config, dict):
+        raise CheckpointError(f"checkpoint {path}: its config is not a dict")
+    missing, unknown = [k for k in known if k not in config], [k for k in config if k not in known]
+    if missing or unknown:
+        raise CheckpointError(f"checkpoint {path}: its config " + (f"lacks the field {missing[0]!r}" if missing
+                              else f"has an unknown field {unknown[0]!r}") + "; expected exactly mechsm.Config's fields")
     try:
-        known = {f.name for f in fields(Config)}
-        cfg = Config(**{k: v for k, v in blob["config"].items() if k in known})
-        model = models.build_model(**blob["build_args"])
-        model.load_state_dict(blob["state_dict"])   # strict: missing/unexpected/mis-shaped -> RuntimeError
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        msg = " ".join(str(e).split())[:200]
-        raise CheckpointError(f"checkpoint {path}: does not rebuild its model ({type(e).__name__}: {msg})") from None
+        cfg = Config(**config)
+        replace(cfg, device="cpu").check()              # trained on a GPU, loaded here: still valid
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path}: its config is invalid ({' '.join(str(e).split())})") from None
     # the model must read the documents of its own config: a vocabulary smaller than the task's would
     # meet ids it has no embedding for, a larger one would be scored on data it was not trained on
     try:
         task_vocab = probe_task(cfg)
     except ValueError as e:
         raise CheckpointError(f"checkpoint {path}: its task cannot be generated ({' '.join(str(e).split())})") from None
-    if model.embed.num_embeddings != task_vocab:
-        raise CheckpointError(f"checkpoint {path}: its model has a vocabulary of {model.embed.num_embeddings} "
+    build_args = blob.get("build_args") if isinstance(blob.get("build_args"), dict) else {}
+    if build_args.get("vocab_size") != task_vocab:
+        raise CheckpointError(f"checkpoint {path}: its model has a vocabulary of {build_args.get('vocab_size')} "
                               f"tokens but its {cfg.task} task ({cfg.name()}) has {task_vocab}; the config "
                               "does not describe the data this model was trained on")
+    try:
+        model = build(cfg, task_vocab)
+        what = _mismatch(model, blob.get("build_args"), blob.get("state_dict"))
+        if what is None:
+            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree, so this is rare
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        what = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    if what:
+        raise CheckpointError(f"checkpoint {path}: does not rebuild its model ({what})")
+    model.task = cfg.task                               # models.check_dataset refuses other tasks' data
     return model.to(resolve_device(device)), cfg
 
 

@@ -745,6 +745,24 @@ def check_tokens(tokens, vocab_size):
                              f"got {low if low < 0 else high}.")
 
 
+def check_dataset(model, dataset, name="dataset"):
+    """Raise a one-line ValueError naming `name` unless dataset (a tasks.Dataset) is data the model can
+    read: its vocabulary is the model's (model.build_args["vocab_size"]) and, when the model knows its
+    task (model.task, which mechsm.load sets from the checkpoint's config), its task is that one. Token
+    ids below the vocabulary (check_tokens) are not enough: an AR model would score ATR documents."""
+    if not all(hasattr(dataset, a) for a in ("task", "vocab_size", "tokens", "positions", "answers")):
+        raise ValueError(f"{name} must be a tasks.Dataset (e.g. mechsm.make_data(cfg).eval); "
+                         f"got {type(dataset).__name__}.")
+    embed = getattr(model, "embed", None)
+    vocab = getattr(model, "build_args", {}).get("vocab_size", getattr(embed, "num_embeddings", None))
+    task = getattr(model, "task", None)
+    if task is not None and dataset.task != task:
+        raise ValueError(f"{name} holds {dataset.task} documents, but the model was trained on {task}.")
+    if vocab is not None and dataset.vocab_size != vocab:
+        raise ValueError(f"{name} has a vocabulary of {dataset.vocab_size} tokens ({dataset.task}), but the "
+                         f"model's has {vocab}: the data is not the task the model was built for.")
+
+
 def count_parameters(model, trainable_only=False):
     """Number of distinct parameters (the tied head counted once; frozen ones included unless asked)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

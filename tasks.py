@@ -24,6 +24,7 @@ K number of keys, V number of values, S number of terminals |Σ|.
 """
 
 import bisect
+import collections
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -166,9 +167,13 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     """
     _check_common(n, split, holdout, seed)
     _check_ints(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs)
-    _check(num_keys >= 1 and num_values >= 1, "num_keys/num_values", "positive ints")
-    _check(1 <= num_pairs <= min(num_keys, num_values), "num_pairs",
-           f"in [1, min(num_keys, num_values)] = [1, {min(num_keys, num_values)}], got {num_pairs}")
+    _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
+    for name, size in (("num_keys", num_keys), ("num_values", num_values)):
+        # distinct keys and values per document; a second key for the corruption of interventions,
+        # and a second value so that the answer is not always the same token
+        _check(size >= max(2, num_pairs), name, f">= max(2, num_pairs) = {max(2, num_pairs)} (a document's "
+               f"{name[4:]} are distinct, and one token leaves nothing to retrieve or corrupt), got {name}={size} "
+               f"with num_pairs={num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     gen = torch.Generator().manual_seed(_seed(seed, _DOCS, SPLITS[split]))
     heldout = None
@@ -280,6 +285,16 @@ class PCFG:
         # 6. each sentence starts from a uniformly random nonterminal (no dedicated S).
         self.start_cum = cum(np.full(N, 1.0 / N))
 
+    def sentence_lengths(self):
+        """(shortest, longest) number of terminals a sentence of this grammar can have, exactly: every rule
+        and every start symbol has a positive probability, and children are strictly deeper (acyclic)."""
+        N, low, high = self.num_nonterminals, {}, {}
+        for a in sorted(range(N), key=lambda a: -self.depth[a]):       # the deepest first
+            sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in rhs] for rhs in self.rules[a]]
+            low[a] = 1 + min(sum(lo for lo, _ in rhs) for rhs in sizes)   # + 1: the head
+            high[a] = 1 + max(sum(hi for _, hi in rhs) for rhs in sizes)
+        return min(low.values()), max(high.values())
+
     def __repr__(self):
         return "PCFG(" + ", ".join(f"{k}={v!r}" for k, v in self.params.items()) + ")"
 
@@ -383,6 +398,14 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     _check(max_terminals >= 3, "max_terminals",
            f">= 3 (shorter sentences are rejected), got {max_terminals}")
     S = grammar.num_terminals
+    _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its rightmost instance "
+           f"is always the root head), got {S}")
+    shortest, longest = grammar.sentence_lengths()
+    _check(longest >= 3, "max_rhs_len/max_depth", f"large enough for sentences of >= 3 terminals: every sentence "
+           f"has at most {longest} with max_rhs_len={grammar.params['max_rhs_len']}, max_depth={grammar.params['max_depth']} "
+           f"(expected max_rhs_len >= 3 or a larger max_depth)")
+    _check(shortest <= max_terminals, "max_terminals", f">= {shortest} (the shortest sentence of this grammar), "
+           f"got {max_terminals}: every sentence is longer, so none is kept")
     heldout, allowed = None, None
     if holdout > 0:
         hrng = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S))
@@ -391,18 +414,23 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
         heldout = torch.from_numpy(heldout)
     draw = Uniforms(np.random.default_rng(_seed(seed, _DOCS, SPLITS[split])))
     docs, per_doc = [], dict(parents=[], depth=[], eligible=[])
-    misses = 0
+    misses = collections.Counter()                # why the sentences of the current streak were rejected
     while len(docs) < n:
         sent = grammar.sample_sentence(draw, max_terminals)
         groups = eligible_queries(*sent[:2], allowed) if sent is not None and len(sent[0]) >= 3 else None
         if not groups:
-            misses += 1
-            if misses >= MAX_TRIES:
+            misses["long" if sent is None else "short" if len(sent[0]) < 3 else "query"] += 1
+            if misses.total() >= MAX_TRIES:
+                _check(misses["long"] < MAX_TRIES, "max_terminals", f"larger than {max_terminals}: {MAX_TRIES} "
+                       f"sentences in a row were longer (this grammar's range: {shortest} to {longest} terminals)")
+                _check(misses["short"] < MAX_TRIES, "max_rhs_len/max_depth", f"larger: {MAX_TRIES} sentences in "
+                       f"a row had under 3 terminals (this grammar's range: {shortest} to {longest})")
                 raise ValueError(f"grammar/holdout: {MAX_TRIES} sentences in a row had no eligible query "
-                                 f"(split={split!r}, holdout={holdout}); need a grammar with >= 2 "
-                                 f"terminal labels and holdout in (0, 1) that leaves pairs to query")
+                                 f"(split={split!r}, holdout={holdout}; {misses['long']} too long for "
+                                 f"max_terminals, {misses['short']} under 3 terminals); need holdout in (0, 1) "
+                                 f"that leaves pairs to query")
             continue
-        misses = 0
+        misses.clear()
         labels, parents, depth = sent
         docs.append((labels, *sample_query(groups, draw)))
         per_doc["parents"].append(parents)

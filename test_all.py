@@ -2100,3 +2100,168 @@ def test_the_readme_mixer_example_registers_trains_and_patches():
     finally:
         models.unregister("gated_rnn")
     assert "gated_rnn" not in models.ARCHS
+
+
+# ---- Strict inputs (library) ----
+
+def one_line_value_error(excinfo, name):
+    """The error is a ValueError of one line that names `name`."""
+    message = str(excinfo.value)
+    return excinfo.type is not None and issubclass(excinfo.type, ValueError) and "\n" not in message and name in message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("holdout", "0.1"), ("warmup_frac", "0.1"), ("gap_filter", "0.1"), ("gap_filter", False), ("lr", True),
+    ("holdout", float("inf")), ("warmup_frac", float("nan")), ("pos_emb", 1), ("long_only", "no"),
+    ("freeze_features", 1), ("save_checkpoint", "yes"), ("seed", 10**30), ("data_seed", 10**30), ("seed", True),
+    ("num_keys", 10**20), ("d_model", 10**20), ("steps", 10**20), ("d_conv", True), ("terminal_weight", 0),
+    ("terminal_weight", "20"), ("max_rhs_len", 1), ("arch", ["attention"]), ("out_dir", 5), ("timeline_docs", 2.0)])
+def test_strict_config_rejects_wrong_types_and_huge_numbers(field, value):
+    """Every float/int/bool field: a string, a bool where a number is meant, NaN/inf, or an integer too
+    large for torch (seeds from 2**63, sizes from 2**31) is a ValueError of one line naming the field,
+    not a TypeError, an overflow deep inside torch, or a silently different run."""
+    with pytest.raises(ValueError, match=f"^{field}: got ") as excinfo:
+        mechsm.Config(**{field: value}).check()
+    assert one_line_value_error(excinfo, field)
+    mechsm.Config(seed=2**63 - 1, data_seed=0, gap_filter=0, lr=1, holdout=0.5, pos_emb=False).check()   # limits
+
+
+def test_strict_tasks_name_the_real_cause():
+    """Tiny vocabularies fail in make_ar / make_atr (not at training time), and an ATR grammar whose
+    sentences are all too long for max_terminals, or all too short, names that cause and its range."""
+    for kwargs, name in [(dict(num_keys=1, num_values=8, num_pairs=1), "num_keys"),
+                         (dict(num_keys=8, num_values=1, num_pairs=1), "num_values"),
+                         (dict(num_keys=3, num_values=8, num_pairs=4), "num_keys")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            make_ar(8, **kwargs)
+        assert one_line_value_error(excinfo, name)
+    with pytest.raises(ValueError, match="^num_keys") as excinfo:
+        mechsm.train(tiny(num_keys=1, num_pairs=1), log=quiet)      # Config-driven data making
+    with pytest.raises(ValueError, match="^num_terminals must be >= 2"):
+        make_atr(5, PCFG(num_terminals=1, seed=0))
+    always_seven = PCFG(num_nonterminals=1, max_rules=1, max_rhs_len=10, seed=0)   # one rule: 6 terminals + head
+    assert always_seven.sentence_lengths() == (7, 7)
+    with pytest.raises(ValueError, match=r"^max_terminals must be >= 7 .*got 5") as excinfo:
+        make_atr(5, always_seven, max_terminals=5)
+    assert one_line_value_error(excinfo, "max_terminals")
+    assert len(make_atr(5, always_seven, max_terminals=7)) == 5
+    with pytest.raises(ValueError, match=r"^max_rhs_len/max_depth .*at most 2") as excinfo:
+        make_atr(5, PCFG(max_rhs_len=2, max_depth=1, seed=0))           # every sentence: one dependent + head
+    assert one_line_value_error(excinfo, "max_rhs_len")
+    for seed in range(3):                      # the exact range brackets what the sampler draws
+        g = PCFG(seed=seed)
+        lo, hi = g.sentence_lengths()
+        sizes = [len(make_atr(1, g, seed=s).meta["per_doc"]["parents"][0]) for s in range(20)]
+        assert lo <= min(sizes) and max(sizes) <= min(hi, tasks.MAX_TERMINALS)
+
+
+def test_strict_interventions_refuse_unknown_roles_bad_thresholds_and_none_patches():
+    """An unknown position or corruption role, a NaN / negative / >= 1 threshold, and a patch
+    function that returns None are one-line ValueErrors naming the parameter (or the site), not a
+    KeyError, a "mixed" verdict, or an activation silently left unchanged."""
+    data = make_ar(16, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2, seed=0)
+    assert iv.POSITIONS is tasks.ROLES                                      # one list of roles
+    for call, name in [(lambda: iv.mechanism(model, data, n_docs=4, positions=("keyy",)), "positions"),
+                       (lambda: iv.corrupt(data, role="bogus"), "role"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, corrupt_role="query"), "role"),  # no class
+                       (lambda: iv.headline(model, data, n_docs=4, corrupt_role="bogus"), "role"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, sites=["blocks.0.nope"]), "sites")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            call()
+        assert one_line_value_error(excinfo, name)
+    p = torch.tensor([0.9, 0.8])
+    for threshold in (float("nan"), -0.1, 1.0, float("inf"), "0.01", True):
+        for call in [lambda: iv.attribution(p, p / 2, p, threshold),
+                     lambda: iv.verdict(0.1, 0.1, False, threshold=threshold),
+                     lambda: iv.mechanism(model, data, n_docs=4, threshold=threshold),
+                     lambda: iv.headline(model, data, n_docs=4, threshold=threshold)]:
+            with pytest.raises(ValueError, match="^threshold must be a number in") as excinfo:
+                call()
+            assert one_line_value_error(excinfo, "threshold")
+    assert iv.verdict(0.9, 0.1, False, threshold=0.0)[0] == "induction"
+    site = "blocks.0.hook_resid_pre"
+    with pytest.raises(ValueError, match=site):
+        with iv.patch(model, {site: lambda act: None}):
+            model(data.tokens[:4])
+    assert no_hooks_left(model)
+    with iv.patch(model, {site: lambda act: act * 0}):                 # a real patch still applies
+        assert not torch.allclose(model(data.tokens[:4]), models.build_model(**model.build_args)(data.tokens[:4]))
+
+
+def test_strict_model_and_data_must_agree(tmp_path):
+    """A model trained on AR refuses ATR documents (another vocabulary; or, once loaded, the same
+    vocabulary size but another task) in evaluate, evaluate_all, mechanism and headline, and train()
+    refuses data that is not its config's task: one-line ValueErrors naming dataset / data."""
+    cfg = tiny(train_size=64, steps=2, eval_every=2, timeline_docs=0, out_dir=str(tmp_path), save_checkpoint=True)
+    result, model = mechsm.train(cfg, log=quiet)
+    atr_cfg = tiny(task="atr", num_terminals=20, max_terminals=32, train_size=64, eval_size=16)
+    atr = mechsm.make_data(atr_cfg)
+    assert atr.vocab_size != model.build_args["vocab_size"]
+    for call, name in [(lambda: mechsm.evaluate(model, atr.eval), "dataset"),
+                       (lambda: mechsm.evaluate_all(model, atr), "dataset"),
+                       (lambda: iv.mechanism(model, atr.eval, n_docs=8), "dataset"),
+                       (lambda: iv.headline(model, atr.eval, n_docs=8), "dataset"),
+                       (lambda: mechsm.evaluate(model, atr), "dataset"),             # a Data, not a Dataset
+                       (lambda: mechsm.train(cfg, data=atr, log=quiet), "data"),
+                       (lambda: mechsm.train(cfg, data=mechsm.make_data(replace(cfg, num_pairs=3)), log=quiet),
+                        "num_pairs")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            call()
+        assert one_line_value_error(excinfo, name)
+    loaded, _ = mechsm.load(result["checkpoint"])
+    same_size = make_atr(8, PCFG(num_terminals=model.build_args["vocab_size"] - 6, seed=0), max_terminals=32)
+    assert same_size.vocab_size == model.build_args["vocab_size"]           # ids all fit: only the task differs
+    with pytest.raises(ValueError, match="^dataset holds atr documents, but the model was trained on ar"):
+        mechsm.evaluate(loaded, same_size)
+    with pytest.raises(ValueError, match="^dataset holds atr"):
+        iv.mechanism(loaded, same_size, n_docs=4)
+    assert mechsm.evaluate(loaded, mechsm.make_data(cfg).eval)["n"] == cfg.eval_size   # its own data still works
+
+
+def test_strict_checkpoints_config_and_weights_must_describe_each_other(tmp_path):
+    """save() refuses a config that does not describe the model (arch, width, vocabulary); load()
+    refuses a checkpoint whose config lacks a field, has an unknown one, or builds another model than
+    its weights (keys and shapes), each with one line; a malicious pickle is still refused unrun."""
+    cfg = tiny(train_size=32, steps=1, timeline_docs=0)
+    _, model = mechsm.train(cfg, log=quiet)
+    for other, needle in [(replace(cfg, arch="mamba"), "arch"), (replace(cfg, d_model=16), "d_model"),
+                          (replace(cfg, num_keys=32), "vocabulary"), (replace(cfg, pos_emb=False), "pos_emb"),
+                          (replace(cfg, lr="1e-3"), "lr")]:
+        with pytest.raises(ValueError, match=needle) as excinfo:
+            mechsm.save(model, other, str(tmp_path / "bad.pt"))
+        assert one_line_value_error(excinfo, "cfg" if needle not in ("lr",) else "lr")
+    assert not (tmp_path / "bad.pt").exists()
+    good = mechsm.save(model, cfg, str(tmp_path / "good.pt"))
+    mamba_weights = mechsm.build(replace(cfg, arch="mamba"), model.build_args["vocab_size"])
+
+    def variant(name, edit):
+        blob = torch.load(good, weights_only=True)
+        edit(blob)
+        torch.save(blob, tmp_path / name)
+        return str(tmp_path / name)
+
+    cases = [(lambda b: b["config"].update(arch="mamba"), "arch='mamba'"),                     # config only
+             (lambda b: (b["config"].update(arch="mamba"), b["build_args"].update(mamba_weights.build_args)),
+              "weights missing"),                                                             # weights: attention
+             (lambda b: b["state_dict"].update({"embed.weight": torch.zeros(3, 32)}), "embed.weight"),
+             (lambda b: b["config"].pop("lr"), "lacks the field 'lr'"),
+             (lambda b: b["config"].update(bogus=1), "unknown field 'bogus'"),
+             (lambda b: b["config"].update(lr="fast"), "lr")]
+    for i, (edit, needle) in enumerate(cases):
+        with pytest.raises(mechsm.CheckpointError, match=needle) as excinfo:
+            mechsm.load(variant(f"v{i}.pt", edit))
+        assert one_line_value_error(excinfo, "checkpoint")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"format": mechsm.CHECKPOINT_FORMAT, "config": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(mechsm.CheckpointError, match="unreadable"):
+        mechsm.load(str(tmp_path / "evil.pt"))
+    assert not marker.exists()
+    loaded, cfg2 = mechsm.load(good)
+    tokens = mechsm.make_data(cfg).eval.tokens[:4]
+    assert torch.equal(loaded(tokens), model(tokens)) and cfg2 == cfg and loaded.task == "ar"
