@@ -35,7 +35,6 @@ h heads, k head width, v vocab; here also P patched positions, N documents.
 """
 
 import contextlib
-import json
 import time
 
 import torch
@@ -447,7 +446,8 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     Returns a JSON-serialisable dict: arch, n_docs, corrupt_role, p_clean, p_corrupt, gap,
     low_signal, rows [{site, label, layer, scores {position: attribution}, p_patched {position:
     mean}}], headline {key, value, query}, verdict, verdict_reason, later_layers (3+ layers),
-    mixer_out (1 layer), conv_next_key (Mamba), seconds.
+    mixer_out (1 layer), extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's
+    conv@next_key), seconds.
     """
     start = time.perf_counter()
     _check_threshold(threshold)
@@ -462,19 +462,15 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
                                                                     seed, strict)
     pos = {name: data.positions[name].to(device) for name in positions}
     n_layers = len(model.blocks)
-    available = hook_points(model)
 
     # Sites the summary needs are always measured, even when the caller asked for fewer.
     head_site = headline_site(n_layers)
-    extra = [head_site] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
-    if "blocks.0.mixer.hook_conv_out" in available:
-        extra.append("blocks.0.mixer.hook_conv_out")
+    reads = {name: (f"blocks.0.mixer.{hook}", p) for name, (hook, p) in getattr(model.blocks[0].mixer, "READS", {}).items()}
+    extra = [head_site] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)] + [s for s, _ in reads.values()]
     sites = list(sites if sites is not None else default_sites(model))
     sites += [s for s in extra if s not in sites]
-    for name in ("key", "value", "query"):
+    for name in ("key", "value", "query", *(p for _, p in reads.values())):
         pos.setdefault(name, data.positions[name].to(device))
-    if "blocks.0.mixer.hook_conv_out" in sites:
-        pos.setdefault("next_key", data.positions["next_key"].to(device))
 
     p_clean = answer_prob(model, clean_tokens, answers, query, chunk_rows)
     cache = prepare(model, clean_tokens, corrupt_tokens, sites, pos, answers, query)
@@ -502,14 +498,14 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         "low_signal": base["low_signal"], "rows": rows,
     }
     result.update(_summary(score, n_layers, base["low_signal"], threshold))
+    result["extra"] = {name: score[site, p] for name, (site, p) in reads.items()}
     result["seconds"] = time.perf_counter() - start
     return result
 
 
 def _summary(score, n_layers, low_signal, threshold):
     """The headline pair and the verdict from the table's scores {(site, position): attribution}:
-    headline (2+ layers) or mixer_out (1 layer), verdict, verdict_reason, later_layers (3+ layers),
-    conv_next_key (Mamba: layer 0's short-conv output at the token after the value)."""
+    headline (2+ layers) or mixer_out (1 layer), verdict, verdict_reason, later_layers (3+ layers)."""
     head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
     out = {}
     if n_layers > 1:
@@ -527,13 +523,11 @@ def _summary(score, n_layers, low_signal, threshold):
         out["verdict"] = "n/a (1 layer)"
         out["verdict_reason"] = ("one layer has no layer-1 block input: induction and direct "
                                  "retrieval both end inside the same block; see mixer_out")
-    if ("blocks.0.mixer.hook_conv_out", "next_key") in score:
-        out["conv_next_key"] = score["blocks.0.mixer.hook_conv_out", "next_key"]
     return out
 
 
 # ----------------------------------------------------------------------------------------------
-# Output: terminal heatmap, JSON, PNG
+# Output: the terminal heatmap (the PNG figures are run.py's)
 # ----------------------------------------------------------------------------------------------
 
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour
@@ -567,38 +561,6 @@ def render_heatmap(result, *, sites=None):
         lines.append("headline, L1 block_in: " + "  ".join(
             f"{k} {'--' if v is None else round(100 * v)}" for k, v in result["headline"].items()))
     lines.append(f"verdict: {result['verdict']} ({result['verdict_reason']})")
-    if result.get("conv_next_key") is not None:
-        lines.append(f"Mamba layer-0 conv_out @ next_key: {round(100 * result['conv_next_key'])}")  # as the cells
+    for name, x in (result.get("extra") or {}).items():
+        lines.append(f"{name} (layer 0): {'--' if x is None else round(100 * x)}")          # as the cells
     return "\n".join(lines)
-
-
-def save_json(result, path):
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-
-
-def save_png(result, path):
-    """Heatmap as a PNG; returns False (no error) when matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    positions = result["positions"]
-    grid = [[r["scores"].get(p) for p in positions] for r in result["rows"]]
-    grid = [[float("nan") if x is None else x for x in row] for row in grid]
-    fig, ax = plt.subplots(figsize=(1.2 * len(positions) + 2, 0.3 * len(grid) + 1.5))
-    im = ax.imshow(grid, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
-    ax.set_xticks(range(len(positions)), positions)
-    ax.set_yticks(range(len(grid)), [f"L{r['layer']} {r['label']}" for r in result["rows"]])
-    for i, row in enumerate(grid):
-        for j, x in enumerate(row):
-            if x == x:
-                ax.text(j, i, f"{100 * x:.0f}", ha="center", va="center", fontsize=7)
-    ax.set_title(f"{result.get('arch')}: {result['verdict']}")
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True

@@ -163,7 +163,7 @@ class Config:
         """The same run with every "auto" made explicit (epochs, pos_emb), so equal runs compare equal."""
         return replace(self,
                        epochs=self.epochs if self.epochs is not None else DEFAULT_EPOCHS.get(self.task, 16),
-                       pos_emb=self.pos_emb if self.pos_emb is not None else self.arch == "attention")
+                       pos_emb=models._pos_emb_or_default(self.arch, self.pos_emb))
 
     def steps_per_epoch(self):
         return self.train_size // self.batch_size    # a last partial batch is dropped
@@ -388,10 +388,12 @@ def training_batches(cfg, data):
 def build(cfg, vocab_size):
     """The model of a config on its device, initialised from cfg.seed alone (models.build_model)."""
     cfg = cfg.resolved()
-    return models.build_model(cfg.arch, vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
-                              n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
-                              long_only=cfg.long_only, freeze_features=cfg.freeze_features,
-                              kernels=cfg.kernels, seed=cfg.seed).to(resolve_device(cfg.device))
+    model = models.build_model(cfg.arch, vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
+                               n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
+                               long_only=cfg.long_only, freeze_features=cfg.freeze_features,
+                               kernels=cfg.kernels, seed=cfg.seed)
+    model.task = cfg.task                   # models.check_dataset refuses another task's documents
+    return model.to(resolve_device(cfg.device))
 
 
 def record_evaluation(model, cfgs, data, step, train_loss, histories):
@@ -609,15 +611,19 @@ def save(model, cfg, path):
         raise ValueError(f"cfg: its {cfg.task} task has a vocabulary of {probe.vocab_size} tokens, but the "
                          f"model's has {vocab}; cfg does not describe this model")
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    what = _mismatch(build(cfg, vocab), dict(model.build_args), state)
+    what = _mismatch(build(replace(cfg, device="cpu"), vocab), dict(model.build_args), state)
     if what:
         raise ValueError(f"cfg does not describe this model: {what}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg), "build_args": dict(model.build_args),
+    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg.resolved()), "build_args": dict(model.build_args),
             "state_dict": state}
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    finally:                    # a failed write (a full disk) leaves no temporary file behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
 
 

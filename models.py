@@ -41,8 +41,12 @@ class HookPoint(nn.Module):
 class Mixer(nn.Module):
     """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers, reference, **options)
     (options it does not use are ignored); subclasses implement `mix`. hook_in sees the input (after the block's
-    norm), hook_out the output; INTERNAL_SITES names the inner hooks interventions.py patches by default."""
-    INTERNAL_SITES = []
+    norm), hook_out the output. What generic code needs to know of an architecture lives here, on its class:"""
+    INTERNAL_SITES = []     # the inner hooks interventions.py patches by default
+    READS = {}              # extra summary numbers: name -> (inner hook, position), read in layer 0
+    POS_EMB = False         # learned absolute positions by default (the paper's convention: attention only)
+    FIXED_LENGTH = False    # a filter or table of n_positions rows: documents must fit n_positions
+    D_CONV = None           # the short-conv sizes the mixer accepts (None: it has no short conv)
 
     def __init__(self, reference=False):
         super().__init__()
@@ -166,6 +170,7 @@ class Attention(Mixer):
     """Causal multi-head softmax attention (zoology/mixers/attention.py, MHA): q, k, v = x W_qkv^T split per
     head; z = softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is computed explicitly (not
     by scaled_dot_product_attention) so that it is a patchable site: z uses whatever hook_pattern returns."""
+    POS_EMB = True
     INTERNAL_SITES = ["hook_pattern", "hook_z"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
@@ -456,6 +461,7 @@ class Hyena(Mixer):
     """Hyena operator of order 2 (zoology/mixers/hyena.py, the paper's config): [x1 | x2 | v] = SC_3(x W_in + b_in),
     s = v*x1, y = LC(s; h), out = (y*x2) W_out + b_out. Upstream adds a skip beta*s inside the filter, but the
     paper's `bias=False` multiplied beta by 0: a counted, inert parameter (hyena_skip=True turns it on)."""
+    FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_positions=1024,
@@ -497,6 +503,8 @@ class Mamba(Mixer):
     with A = -exp(A_log) (e, n). `mix` computes the same for a whole sequence (selective_scan runs the
     recurrence), hooking every intermediate. d_conv=0 removes the short conv; its weights stay, unused."""
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
+    READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the short conv carrying the key forward (v3)
+    D_CONV = range(5)                                          # 0 removes the conv
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2,
                  dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4, **options):
@@ -586,6 +594,7 @@ class DeltaNet(Mixer):
     no gate): q, k, v = SiLU(SC_4(x W)); q, k L2-normalised per head; beta = sigmoid(x W_beta) per head; the delta
     rule (delta_rule_recurrent, or delta_rule_parallel unless reference) stores and retrieves key -> value pairs;
     per-head RMSNorm (one shared weight); W_o. d_conv: the conv size (default 4; 0 removes the convs)."""
+    D_CONV = range(2**31)   # 0 removes the convs
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None, **options):
@@ -842,6 +851,7 @@ register("deltanet", DeltaNet, "DeltaNet: linear attention with the delta-rule s
 BUILT_IN_ARCHS = tuple(ARCHS)
 
 _base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)
+_base_conv_layer.D_CONV = _based_layer.D_CONV = range(1, 2**31)      # the short-conv kernel size
 # Classes the factories above build and hand their **options to: their keyword parameters are build options too.
 MIXER_PARTS = (BaseConv, BasedAttention)
 NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
@@ -866,15 +876,20 @@ def takes_option(arch, name):
     return any(name in inspect.signature(f).parameters for f in (factory, *getattr(factory, "builds", ())))
 
 
+def mixer_attr(arch, name):
+    """A class attribute of arch's mixer (Mixer.READS, POS_EMB, FIXED_LENGTH, D_CONV), or of its factory."""
+    return getattr(MIXER_CLASSES[arch], name, getattr(Mixer, name))
+
+
 def _pos_emb_or_default(arch, pos_emb):
-    """pos_emb as given; None means learned positions for attention only."""
-    return arch == "attention" if pos_emb is None else pos_emb
+    """pos_emb as given; None means the mixer's default (Mixer.POS_EMB: attention only)."""
+    return mixer_attr(arch, "POS_EMB") if pos_emb is None else pos_emb
 
 
 def position_limit(arch, pos_emb, n_positions):
     """The longest sequence arch's model accepts, or None for any length: learned positions (pos_emb as in
-    build_model) and Hyena's filter are tables of n_positions rows (a cut BaseConv filter is still causal)."""
-    return n_positions if _pos_emb_or_default(arch, pos_emb) or arch == "hyena" else None
+    build_model) and fixed-length filters (Mixer.FIXED_LENGTH) are tables of n_positions rows."""
+    return n_positions if _pos_emb_or_default(arch, pos_emb) or mixer_attr(arch, "FIXED_LENGTH") else None
 
 
 def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options):
@@ -891,13 +906,12 @@ def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions,
         raise ValueError(f"n_positions must be an int >= 2; got {n_positions!r}.")
     if kernels not in ("fast", "reference"):
         raise ValueError(f"kernels must be 'fast' or 'reference'; got {kernels!r}.")
-    if arch == "mamba" and not (d_conv is None or d_conv in range(5)):
-        raise ValueError(f"d_conv must be an int in 0..4 for mamba (0 removes the conv); got {d_conv!r}.")
-    if arch in ("based", "base_conv"):
-        if not (d_conv is None or (isinstance(d_conv, int) and d_conv >= 1)):
-            raise ValueError(f"d_conv must be an int >= 1 for {arch} (the short-conv kernel size); got {d_conv!r}.")
-        if long_only and d_conv is not None:
-            raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
+    sizes = mixer_attr(arch, "D_CONV")
+    if d_conv is not None and sizes is not None and not (isinstance(d_conv, int) and d_conv in sizes):
+        allowed = f"{sizes.start}..{sizes.stop - 1}" if sizes.stop < 2**31 else f">= {sizes.start}"
+        raise ValueError(f"d_conv must be an int {allowed} for {arch}; got {d_conv!r}.")
+    if long_only and d_conv is not None:
+        raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
     unknown = sorted(set(options) - mixer_options())
     if unknown:
         known = sorted(mixer_options() | {"pos_emb", "n_positions", "n_heads", "d_conv", "long_only", "kernels", "seed"})

@@ -28,6 +28,7 @@ reading every results*.jsonl of --out. <experiment>.md (the table, the timeline,
 """
 
 import argparse
+import difflib
 import glob
 import hashlib
 import json
@@ -288,8 +289,24 @@ def catalogue():
 # ==============================================================================================
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):                 # argparse prints usage + message; we print one line
+    """argparse with one-line errors: error() raises ValueError (main prints it), and an unknown option
+    is named as such (argparse alone would hand the value after a typo'd flag, --lrr 1e-3, to the
+    optional positional command). A token that starts with '-' is a value when a digit or '.' follows."""
+
+    def error(self, message):
         raise ValueError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        known = list(self._option_string_actions)
+        for token in args[:args.index("--")] if "--" in args else args:
+            name = token.split("=", 1)[0]
+            if not token.startswith("-") or token == "-" or token[1] in "0123456789." or name in known:
+                continue
+            close = difflib.get_close_matches(name, known, n=1)
+            raise ValueError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+                             + "; see run.py --help")
+        return super().parse_known_args(args, namespace)
 
 
 class Once(argparse.Action):
@@ -575,10 +592,16 @@ def check_runs(configs):
     be generated, documents longer than the model takes), before a long sweep starts."""
     for cfg in configs:
         cfg.check()
-    for key in dict.fromkeys(mechsm._data_key(c) for c in configs):
-        mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
+    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
+             for key in dict.fromkeys(mechsm._data_key(c) for c in configs)}
+    built = set()
     for cfg in configs:
         mechsm.check_length(cfg)
+        shape = (mechsm._data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
+            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv", "long_only", "freeze_features")))
+        if shape not in built:                   # a model too large to allocate is bad input, not a crash
+            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm._data_key(cfg)])
+            built.add(shape)
 
 
 def group_key(cfg):
@@ -835,10 +858,10 @@ def labelled_rows(records, configs=None):
     return rows
 
 
-def render(name, preset, records, configs=None):
+def render(name, preset, records):
     """(rows, markdown text) of an experiment's records: the table beside the paper's numbers, what it
     shows, the timeline and the provenance of the records (date, machine, commit, wall time)."""
-    exp, rows = EXPERIMENTS[name], labelled_rows(records, configs)
+    exp, rows = EXPERIMENTS[name], labelled_rows(records)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
@@ -864,12 +887,15 @@ def experiment_records(name, preset, records):
     return [r for r in records if run_key(r["config"]) in keys]
 
 
-def write_report(name, preset, records, folder, configs=None):
-    """folder/<name>.md and the figures; returns (rows, text)."""
-    rows, text = render(name, preset, records, configs)
+def write_report(name, preset, records, folder, figures=True):
+    """folder/<name>.jsonl (the experiment's records, as results/ keeps them), folder/<name>.md and
+    the figures; returns (rows, text)."""
+    rows, text = render(name, preset, records)
+    with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
     with open(os.path.join(folder, f"{name}.md"), "w") as f:
         f.write(text)
-    if draw_figures(records, rows, name, folder, records[0]["config"]["task"]) is None:
+    if figures and draw_figures(records, rows, name, folder, records[0]["config"]["task"]) is None:
         print(FIGURES_HINT, file=sys.stderr)
     return rows, text
 
@@ -973,11 +999,11 @@ def run(argv=None):
                     group_size=group_size)
     if not records:
         raise ValueError("no run finished; nothing to report")
-    rows, text = write_report(name, preset, records, out, configs)
+    rows, text = write_report(name, preset, records, out)
     print(text.split("\n", 2)[2].split("\n![")[0])
     patched = [row for row in rows if row["best"].get("mechanism_table")]
     if patched:
-        pick = max(patched, key=lambda row: (row["best"]["mechanism_table"].get("extra") is not None,
+        pick = max(patched, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
                                              (row["best"].get("final") or {}).get("acc") or 0))
         print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most accurate):\n"
               + interventions.render_heatmap(pick["best"]["mechanism_table"]))
