@@ -1087,11 +1087,13 @@ def _sum_over_e(x, states):
     return torch.bmm(x.reshape(b * l, 1, e), states.view(b * l, e, n)).view(b, l, n)
 
 
-def _row_chunks(shape, floats=1 << 17):
-    """Slices of the batch whose (rows, l, e, n) tensors hold about `floats` floats (512 KB in float32): a few
-    of them stay in a core's L2 cache, where a pass over them is several times faster than one over the whole
-    (b, l, e, n) tensor from memory, and each is allocated once and reused by the caching allocator's bins."""
-    b, rows = shape[0], max(1, floats // math.prod(shape[1:]))
+def _row_chunks(shape, floats=1 << 17, most=8):
+    """Slices of the batch whose (rows, l, e, n) tensors hold about `floats` floats (512 KB in float32), at most
+    `most` of them: a few such tensors stay in a core's L2 cache, where a pass over them is several times faster
+    than one over the whole (b, l, e, n) tensor from memory. Each slice costs ~90 more dispatched ops (the loops):
+    the vmap rule asks for most=1, so that an ensemble's folded batch (mechsm.Ensemble) stays one batched op a step."""
+    b = shape[0]
+    rows = max(1, floats // math.prod(shape[1:]), -(-b // most))
     return [slice(i, min(i + rows, b)) for i in range(0, b, rows)]
 
 
@@ -1110,10 +1112,10 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
     AR shape). A: (e, n), or (b, e, n), one per row, under the vmap rule."""
 
     @staticmethod
-    def forward(u, delta, A, B, C):
+    def forward(u, delta, A, B, C, most):
         y = torch.empty_like(u)                                           # (b,l,e)
         with _one_thread():
-            for rows in _row_chunks((*u.shape, A.shape[-1])):
+            for rows in _row_chunks((*u.shape, A.shape[-1]), most=most):
                 A_rows = A if A.dim() == 2 else A[rows]
                 _, states = _selective_states(u[rows], delta[rows], A_rows, B[rows])
                 y[rows] = _selective_readout(states, C[rows])
@@ -1121,7 +1123,8 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:5])
+        ctx.most = inputs[5]
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -1130,7 +1133,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         grad_u, grad_delta, grad_B, grad_C = grads
         grad_A = torch.zeros_like(A)
         with _one_thread():
-            for rows in _row_chunks((*u.shape, A.shape[-1])):
+            for rows in _row_chunks((*u.shape, A.shape[-1]), most=ctx.most):
                 per_row = A.dim() == 3                                    # A (b, e, n): dL/dA per row
                 A_rows, grad_A_rows = (A[rows], grad_A[rows]) if per_row else (A, grad_A)
                 dy, du, d_delta = grad_y[rows], u[rows] * delta[rows], delta[rows]
@@ -1149,22 +1152,22 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
                 grad_A_rows += (g * d_delta[..., None]).sum(1 if per_row else (0, 1))
                 grad_delta[rows] = (g * (A_rows[:, None] if per_row else A_rows)).sum(-1).addcmul_(grad_drive, u[rows])
                 grad_u[rows] = grad_drive * d_delta
-        return grad_u, grad_delta, grad_A, grad_B, grad_C
+        return grad_u, grad_delta, grad_A, grad_B, grad_C, None
 
     @staticmethod
-    def vmap(info, in_dims, u, delta, A, B, C):
+    def vmap(info, in_dims, u, delta, A, B, C, most):
         r = info.batch_size
         u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))  # (r*b, l, .)
         if in_dims[2] is not None:                                        # one A per member: one per row
             A = A.movedim(in_dims[2], 0)                                   # (r, e, n)
             A = A[:, None].expand(r, u.shape[0] // r, *A.shape[1:]).reshape(u.shape[0], *A.shape[1:])  # (r*b, e, n)
-        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C)
+        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 1)               # one slice: few ops per member
         return y.unflatten(0, (r, -1)), 0                                  # (r, b, l, e)
 
 
 def selective_scan_loop(u, delta, A, B, C):
     """The CPU form of selective_scan: y (b, l, e) from _SelectiveScanLoopFn."""
-    return _SelectiveScanLoopFn.apply(u, delta, A, B, C)
+    return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)
 
 
 def selective_scan(u, delta, A, B, C, reference=False):

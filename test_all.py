@@ -408,7 +408,7 @@ def test_selective_scan_slices_of_the_batch_match_reference(per_row_A, monkeypat
     """The CPU scan works on slices of the batch (models._row_chunks): with slices of 3 rows out of 7 (the last
     one short), A shared or one per row (as the vmap rule passes it), values and gradients are the reference's."""
     chunks = models._row_chunks
-    monkeypatch.setattr(models, "_row_chunks", lambda shape: chunks(shape, floats=3 * math.prod(shape[1:])))
+    monkeypatch.setattr(models, "_row_chunks", lambda shape, most=8: chunks(shape, floats=3 * math.prod(shape[1:])))
     assert [s.stop - s.start for s in models._row_chunks((7, 6, 4, 3))] == [3, 3, 1]
     gen = torch.Generator().manual_seed(0)
     b, l, e, n = 7, 6, 4, 3
@@ -1770,6 +1770,12 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
         assert row["max_abs_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
     for row in result["conv"]:
         assert row["max_abs_err"] <= 1e-5 and row["grad_rel_err"] <= 1e-4, row
+    assert {row["kernel"] for row in result["short_conv"]} == {"reference", "short_conv"}
+    assert {row["kernel"] for row in result["ssm_kernel"]} == {"reference", "vandermonde"}
+    for row in result["short_conv"] + result["ssm_kernel"]:
+        assert math.isfinite(row["speedup"]) and row["max_abs_err"] <= 1e-4 and row["grad_rel_err"] <= 1e-4, row
+    for row in result["selective_scan"]:
+        assert math.isfinite(row["passes"]) and row["passes"] > 0, row
 
     # Training and patching rows exist for every arch of the tiny run; each has a positive rate.
     assert [row["arch"] for row in result["train"]] == ["attention", "mamba"]
