@@ -1091,7 +1091,8 @@ def _row_chunks(shape, floats=1 << 17, most=8):
     """Slices of the batch whose (rows, l, e, n) tensors hold about `floats` floats (512 KB in float32), at most
     `most` of them: a few such tensors stay in a core's L2 cache, where a pass over them is several times faster
     than one over the whole (b, l, e, n) tensor from memory. Each slice costs ~90 more dispatched ops (the loops):
-    the vmap rule asks for most=1, so that an ensemble's folded batch (mechsm.Ensemble) stays one batched op a step."""
+    the vmap rule asks for most=2, so that an ensemble's folded batch (mechsm.Ensemble) stays ~2 batched ops a step
+    (at 35 members of `run.py bench` size tiny: 24 ops per member-step against 529 alone; 1 slice: 16, slower)."""
     b = shape[0]
     rows = max(1, floats // math.prod(shape[1:]), -(-b // most))
     return [slice(i, min(i + rows, b)) for i in range(0, b, rows)]
@@ -1161,7 +1162,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         if in_dims[2] is not None:                                        # one A per member: one per row
             A = A.movedim(in_dims[2], 0)                                   # (r, e, n)
             A = A[:, None].expand(r, u.shape[0] // r, *A.shape[1:]).reshape(u.shape[0], *A.shape[1:])  # (r*b, e, n)
-        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 1)               # one slice: few ops per member
+        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)               # 2 slices: few ops per member
         return y.unflatten(0, (r, -1)), 0                                  # (r, b, l, e)
 
 
@@ -1221,7 +1222,7 @@ class _VandermondeFn(torch.autograd.Function):
         G_next = F.pad(G[:, 1:] * lags, (0, 1))                              # G'[lag] = (lag+1) G[lag+1]
         both = torch.stack([G, G_next], -1).to(A.dtype)                     # (h, l, 2)
         S, T = torch.bmm(_powers(A, ctx.length), both).unbind(-1)            # (h, m) each
-        return 2 * (W * T).conj(), 2 * S.conj(), None
+        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj(): a lazy bit, later copied slowly
 
     @staticmethod
     def vmap(info, in_dims, A, W, length):
