@@ -659,8 +659,11 @@ def adamw(model, lr):
 
 
 def _fused_devices():
-    """The device types torch's fused optimizers run on (cpu and cuda among them)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    """The device types torch's fused optimizers run on (cpu and cuda among them; a private torch helper)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ("cpu", "cuda")
     return _get_fused_kernels_supported_devices()
 
 
