@@ -651,8 +651,9 @@ def train(cfg, *, data=None, log=None):
 
 def adamw(model, lr):
     """The paper's optimizer for `model`: AdamW (0.9, 0.999), eps 1e-8, no weight decay. Fused (one kernel
-    over all parameters) where torch has it for their device and dtype: on a CPU the default for-loop form
-    cost 30.6 ms a step for 1.15M parameters, the fused one 4.95 ms; the same update up to float rounding."""
+    over all parameters) where torch has it for their device and dtype: on a CPU, one thread, the default
+    for-loop form took 2.2 ms a step for attention's 690k parameters (3.3 ms, H3's 1.08M), the fused one 0.54
+    (0.9); the same update up to float rounding (test_fused_adamw_agrees_with_the_for_loop_form)."""
     params = list(model.parameters())
     fused = all(p.device.type in _fused_devices() and p.dtype.is_floating_point for p in params) or None
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused)
