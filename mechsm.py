@@ -364,8 +364,22 @@ def fit(cfgs, model, optimizer, data, log):
 
 
 def adamw(model, lr):
-    """The paper's optimizer for `model`: AdamW (0.9, 0.999), eps 1e-8, no weight decay."""
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    """The paper's optimizer for `model`: AdamW (0.9, 0.999), eps 1e-8, no weight decay. Fused (one kernel
+    over all parameters) where torch has it for their device and dtype: on a CPU, one thread, the default
+    for-loop form took 2.2 ms a step for attention's 690k parameters (3.3 ms, H3's 1.08M), the fused one 0.54
+    (0.9); the same update up to float rounding (test_fused_adamw_agrees_with_the_for_loop_form)."""
+    params = list(model.parameters())
+    fused = all(p.device.type in _fused_devices() and p.dtype.is_floating_point for p in params) or None
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused)
+
+
+def _fused_devices():
+    """The device types torch's fused optimizers run on (cpu and cuda among them; a private torch helper)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return ("cpu", "cuda")
+    return _get_fused_kernels_supported_devices()
 
 
 def training_batches(cfg, data):

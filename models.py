@@ -371,21 +371,12 @@ class H3(Mixer):
 
     def ssm_kernel(self, length):
         """K^d (l, h) = 2 Re sum_n W A_bar^lag (a Vandermonde product over the n/2 modes). The reference path
-        takes the complex powers as a running product; the fast path writes the same sum in real arithmetic."""
+        takes the complex powers as a running product under autograd; the fast path is vandermonde_kernel."""
         A_bar, W = self.diag_modes()                                                # (h, n/2) each
         if self.reference:
             powers = torch.cumprod(A_bar[..., None].expand(*A_bar.shape, length), dim=-1) / A_bar[..., None]
             return (2 * torch.einsum("hn,hnl->lh", W, powers).real).to(self.log_dt.dtype)  # (l, h)
-        # Real arithmetic (half the time of a complex exp and its backward on a CPU): with A_bar^lag =
-        # |A_bar|^lag e^(i lag arg A_bar), 2 Re sum_n W A_bar^lag = 2 sum_n |A_bar|^lag (Re W cos - Im W sin)(lag arg A_bar).
-        lags = torch.arange(length, device=A_bar.device, dtype=A_bar.real.dtype)
-        log_A = torch.log(A_bar)                                                    # log|A_bar| + i arg A_bar
-        decay = torch.exp(log_A.real[..., None] * lags)                             # (h, n/2, l)
-        angle = log_A.imag[..., None] * lags                                        # (h, n/2, l)
-        # A sum over n, not an einsum: as a batched matrix-vector product a CPU bmm loops over the heads.
-        terms = decay * (W.real[..., None] * torch.cos(angle) - W.imag[..., None] * torch.sin(angle))
-        kernel = terms.sum(1).T                                                     # (h, n/2, l) -> (l, h)
-        return (2 * kernel).to(self.log_dt.dtype)
+        return vandermonde_kernel(A_bar, W, length).to(self.log_dt.dtype)            # (l, h)
 
     def mix(self, x):
         b, l, d = x.shape
@@ -1118,74 +1109,106 @@ def _selective_states(u, delta, A, B):
     A is (e, n), or (b, e, n): one A per batch row (an ensemble's members folded into the batch)."""
     decay = (delta[..., None] * (A if A.dim() == 2 else A[:, None])).exp_()  # (b,l,e,n)
     states = (delta * u)[..., None] * B[:, :, None, :]                    # drive (b,l,e,n), becomes h
-    with _one_thread():
-        for t in range(1, u.shape[1]):
-            states[:, t].addcmul_(decay[:, t], states[:, t - 1])          # h_t = drive_t + decay_t h_{t-1}
+    h, a = states.unbind(1), decay.unbind(1)                              # views, taken once: no select per step
+    for t in range(1, u.shape[1]):
+        h[t].addcmul_(a[t], h[t - 1])                                     # h_t = drive_t + decay_t h_{t-1}
     return decay, states
 
 
 def _selective_readout(states, C):
-    """y_t = sum_n C_t h_t: (b, l, e, n), (b, l, n) -> (b, l, e), as one batched matmul."""
+    """y_t = sum_n C_t h_t: (b, l, e, n), (b, l, n) -> (b, l, e). A multiply and a sum over the last dim: on a CPU
+    1.5-2.5x faster than the same as a batched matrix-vector product (bmm), which goes through gemv per row."""
+    return (states * C[:, :, None, :]).sum(-1)
+
+
+def _sum_over_e(x, states):
+    """sum_e x_t h_t: (b, l, e), (b, l, e, n) -> (b, l, n), as one batched vector-matrix product."""
     b, l, e, n = states.shape
-    return torch.bmm(states.view(b * l, e, n), C.reshape(b * l, n, 1)).view(b, l, e)
+    return torch.bmm(x.reshape(b * l, 1, e), states.view(b * l, e, n)).view(b, l, n)
+
+
+def _row_chunks(shape, floats=1 << 17, most=8):
+    """Slices of the batch whose (rows, l, e, n) tensors hold about `floats` floats (512 KB in float32), at most
+    `most` of them: a few such tensors stay in a core's L2 cache, where a pass over them is several times faster
+    than one over the whole (b, l, e, n) tensor from memory. Each slice costs ~90 more dispatched ops (the loops):
+    the vmap rule asks for most=2, so that an ensemble's folded batch (mechsm.Ensemble) stays ~2 batched ops a step
+    (at 35 members of `run.py bench` size tiny: 24 ops per member-step against 529 alone; 1 slice: 16, slower)."""
+    b = shape[0]
+    rows = max(1, floats // math.prod(shape[1:]), -(-b // most))
+    return [slice(i, min(i + rows, b)) for i in range(0, b, rows)]
 
 
 class _SelectiveScanLoopFn(torch.autograd.Function):
-    """selective_scan_reference with one in-place op per time step and a hand-written backward (the CPU path).
-    Forward: decay = exp(Δ A) and drive = Δ u B (b, l, e, n) are built once, the drive then overwritten in
-    place by the states, h_t += decay_t h_{t-1}; y = sum_n C h is one bmm. Backward: the reverse-time loop
-    touches only the gradient reaching h_t,
+    """selective_scan_reference with one in-place op per time step and a hand-written backward (the CPU path),
+    a slice of the batch at a time (_row_chunks) so that its (rows, l, e, n) tensors stay in cache. Forward: per
+    slice, decay = exp(Δ A) and drive = Δ u B are built once, the drive overwritten in place by the states,
+    h_t += decay_t h_{t-1}; y = sum_n C h is one bmm. Only the inputs are saved: the backward recomputes each
+    slice's decay and states (4 cheap in-cache passes, against writing and re-reading 2 big tensors), then runs
+    the reverse-time loop on the gradient reaching h_t,
       g_t = C_t dy_t + decay_{t+1} g_{t+1}          (in place, one op per step)
-    and everything else is a batched op over all steps at once:
+    and everything else as batched ops over all steps at once:
       dL/dC_t = sum_e dy_t h_t    dL/dB_t = sum_e Δ_t u_t g_t    dL/d(Δ_t u_t) = sum_n g_t B_t
       dL/d(Δ_t A) = g_t * h_{t-1} * decay_t  -> dL/dA = sum_{b,t} (.) Δ_t,  dL/dΔ_t += sum_n (.) A.
-    Big tensors are reused in place, as fresh ones cost a page fill each (20 ms forward+backward per layer at the
-    paper's shape, vs 73 ms for the reference). apply() returns (y, decay, states), the last two for the backward
-    (functorch keeps intermediates as outputs). A: (e, n), or (b, e, n), one per row, under the vmap rule."""
+    About 15 in-cache passes over a slice in all (the unsliced form: ~33 over memory, 3.5x slower at the quick
+    AR shape). A: (e, n), or (b, e, n), one per row, under the vmap rule."""
 
     @staticmethod
-    def forward(u, delta, A, B, C):
-        decay, states = _selective_states(u, delta, A, B)
-        return _selective_readout(states, C), decay, states
+    def forward(u, delta, A, B, C, most):
+        y = torch.empty_like(u)                                           # (b,l,e)
+        with _one_thread():
+            for rows in _row_chunks((*u.shape, A.shape[-1]), most=most):
+                A_rows = A if A.dim() == 2 else A[rows]
+                _, states = _selective_states(u[rows], delta[rows], A_rows, B[rows])
+                y[rows] = _selective_readout(states, C[rows])
+        return y
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, decay, states = output
-        ctx.mark_non_differentiable(decay, states)
-        ctx.save_for_backward(*inputs, decay, states)
+        ctx.save_for_backward(*inputs[:5])
+        ctx.most = inputs[5]
 
     @staticmethod
-    def backward(ctx, grad_y, _grad_decay, _grad_states):
-        u, delta, A, B, C, decay, states = ctx.saved_tensors
-        g = grad_y[..., None] * C[:, :, None, :]                          # C_t dy_t (b,l,e,n), becomes g
+    def backward(ctx, grad_y):
+        u, delta, A, B, C = ctx.saved_tensors
+        grads = [torch.empty_like(x) for x in (u, delta, B, C)]
+        grad_u, grad_delta, grad_B, grad_C = grads
+        grad_A = torch.zeros_like(A)
         with _one_thread():
-            for t in range(u.shape[1] - 2, -1, -1):
-                g[:, t].addcmul_(decay[:, t + 1], g[:, t + 1])            # g_t += decay_{t+1} g_{t+1}
-        grad_C = torch.einsum("ble,blen->bln", grad_y, states)
-        grad_B = torch.einsum("ble,blen->bln", delta * u, g)
-        grad_drive = _selective_readout(g, B)                             # sum_n g B, the readout's shape
-        g[:, 1:].mul_(states[:, :-1])                                     # g becomes dL/d(Δ A):
-        g[:, 0].zero_()                                                   #   g_t h_{t-1} decay_t, h_{-1} = 0
-        g.mul_(decay)
-        per_row = A.dim() == 3                                            # A (b, e, n): dL/dA per row
-        grad_A = torch.einsum("blen,ble->ben" if per_row else "blen,ble->en", g, delta)
-        grad_delta = torch.einsum("blen,ben->ble" if per_row else "blen,en->ble", g, A).addcmul_(grad_drive, u)
-        return grad_drive * delta, grad_delta, grad_A, grad_B, grad_C
+            for rows in _row_chunks((*u.shape, A.shape[-1]), most=ctx.most):
+                per_row = A.dim() == 3                                    # A (b, e, n): dL/dA per row
+                A_rows, grad_A_rows = (A[rows], grad_A[rows]) if per_row else (A, grad_A)
+                dy, du, d_delta = grad_y[rows], u[rows] * delta[rows], delta[rows]
+                decay, states = _selective_states(u[rows], d_delta, A_rows, B[rows])  # (r,l,e,n) each
+                g = dy[..., None] * C[rows][:, :, None, :]                # C_t dy_t (r,l,e,n), becomes g
+                g_t, a = g.unbind(1), decay.unbind(1)
+                for t in range(u.shape[1] - 2, -1, -1):
+                    g_t[t].addcmul_(a[t + 1], g_t[t + 1])                 # g_t += decay_{t+1} g_{t+1}
+                grad_C[rows] = _sum_over_e(dy, states)
+                grad_B[rows] = _sum_over_e(du, g)
+                grad_drive = _selective_readout(g, B[rows])               # sum_n g B (r,l,e)
+                g[:, 1:].mul_(states[:, :-1])                             # g becomes dL/d(Δ A):
+                g[:, 0].zero_()                                           #   g_t h_{t-1} decay_t, h_{-1} = 0
+                g.mul_(decay)
+                # multiply and sum, not einsum: its bmm/gemv with e as the batch dim ran 3-15x slower here
+                grad_A_rows += (g * d_delta[..., None]).sum(1 if per_row else (0, 1))
+                grad_delta[rows] = (g * (A_rows[:, None] if per_row else A_rows)).sum(-1).addcmul_(grad_drive, u[rows])
+                grad_u[rows] = grad_drive * d_delta
+        return grad_u, grad_delta, grad_A, grad_B, grad_C, None
 
     @staticmethod
-    def vmap(info, in_dims, u, delta, A, B, C):
+    def vmap(info, in_dims, u, delta, A, B, C, most):
         r = info.batch_size
         u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))  # (r*b, l, .)
         if in_dims[2] is not None:                                        # one A per member: one per row
             A = A.movedim(in_dims[2], 0)                                   # (r, e, n)
             A = A[:, None].expand(r, u.shape[0] // r, *A.shape[1:]).reshape(u.shape[0], *A.shape[1:])  # (r*b, e, n)
-        outputs = _SelectiveScanLoopFn.apply(u, delta, A, B, C)
-        return tuple(x.unflatten(0, (r, -1)) for x in outputs), (0, 0, 0)  # (r, b, l, ...) each
+        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)               # 2 slices: few ops per member
+        return y.unflatten(0, (r, -1)), 0                                  # (r, b, l, e)
 
 
 def selective_scan_loop(u, delta, A, B, C):
-    """The CPU form of selective_scan: y (b, l, e) from _SelectiveScanLoopFn (its intermediates dropped)."""
-    return _SelectiveScanLoopFn.apply(u, delta, A, B, C)[0]
+    """The CPU form of selective_scan: y (b, l, e) from _SelectiveScanLoopFn."""
+    return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)
 
 
 def selective_scan(u, delta, A, B, C, reference=False):
@@ -1196,6 +1219,61 @@ def selective_scan(u, delta, A, B, C, reference=False):
     if kernel_form.of(u) == "cpu":
         return selective_scan_loop(u, delta, A, B, C)  # under no_grad: the forward alone
     return selective_scan_reference(u, delta, A, B, C, plain_scan=parallel_scan_custom_grad)
+
+
+def _powers(A, length):
+    """A^0 .. A^(l-1): (h, m) complex -> (h, m, l), by doubling: P[k:2k] = P[:k] A^k, log2(l) multiplies over
+    growing slices (one pass in all; torch.cumprod on complex numbers ran ~5x slower on a CPU)."""
+    P = A.new_empty(*A.shape, length)
+    P[..., 0] = 1
+    k, A_k = 1, A                                                           # A_k = A^k
+    while k < length:
+        n = min(k, length - k)
+        torch.mul(P[..., :n], A_k[..., None], out=P[..., k:k + n])
+        k, A_k = 2 * k, A_k * A_k
+    return P
+
+
+class _VandermondeFn(torch.autograd.Function):
+    """H3.ssm_kernel's K (l, h) = 2 Re sum_m W_hm A_hm^lag from the modes A, W (h, m) complex, with a hand-written
+    backward. Autograd through the reference's cumprod (or through exp/log/cos/sin of a real-arithmetic form,
+    the previous fast path) keeps and revisits ~10 (h, m, l) tensors; here the powers are one cumprod, built
+    again in the backward (only A and W are saved), and each direction is one complex bmm over them:
+      K^T = 2 Re (W^T P)            with P[h, m, lag] = A^lag
+      dL/dW = 2 conj(P G)           (G (h, l) = dL/dK^T; torch's complex gradient is dL/dRe + i dL/dIm)
+      dL/dA = 2 conj(W P G')        with G'[lag] = (lag+1) G[lag+1] (d A^(lag+1)/dA = (lag+1) A^lag), G'[l-1] = 0.
+    vmap: the members are more heads."""
+
+    @staticmethod
+    def forward(A, W, length):
+        powers = _powers(A, length)                                         # (h, m, l)
+        return 2 * torch.bmm(W[:, None, :], powers)[:, 0].real.T.contiguous()  # (h, 1, l) -> (l, h)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.length = inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad_K):
+        A, W = ctx.saved_tensors
+        G = grad_K.T                                                        # (h, l)
+        lags = torch.arange(1, ctx.length, device=G.device, dtype=G.dtype)
+        G_next = F.pad(G[:, 1:] * lags, (0, 1))                              # G'[lag] = (lag+1) G[lag+1]
+        both = torch.stack([G, G_next], -1).to(A.dtype)                     # (h, l, 2)
+        S, T = torch.bmm(_powers(A, ctx.length), both).unbind(-1)            # (h, m) each
+        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj(): a lazy bit, later copied slowly
+
+    @staticmethod
+    def vmap(info, in_dims, A, W, length):
+        A, W = _fold_into_batch(info, in_dims[:2], (A, W))                  # (r*h, m)
+        K = _VandermondeFn.apply(A, W, length)                              # (l, r*h)
+        return K.unflatten(1, (info.batch_size, -1)), 1                     # (l, r, h), members at dim 1
+
+
+def vandermonde_kernel(A, W, length):
+    """K (l, h) = 2 Re sum_m W A^lag for modes A, W (h, m) complex: H3's diagonal-SSM kernel (_VandermondeFn)."""
+    return _VandermondeFn.apply(A, W, length)
 
 
 def fft_conv(u, k):
@@ -1217,10 +1295,16 @@ def long_conv(u, k, reference=False):
 
 
 def short_conv(x, weight, bias=None):
-    """short_conv_reference's SC_K as one grouped F.conv1d. x: (b, l, c), weight: (c, 1, K), bias: (c,) or None."""
+    """short_conv_reference's SC_K as K multiply-adds over one zero-padded copy of x (no cat per tap), not
+    F.conv1d: at the tens of tokens of AR the depthwise conv's CPU path, forward+backward, took 1.4 ms at
+    Hyena's (32, 21, 192), this 0.55-0.8 ms (`run.py bench`). x: (b, l, c), weight: (c, 1, K), bias: (c,) or None."""
     length, kernel = x.shape[1], weight.shape[-1]
-    y = F.conv1d(x.transpose(1, 2), weight, bias, padding=kernel - 1, groups=x.shape[2])  # (b, c, l+K-1)
-    return y[..., :length].transpose(1, 2)               # keep the causal part -> (b, l, c)
+    padded = F.pad(x, (0, 0, kernel - 1, 0))                        # (b, l+K-1, c): K-1 zeros in front
+    taps = weight[:, 0].t()                                         # (K, c); tap j looks K-1-j steps back
+    y = padded[:, :length] * taps[0] if bias is None else torch.addcmul(bias, padded[:, :length], taps[0])
+    for j in range(1, kernel):
+        y = torch.addcmul(y, padded[:, j:j + length], taps[j])      # y += w_j x_{t-(K-1)+j}
+    return y                                                        # (b, l, c)
 
 
 def delta_rule_parallel(q, k, v, beta):

@@ -1282,7 +1282,8 @@ def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size,
                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     print_fn("mechsm bench | " + " | ".join(f"{k} {v}" for k, v in env.items() if v is not None) + "\n")
-    result = dict(env=env, scan=[], selective_scan=[], conv=[], train=[], mechanism=[], ensemble=[])
+    result = dict(env=env, scan=[], selective_scan=[], conv=[], short_conv=[], ssm_kernel=[], train=[], mechanism=[],
+                  ensemble=[])
     torch.set_num_threads(env["threads"])
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -1306,11 +1307,16 @@ def bench_scan(device, sizes, print_fn):
         kernels = {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan}
         rows = compare(kernels, [x[k] for k in ("u", "delta", "A", "B", "C")],
                        torch.randn(x["u"].shape, generator=g).to(device), sizes, device)
-        selective += [dict(L=length, B=b, **row) for row in rows]
+        # The floor: one elementwise in-place pass over a (B, L, e, n) tensor (the scan's state), same run
+        state = x["a"].clone()
+        one_pass = medians({"pass": lambda: state.mul_(1.0)}, max(3, sizes["repeats"]), device)["pass"]
+        selective += [dict(L=length, B=b, **row, passes=row["ms"] / (1e3 * one_pass)) for row in rows]
     print_table(f"1a. Plain scan, Mamba-shaped a, b (B, L, {sizes['e']}, {sizes['n']}): `scan` (shipped, picked per "
                 "device) and `parallel_scan_custom_grad` against `sequential_scan` (plain autograd)", plain, print_fn)
     print_table("1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + delta_t B_t u_t, y = sum_n C h: "
-                "`selective_scan` against `selective_scan_reference` (materialised + plain loop)", selective, print_fn)
+                "`selective_scan` against `selective_scan_reference` (materialised + plain loop); passes = "
+                "forward+backward time in elementwise passes over its (B, L, e, n) state (x.mul_(1.0), the floor)",
+                selective, print_fn)
     return dict(scan=plain, selective_scan=selective)
 
 
@@ -1336,14 +1342,15 @@ def compare(kernels, inputs, grad_out, sizes, device):
         out = kernel(*xs)
         return out, torch.autograd.grad(out, xs, grad_out.to(out.dtype))
 
-    out64, grads64 = forward_backward(next(iter(kernels.values())), [x.double() for x in inputs])
+    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)   # H3's modes are complex
+    out64, grads64 = forward_backward(next(iter(kernels.values())), [wide(x) for x in inputs])
     times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()}, sizes["repeats"], device)
     rows = []
     for name, kernel in kernels.items():
         out, grads = forward_backward(kernel, inputs)
         rows.append(dict(kernel=name, ms=1e3 * times[name], speedup=next(iter(times.values())) / times[name],
                          max_abs_err=(out.double() - out64).abs().max().item(),
-                         grad_rel_err=max(((g.double() - g64).abs().max() / g64.abs().max().clamp(min=1e-30)).item()
+                         grad_rel_err=max(((wide(g) - g64).abs().max() / g64.abs().max().clamp(min=1e-30)).item()
                                           for g, g64 in zip(grads, grads64))))
     return rows
 
@@ -1359,9 +1366,31 @@ def bench_conv(device, sizes, print_fn):
         kernels = {"direct": models.direct_conv, "fft": models.fft_conv}
         rows += [dict(L=length, B=sizes["b"], D=d, **row) for row in compare(kernels, (u, k / length ** 0.5), grad_out,
                                                                              sizes, device)]
-    print_table("2. Long convolution, forward+backward: fft_conv against direct_conv (an explicit Toeplitz sum)",
+    print_table("2a. Long convolution, forward+backward: fft_conv against direct_conv (an explicit Toeplitz sum)",
                 rows, print_fn)
-    return dict(conv=rows)
+    short, g = [], torch.Generator().manual_seed(0)
+    for length in sizes["lengths"][:2]:
+        x, w, bias, grad_out = (torch.randn(*shape, generator=g).to(device) for shape in
+                                ((sizes["b"], length, 3 * sizes["width"]), (3 * sizes["width"], 1, 3),
+                                 (3 * sizes["width"],), (sizes["b"], length, 3 * sizes["width"])))
+        kernels = {"reference": models.short_conv_reference, "short_conv": models.short_conv}
+        short += [dict(L=length, B=sizes["b"], C=x.shape[-1], **row) for row in compare(kernels, (x, w, bias), grad_out,
+                                                                                         sizes, device)]
+    print_table("2b. Short causal conv SC_3 (Hyena's, C = 3 x width), forward+backward: short_conv against "
+                "short_conv_reference (a shifted copy per tap)", short, print_fn)
+    ssm = []
+    for length in sizes["lengths"][:2]:
+        fast = models.H3(sizes["width"]).to(device)
+        modes = [t.detach() for t in fast.diag_modes()]                        # A_bar, W (h, n/2) complex
+        reference = lambda A, W, l=length: 2 * torch.einsum("hn,hnl->lh", W, torch.cumprod(
+            A[..., None].expand(*A.shape, l), dim=-1) / A[..., None]).real        # H3.ssm_kernel's reference form
+        kernels = {"reference": reference, "vandermonde": lambda A, W, l=length: models.vandermonde_kernel(A, W, l)}
+        grad_out = torch.randn(length, modes[0].shape[0], generator=g).to(device)
+        ssm += [dict(L=length, H=modes[0].shape[0], modes=modes[0].shape[1], **row)
+                for row in compare(kernels, modes, grad_out, sizes, device)]
+    print_table("2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward from the modes: vandermonde_kernel "
+                "against the reference's cumprod under autograd", ssm, print_fn)
+    return dict(conv=rows, short_conv=short, ssm_kernel=ssm)
 
 
 def bench_train(device, sizes, print_fn):
