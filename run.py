@@ -86,7 +86,8 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # 21% at L_max 10: README, difference 14). Step budgets per architecture from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
                  train_size=100_032, steps=4000, eval_every=1000, gap_filter=0.1, max_terminals=64)
-QUICK_ATR_STEPS = {"attention": 10_000, "mamba": 4000, "based": 6000, "h3": 2500}   # the others: 4,000
+QUICK_ATR_STEPS = {"attention": 30_000, "mamba": 4000, "based": 18_000, "h3": 7500}   # the others: 4,000
+ATR_BUDGETS = {"attention": (10_000, 30_000), "based": (6000, 18_000), "h3": (2500, 7500)}   # probe atr-budget
 PAPER_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=16, n_layers=2, batch_size=32,
                 train_size=100_032, epochs=16, eval_every=200)
 PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2, batch_size=32,
@@ -115,6 +116,7 @@ class Experiment:
     paper_numbers: dict  # table row label (or arch) -> the paper's number / finding for that row
     quick: dict         # the quick grid
     paper: dict         # the paper's grid (preset "paper")
+    probe: bool = False  # a probe that chose a quick setting: its report lists every run
 
 
 # Longest runs first in each list, so that parallel jobs finish together.
@@ -173,6 +175,16 @@ EXPERIMENTS = {e.name: e for e in [
                {"mamba (d_conv 0)": "induction (high Attrib@Value)", "mamba (default conv)": "direct retrieval"},
                quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")], steps=QUICK_ATR_STEPS),
                paper(PAPER_ATR, [dict(arch="mamba", d_conv=k) for k in (0, None)])),
+    # The probes that chose the quick settings (README, difference 19): run before any table was made.
+    Experiment("ar-vocab", "probe", "the quick AR grid at 512 and 1,024 keys and values (which vocabulary?)", {},
+               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
+                          + [dict(arch="attention", num_keys=1024, num_values=1024, lr=5e-4, steps=32_000)],
+                          seeds={"mamba": [0, 1], "*": [0]}),
+                    lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
+               paper(PAPER_AR, []), probe=True),
+    Experiment("atr-budget", "probe", "the quick ATR grid's step budgets, the first quick grid's against longer", {},
+               quick(QUICK_ATR, [dict(arch=a, steps=n) for a, steps in ATR_BUDGETS.items() for n in steps]),
+               paper(PAPER_ATR, []), probe=True),
 ]}
 PRESETS = ("quick", "paper")
 LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout", "freeze_features",
@@ -199,7 +211,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         steps = pick(grid.get("steps", {}), run["arch"])
         base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_})
         for width in widths or grid["widths"]:
-            for lr in lrs or pick(grid["lrs"], run["arch"]):
+            for lr in lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"])):
                 for seed in seeds or pick(grid["seeds"], run["arch"]):
                     configs.append(replace(base, d_model=width, lr=float(lr), seed=seed))
     return configs
@@ -207,12 +219,12 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
-    words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
-             "pos_emb": "PE" if value else "NoPE", "long_only": "long convs only" if value else None,
-             "d_conv": "default conv" if value is None else f"d_conv {value}", "num_keys": f"{value} keys",
-             "steps": f"{value} steps", "lr": f"lr {value:g}", "seed": f"seed {value}",
-             "holdout": f"holdout {value:g}" if isinstance(value, float) else None}
-    return words.get(name, f"{name} {value}")
+    words = {"d_model": lambda: f"d {value}", "n_layers": lambda: f"{value} layer{'s' * (value != 1)}",
+             "pos_emb": lambda: "PE" if value else "NoPE", "long_only": lambda: "long convs only" if value else None,
+             "d_conv": lambda: "default conv" if value is None else f"d_conv {value}",
+             "num_keys": lambda: f"{value} keys", "steps": lambda: f"{value} steps", "lr": lambda: f"lr {value:g}",
+             "seed": lambda: f"seed {value}", "holdout": lambda: f"holdout {value:g}"}
+    return words.get(name, lambda: f"{name} {value}")()
 
 
 def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
@@ -324,13 +336,13 @@ def parse_value(kind, flag, text):
     """One value of a flag: int (at most 2**62), float (finite) or non-empty str; ValueError names the flag."""
     text = text.strip()
     if not text:
-        raise ValueError(f"{flag}: empty value")
+        raise argparse.ArgumentTypeError("empty value")
     try:
         value = kind(text)
     except ValueError:
-        raise ValueError(f"{flag}: {text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
     if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
-        raise ValueError(f"{flag}: {text} is out of range")
+        raise argparse.ArgumentTypeError(f"{text} is out of range")
     return value
 
 
@@ -425,9 +437,9 @@ def applies(field, cfg):
 
 
 def grid_runs(args, name, device):
-    """The Configs to train: the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, and the
+    """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, and the
     field flags set on every run they apply to. A flag that applies to no run is an error; one that
-    applies to some runs only is set on those, with one note, and never enters the others' identity."""
+    applies to some runs only is set on those, with a note, and never enters the others' identity."""
     given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items() if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
@@ -440,6 +452,7 @@ def grid_runs(args, name, device):
                                  seeds=args.seeds, device=device)
     if args.epochs is not None and args.steps is None:
         given["steps"] = None                                       # --epochs beats the grid's step counts
+    notes = []
     for field, value in given.items():
         hit = [applies(field, c) for c in configs]
         flag = "--" + next(f for f, v in FIELD_FLAGS.items() if v == field).replace("_", "-")
@@ -447,10 +460,10 @@ def grid_runs(args, name, device):
             raise ValueError(f"{flag}: does not apply to any run of this grid "
                              f"({', '.join(sorted({c.arch for c in configs}))} on {configs[0].task})")
         if not all(hit):
-            print(f"note: {flag} ignored for {', '.join(sorted({c.arch for c, h in zip(configs, hit) if not h}))}, "
-                  "which do not have it", file=sys.stderr)
+            notes.append(f"note: {flag} ignored for {', '.join(sorted({c.arch for c, h in zip(configs, hit) if not h}))}, "
+                         "which do not have it")
         configs = [replace(c, **{field: value}) if h else c for c, h in zip(configs, hit)]
-    return configs
+    return configs, notes
 
 
 def shard_of(text):
@@ -539,7 +552,8 @@ def append_result(path, record):
     would glue the new record onto it and lose both)."""
     line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
     with open(path, "a+b") as f:
-        if f.tell() and (f.seek(-1, os.SEEK_END) or f.read(1) != b"\n"):
+        size = f.seek(0, os.SEEK_END)
+        if size and (f.seek(size - 1) is not None and f.read(1) != b"\n"):
             line = b"\n" + line
         f.write(line)
         f.flush()
@@ -576,7 +590,8 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     todo = [key for key in mine if not (key in done and is_complete(done[key], wants, out))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and is_complete(done[k], dict(wants, patch=False), out)]
+    has_checkpoint = lambda r: bool(r.get("checkpoint")) and os.path.isfile(os.path.join(out, r["checkpoint"]))
+    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and has_checkpoint(done[k])]
     jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + \
                 [("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable], group_size)]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
@@ -668,6 +683,7 @@ def do_job(kind, payload, out, wants):
                 record.update(mechanism=mechanism_summary(table), mechanism_table=table)
             if record["status"] == "ok" and wants["save"] and not record.get("checkpoint"):
                 record["checkpoint"] = save_checkpoint(model, cfg, out)
+            record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
             out_records.append(mechsm.json_safe(record))
         return out_records
@@ -839,6 +855,18 @@ def result_table(rows, paper_numbers=None):
     return markdown(cells, list(dict.fromkeys(k for c in cells for k in c)))
 
 
+def runs_table(records):
+    """A probe's table: one line per run (its label names every field that varies, lr and seed too)."""
+    configs, cells = [config_of(r) for r in records], []
+    for r, cfg in sorted(zip(records, [config_of(r) for r in records]), key=lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)):
+        mech = r.get("mechanism") or {}
+        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS), "accuracy": fmt_pct((r.get("final") or {}).get("acc")),
+                      **{f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}")) for k in ("key", "value", "query")},
+                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k}, "verdict": mech.get("verdict") or "-",
+                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
+    return markdown(cells, list(dict.fromkeys(k for c in cells for k in c)))
+
+
 def timeline_text(row, max_rows=6):
     """The best run's history as one line: 'mamba: 0: 0% -/-; 2000: 45% 0.01/0.97; ...' with at most
     max_rows evaluations (evenly spaced, the last one kept): accuracy, Attrib@Value/Attrib@Query."""
@@ -870,7 +898,8 @@ def render(name, preset, records):
     wall = sum(r.get("wall_s") or 0 for r in records)
     figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")]
     return rows, "\n".join([
-        f"# {name}: {exp.claim} ({exp.section}), preset {preset}", "", result_table(rows, exp.paper_numbers), "",
+        f"# {name}: {exp.claim} ({exp.section}), preset {preset}", "",
+        runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
         f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the best run of the "
         f"row (learning rate: {chosen}); Attrib@X: its restoration of the clean answer probability when the "
         f"block input of layer 1 is patched at X (README: what the sites mean); paper: {exp.section}.", "",
@@ -980,14 +1009,21 @@ def run(argv=None):
         raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
     device = mechsm.resolve_device(args.device or "auto")
-    configs = grid_runs(args, name, device)
+    configs, notes = grid_runs(args, name, device)
     check_runs(configs)                              # bad input: one line, before anything runs
+    for note in notes:
+        print(note, file=sys.stderr)
     for flag, value in (("--jobs", args.jobs), ("--group-size", args.group_size)):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: got {value}, expected a positive integer")
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    os.makedirs(out, exist_ok=True)
+    try:                                             # an unwritable --out fails now, not after the training
+        os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, ".write_test"), "w").close()
+        os.remove(os.path.join(out, ".write_test"))
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     vocab = mechsm.probe_task(configs[0])
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | {len(configs)} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "") + f" | device {device} | vocabulary {vocab}",
