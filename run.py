@@ -176,8 +176,8 @@ EXPERIMENTS = {e.name: e for e in [
                quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")], steps=QUICK_ATR_STEPS),
                paper(PAPER_ATR, [dict(arch="mamba", d_conv=k) for k in (0, None)])),
     # The probes that chose the quick settings (README, difference 19): run before any table was made.
-    Experiment("ar-vocab", "probe", "the quick AR grid at 512 and 1,024 keys and values (which vocabulary?)", {},
-               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
+    Experiment("ar-vocab", "probe", "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
+               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (256, 512, 1024) for a in ALL_ARCHS]
                           + [dict(arch="attention", num_keys=1024, num_values=1024, lr=5e-4, steps=32_000)],
                           seeds={"mamba": [0, 1], "*": [0]}),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
@@ -413,6 +413,8 @@ def build_parser():
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
     a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/ckpt/)")
     a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) and exit")
+    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its records (results/: "
+      "also the README's summary table) and exit")
     return p
 
 
@@ -423,7 +425,7 @@ FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name 
 TASK_FIELDS = {"ar": {"num_keys", "num_values", "num_pairs"},
                "atr": {"num_terminals", "max_rhs_len", "max_depth"}}
 # the options each command takes; any other option given with it is refused, never silently ignored
-COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"},
+COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}, "report": {"report"},
                    "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
 
 
@@ -886,7 +888,7 @@ def labelled_rows(records, configs=None):
     return rows
 
 
-def render(name, preset, records):
+def render(name, preset, records, folder=None):
     """(rows, markdown text) of an experiment's records: the table beside the paper's numbers, what it
     shows, the timeline and the provenance of the records (date, machine, commit, wall time)."""
     exp, rows = EXPERIMENTS[name], labelled_rows(records)
@@ -896,7 +898,10 @@ def render(name, preset, records):
     made = sorted({json.dumps(r.get("provenance"), sort_keys=True) for r in records if r.get("provenance")})
     made = [json.loads(m) for m in made]
     wall = sum(r.get("wall_s") or 0 for r in records)
-    figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")]
+    figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")
+               if folder is None or os.path.exists(os.path.join(folder, f"{name}_{kind}.png"))]
+    timing = os.path.join(folder or "", f"{name}.command.json")
+    command = json.load(open(timing)) if folder and os.path.exists(timing) else None
     return rows, "\n".join([
         f"# {name}: {exp.claim} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
@@ -907,7 +912,10 @@ def render(name, preset, records):
         "signal to read):", *[timeline_text(row) for row in rows], "",
         f"Records: {len(records)} runs, {wall / 60:.1f} CPU-minutes of training, made "
         + "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at commit "
-                    f"{m.get('commit')}" for m in made) + ".", "", *figures, ""])
+                    f"{m.get('commit')}" for m in made) + "."
+        + (f" The command `{command['command']}` trained {command['trained']} of them in {command['wall_s'] / 60:.1f} "
+           f"minutes of wall time with {command['jobs']} job(s), {command['date']}, {command['machine']}, "
+           f"{command['load']}." if command else ""), "", *figures, ""])
 
 
 def experiment_records(name, preset, records):
@@ -916,16 +924,19 @@ def experiment_records(name, preset, records):
     return [r for r in records if run_key(r["config"]) in keys]
 
 
-def write_report(name, preset, records, folder, figures=True):
-    """folder/<name>.jsonl (the experiment's records, as results/ keeps them), folder/<name>.md and
-    the figures; returns (rows, text)."""
-    rows, text = render(name, preset, records)
+def write_report(name, preset, records, folder, command=None):
+    """folder/<name>.jsonl (the experiment's records, as results/ keeps them), the figures, the command
+    that trained them (folder/<name>.command.json, when it trained some) and folder/<name>.md."""
     with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
         f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    if draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"]) is None:
+        print(FIGURES_HINT, file=sys.stderr)
+    if command and command["trained"]:
+        with open(os.path.join(folder, f"{name}.command.json"), "w") as f:
+            json.dump(command, f, indent=1)
+    rows, text = render(name, preset, records, folder)
     with open(os.path.join(folder, f"{name}.md"), "w") as f:
         f.write(text)
-    if figures and draw_figures(records, rows, name, folder, records[0]["config"]["task"]) is None:
-        print(FIGURES_HINT, file=sys.stderr)
     return rows, text
 
 
@@ -988,7 +999,7 @@ def run(argv=None):
     t0 = time.time()
     args = build_parser().parse_args(argv)
     command = "bench" if args.command == "bench" else next(
-        (c for c in ("list", "figures", "checkpoint") if getattr(args, c)), "train")
+        (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
     given = {flag.lstrip("-").replace("-", "_") for flag in getattr(args, "_given", {})}
     if command != "train" and given - COMMAND_OPTIONS[command]:
         raise ValueError(f"{', '.join('--' + g.replace('_', '-') for g in sorted(given - COMMAND_OPTIONS[command]))}: "
@@ -1005,6 +1016,8 @@ def run(argv=None):
         return evaluate_checkpoint(args)
     if command == "figures":
         return redraw_figures(args.figures)
+    if command == "report":
+        return report_folder(args.report)
     if args.experiment and args.task:
         raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
@@ -1031,11 +1044,16 @@ def run(argv=None):
     expected = f" | expected ~{fmt_hours(estimate_seconds(configs, jobs) / shard[1])} on a 2-core CPU" \
         if device == "cpu" else ""
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions, save=not args.no_save,
                     group_size=group_size)
     if not records:
         raise ValueError("no run finished; nothing to report")
-    rows, text = write_report(name, preset, records, out)
+    command = {"command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "trained": sum(before.get(run_key(r["config"])) != r for r in records), "jobs": jobs,
+               "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
+               "machine": provenance()["machine"], "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
+    rows, text = write_report(name, preset, records, out, command)
     print(text.split("\n", 2)[2].split("\n![")[0])
     patched = [row for row in rows if row["best"].get("mechanism_table")]
     if patched:
@@ -1048,6 +1066,31 @@ def run(argv=None):
           "shards, or runs that crashed)" if missing else "") + f" | total wall time {time.time() - t0:.1f}s",
           file=sys.stderr)
     return 1 if missing and shard[1] == 1 else 0
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->", "<!-- /summary -->")
+
+
+def readme_with_summary(text, folder="results"):
+    """The README text with its summary block rendered anew from the records in `folder`."""
+    start, end = text.index(SUMMARY[0]) + len(SUMMARY[0]), text.index(SUMMARY[1])
+    return text[:start] + "\n" + summary_table(folder) + "\n" + text[end:]
+
+
+def report_folder(folder):
+    """--report FOLDER: FOLDER/<experiment>.md from FOLDER/<experiment>.jsonl for every experiment
+    there, and for the repository's results/ the README's summary table too."""
+    written = [name for name in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{name}.jsonl"))]
+    for name in written:
+        with open(os.path.join(folder, f"{name}.md"), "w") as f:
+            f.write(render(name, "quick", read_results(os.path.join(folder, f"{name}.jsonl")), folder)[1])
+    if os.path.abspath(folder) == os.path.join(os.path.dirname(README), "results"):
+        text = open(README).read()
+        with open(README, "w") as f:
+            f.write(readme_with_summary(text, folder))
+    print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" if written else ""))
+    return 0
 
 
 def redraw_figures(folder):
@@ -1430,24 +1473,24 @@ def bench_conv(device, sizes, print_fn):
 
 
 def bench_train(device, sizes, print_fn):
-    """3: training steps/s at the paper's AR shape (width 64, 2 layers, 37 tokens, V = 8195), fast kernels
-    and readout-only head (mechsm.make_step) against kernels="reference" and the head on every position.
-    Each timed call ends reading the loss on the host (a sync), as a training loop logging it does."""
-    data = mechsm.tasks.make_ar(sizes["batch"], seed=0)
-    x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
+    """3: training steps/s at the quick AR shape (8 pairs, 21 tokens) and the paper's (16 pairs, 37 tokens),
+    width 64, 2 layers, V = 8195: fast kernels and readout-only head (make_step) against kernels="reference"
+    and the head on every position. Each timed call ends reading the loss on the host, as a loop logging it."""
     rows = []
-    for arch in sizes["archs"] or models.ARCHS:
-        fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
-                     for k in ("fast", "reference"))
-        full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
-        steps = {"fast": make_step(fast, x, q, y, 1e-3),
-                 "reference": make_step(ref, x, q, y, 1e-3, full_head)}
-        t = medians({k: lambda s=s: [s() for _ in range(sizes["steps"])][-1].item() for k, s in steps.items()},
-                    sizes["repeats"], device)
-        rows.append(dict(arch=arch, params=models.count_parameters(fast), fast_steps_s=sizes["steps"] / t["fast"],
-                         reference_steps_s=sizes["steps"] / t["reference"], speedup=t["reference"] / t["fast"]))
-    print_table(f"3. Training steps/s, paper's AR shape (d 64, 2 layers, batch {sizes['batch']}, AdamW): fast kernels "
-                "and readout-only head against kernels='reference' and the full-vocabulary head", rows, print_fn)
+    for shape, pairs in (("quick", 8), ("paper", 16)):
+        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
+        x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
+        for arch in sizes["archs"] or models.ARCHS:
+            fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
+                         for k in ("fast", "reference"))
+            full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
+            steps = {"fast": make_step(fast, x, q, y, 1e-3), "reference": make_step(ref, x, q, y, 1e-3, full_head)}
+            t = medians({k: lambda s=s: [s() for _ in range(sizes["steps"])][-1].item() for k, s in steps.items()},
+                        sizes["repeats"], device)
+            rows.append(dict(shape=shape, tokens=x.shape[1], arch=arch, fast_steps_s=sizes["steps"] / t["fast"],
+                             reference_steps_s=sizes["steps"] / t["reference"], speedup=t["reference"] / t["fast"]))
+    print_table(f"3. Training steps/s (d 64, 2 layers, batch {sizes['batch']}, AdamW): fast kernels and readout-only "
+                "head against kernels='reference' and the full-vocabulary head", rows, print_fn)
     return dict(train=rows)
 
 

@@ -1736,7 +1736,8 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
         assert math.isfinite(row["passes"]) and row["passes"] > 0, row
 
     # Training and patching rows exist for every arch of the tiny run; each has a positive rate.
-    assert [row["arch"] for row in result["train"]] == ["attention", "mamba"]
+    assert [(row["shape"], row["tokens"], row["arch"]) for row in result["train"]] == \
+        [("quick", 21, "attention"), ("quick", 21, "mamba"), ("paper", 37, "attention"), ("paper", 37, "mamba")]
     assert [row["arch"] for row in result["mechanism"]] == ["attention", "mamba"]
     for row in result["train"]:
         assert row["fast_steps_s"] > 0 and row["reference_steps_s"] > 0 and math.isfinite(row["speedup"])
@@ -2370,3 +2371,136 @@ def test_strict_checkpoints_config_and_weights_must_describe_each_other(tmp_path
     loaded, cfg2 = mechsm.load(good)
     tokens = mechsm.make_data(cfg).eval.tokens[:4]
     assert torch.equal(loaded(tokens), model(tokens)) and cfg2 == cfg.resolved() and loaded.task == "ar"
+
+
+# ==================================================================================================
+# Figures (run.py, from the records alone): what each one plots, checked from the data it returns
+# ==================================================================================================
+
+fs = run_cli
+
+FIG_POSITIONS = ["key", "value", "query"]
+
+
+def fig_record(arch, d_model=32, lr=1e-3, seed=0, value=0.9, query=0.1, low=False, task="ar"):
+    """A run record as mechsm writes it (the fields the figures read), with its full table inline."""
+    history = [{"step": s, "acc": s / 40, "attrib_value": value * s / 40, "attrib_query": query,
+                "attrib_low_signal": s == 0} for s in (0, 10, 20, 40)]
+    table = {"positions": FIG_POSITIONS, "low_signal": low, "verdict": "induction",
+             "rows": [{"site": f"blocks.{i}.hook_resid_pre", "label": "block_in", "layer": i,
+                       "scores": {"key": 1.0 - i, "value": value * i, "query": None if i else query}}
+                      for i in range(2)]}
+    return {"config": {"arch": arch, "d_model": d_model, "lr": lr, "seed": seed, "task": task},
+            "status": "ok", "final": {"acc": history[-1]["acc"] * d_model / 64}, "history": history,
+            "mechanism": {"attrib_key": 0.5, "attrib_value": value, "attrib_query": query,
+                          "low_signal": low, "verdict": "induction"},
+            "mechanism_table": table}
+
+
+def fig_rows(records):
+    """best_by_lr's rows in short: one per (arch, width), the best run by final accuracy."""
+    rows = {}
+    for r in records:
+        key = r["config"]["arch"], r["config"]["d_model"]
+        if key not in rows or r["final"]["acc"] > rows[key]["best"]["final"]["acc"]:
+            rows[key] = {"arch": key[0], "d_model": key[1], "best": r, "label": key[0]}
+    return list(rows.values())
+
+
+RECORDS = [fig_record("mamba", value=0.05, query=0.95), fig_record("mamba", lr=3e-3, value=0.1, query=0.3,
+                                                           low=True),
+           fig_record("attention", value=0.9, query=0.1), fig_record("attention", seed=1, value=2.0),
+           fig_record("hyena", d_model=16, value=0.4, query=0.4)]
+
+
+@pytest.fixture
+def figure():
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    from matplotlib.figure import Figure
+    return Figure
+
+
+def test_scatter_plots_every_run_with_a_mechanism(figure):
+    records = RECORDS + [{**fig_record("h3"), "mechanism": None}]       # not patched: no point
+    data = fs.plot_scatter(figure(), records)
+    assert data["arch"] == [r["config"]["arch"] for r in RECORDS]
+    np.testing.assert_array_equal(data["value"], [r["mechanism"]["attrib_value"] for r in RECORDS])
+    np.testing.assert_array_equal(data["query"], [r["mechanism"]["attrib_query"] for r in RECORDS])
+    np.testing.assert_array_equal(data["low_signal"], [False, True, False, False, False])
+
+
+def test_heatmap_cells_are_the_best_runs_table(figure):
+    rows = fig_rows(RECORDS)
+    panels = fs.plot_heatmaps(figure(), rows)
+    assert [p["label"] for p in panels] == ["mamba", "attention", "hyena"]
+    for panel, row in zip(panels, rows):
+        table = row["best"]["mechanism_table"]
+        expect = [[np.nan if t["scores"][p] is None else t["scores"][p] for p in FIG_POSITIONS]
+                  for t in table["rows"]]
+        np.testing.assert_array_equal(panel["cells"], expect)
+        assert panel["sites"] == ["L0 block in", "L1 block in"] and panel["positions"] == FIG_POSITIONS
+
+
+def test_timeline_follows_the_history_with_gaps_where_signal_is_low(figure):
+    rows = fig_rows(RECORDS)
+    data = fs.plot_timeline(figure(), rows)
+    for row in rows:
+        history, series = row["best"]["history"], data[row["label"]]
+        np.testing.assert_array_equal(series["step"], [h["step"] for h in history])
+        np.testing.assert_array_equal(series["acc"], [h["acc"] for h in history])
+        expect = [np.nan if h["attrib_low_signal"] else h["attrib_value"] for h in history]
+        np.testing.assert_array_equal(series["attrib_value"], expect)
+
+
+def test_width_lines_are_each_widths_best_accuracy(figure):
+    records = RECORDS + [fig_record("mamba", d_model=64), fig_record("mamba", d_model=128)]
+    data = fs.plot_width(figure(), fig_rows(records))
+    widths, accs = data["mamba"]
+    np.testing.assert_array_equal(widths, [32, 64, 128])
+    np.testing.assert_array_equal(accs, [0.5, 1.0, 2.0])      # final acc = d_model / 64 here
+
+
+def test_box_groups_the_runs_with_signal_by_arch(figure):
+    data = fs.plot_box(figure(), RECORDS)
+    assert list(data) == ["attention", "hyena", "mamba"]       # fixed order; mamba's low run out
+    np.testing.assert_array_equal(data["attention"]["value"], [0.9, 2.0])
+    np.testing.assert_array_equal(data["mamba"]["query"], [0.95])
+
+
+def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
+    records = RECORDS + [fig_record("hyena", d_model=32)]
+    out = fs.draw_figures(records, fig_rows(records), "ar", tmp_path / "a", task="ar")
+    assert sorted(out) == ["heatmaps", "scatter", "timeline", "width"]          # hyena: 2 widths
+    assert sorted(os.listdir(tmp_path / "a")) == [f"ar_{k}.png" for k in sorted(out)]
+    out = fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "x", tmp_path / "b", task="atr")
+    assert sorted(out) == ["box", "heatmaps", "scatter", "timeline"]             # one width each
+    fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "x", tmp_path / "c", task="atr")
+    for name in os.listdir(tmp_path / "b"):
+        assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
+
+
+def test_draw_figures_without_matplotlib_returns_none_and_writes_nothing(monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # `import matplotlib` now fails
+    assert fs.draw_figures(RECORDS, fig_rows(RECORDS), "ar", tmp_path / "figs") is None
+    assert not (tmp_path / "figs").exists()
+    assert fs.FIGURES_HINT.startswith("figures: pip install matplotlib")
+
+
+# ==================================================================================================
+# Results are data: results/*.md and the README's summary table are rendered from the committed records
+# ==================================================================================================
+
+def test_results_and_the_readme_summary_are_rendered_from_the_committed_records():
+    """Every experiment has its records and its markdown in results/; rendering the markdown and the
+    README's summary table again from the records gives the committed text, to the character, so no
+    number in them is typed by hand (edit one and this test fails)."""
+    folder = os.path.join(HERE, "results")
+    for name in run_cli.EXPERIMENTS:
+        records = run_cli.read_results(os.path.join(folder, f"{name}.jsonl"))
+        assert records, f"results/{name}.jsonl has no records"
+        committed = open(os.path.join(folder, f"{name}.md")).read()
+        assert run_cli.render(name, "quick", records, folder)[1] == committed, f"results/{name}.md"
+    readme = open(os.path.join(HERE, "README.md")).read()
+    assert run_cli.readme_with_summary(readme, folder) == readme, "README.md's summary table"
