@@ -822,14 +822,6 @@ def register(name, mixer, description, mamba_block=False):
         MAMBA_BLOCK_ARCHS.add(name)
 
 
-def unregister(name):
-    """Undo register(name) (the built-in architectures cannot be removed)."""
-    if name not in MIXER_CLASSES or name in BUILT_IN_ARCHS:
-        raise ValueError(f"unregister: {name!r} was not registered.")
-    del MIXER_CLASSES[name], ARCHS[name]
-    MAMBA_BLOCK_ARCHS.discard(name)
-
-
 # The one list of the built-in architectures (the paper's six, then DeltaNet), in the order of every table.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
 register("base_conv", _base_conv_layer,

@@ -954,18 +954,43 @@ def holds(paper_text, row):
 
 def summary_table(folder="results"):
     """The README's summary: per experiment with records in `folder`, each row the paper quotes: the
-    paper's number, ours (accuracy, verdict) and whether the claim holds."""
+    paper's number, ours (accuracy, verdict) and whether the claim holds; then how long `python
+    run.py` (the `ar` experiment) took, and the probes that chose the quick settings."""
     lines = []
     for name, exp in EXPERIMENTS.items():
         records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
-        for row in labelled_rows(records) if records else []:
+        for row in labelled_rows(records) if records and not exp.probe else []:
             text = exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
             if text:
-                ours = f"{fmt_pct((row['best'].get('final') or {}).get('acc'))}, " + \
-                    ((row["best"].get("mechanism") or {}).get("verdict") or "-")
-                lines.append({"experiment": f"[{name}]({folder}/{name}.md)", "claim": exp.claim, "row": row["label"],
-                              "paper": text, "ours": ours, "holds?": holds(text, row)})
-    return markdown(lines, ["experiment", "claim", "row", "paper", "ours", "holds?"])
+                final, mech = row["best"].get("final") or {}, row["best"].get("mechanism") or {}
+                first = not lines or not lines[-1]["experiment"].startswith(f"[{name}]")
+                lines.append({"experiment": f"[{name}]({folder}/{name}.md)" + (f": {exp.claim}" if first else ""),
+                              "row": row["label"], "paper": text, "holds?": holds(text, row),
+                              "ours": f"{fmt_pct(final.get('acc'))}, {mech.get('verdict') or '-'}"})
+    out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
+    timing = os.path.join(folder, "ar.command.json")
+    if os.path.exists(timing):
+        c = json.load(open(timing))
+        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
+                   f"{c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
+    for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
+        records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+        if records:
+            out.append(f"\nProbe [{name}]({folder}/{name}.md) ({EXPERIMENTS[name].claim}): accuracy, verdict\n\n"
+                       + pivot(records, across))
+    return "\n".join(out)
+
+
+def pivot(records, across):
+    """A probe's runs as one line per (arch, lr, seed, other fields) and one column per value of `across`."""
+    configs, cells = [config_of(r) for r in records], {}
+    for r, cfg in zip(records, configs):
+        label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
+        mech = r.get("mechanism") or {}
+        cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
+            f"{fmt_pct((r.get('final') or {}).get('acc'))} {mech.get('verdict') or '-'}"
+    columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
+    return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
 
 
 def evaluate_checkpoint(args):

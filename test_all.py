@@ -2189,23 +2189,23 @@ def readme_mixer_example():
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
-def test_the_readme_mixer_example_registers_trains_and_patches():
+def test_the_readme_mixer_example_registers_trains_and_patches(monkeypatch):
     """The README's example, copied from the README at test time so the two cannot drift: it
     registers a new mixer, which then builds, trains through mechsm.train and gets a mechanism table
-    with its own hook site."""
+    with its own hook site and its own extra summary number (the class's READS)."""
+    for name in ("ARCHS", "MIXER_CLASSES"):                     # the registration is undone after the test
+        monkeypatch.setattr(models, name, dict(getattr(models, name)))
     exec(readme_mixer_example(), {"__name__": "readme_example"})
-    try:
-        assert "gated_rnn" in models.ARCHS
-        cfg = tiny(arch="gated_rnn", eval_every=10, train_size=640, steps=20)
-        result, model = mechsm.train(cfg, log=quiet)
-        assert result["status"] == "ok" and math.isfinite(result["history"][-1]["train_loss"])
-        mech = iv.mechanism(model, mechsm.make_data(cfg).eval, n_docs=16)
-        labels = {row["label"] for row in mech["rows"]}
-        assert "state" in labels and mech["verdict"] in ("induction", "direct retrieval", "mixed", "no signal")
-        assert mech["rows"][0]["scores"]["key"] == pytest.approx(1.0)   # layer-0 block input at the key
-    finally:
-        models.unregister("gated_rnn")
-    assert "gated_rnn" not in models.ARCHS
+    assert "gated_rnn" in models.ARCHS and "gated_rnn" not in models.BUILT_IN_ARCHS
+    cfg = tiny(arch="gated_rnn", eval_every=10, train_size=640, steps=20)
+    result, model = mechsm.train(cfg, log=quiet)
+    assert result["status"] == "ok" and math.isfinite(result["history"][-1]["train_loss"])
+    mech = iv.mechanism(model, mechsm.make_data(cfg).eval, n_docs=16)
+    labels = {row["label"] for row in mech["rows"]}
+    assert "state" in labels and mech["verdict"] in ("induction", "direct retrieval", "mixed", "no signal")
+    assert mech["rows"][0]["scores"]["key"] == pytest.approx(1.0)   # layer-0 block input at the key
+    state = next(r for r in mech["rows"] if r["site"] == "blocks.0.mixer.hook_state")
+    assert mech["extra"] == {"state@value": state["scores"]["value"]}
 
 
 # ---- Strict inputs (library) ----
