@@ -65,6 +65,16 @@ def _check_heads(d_model, n_heads):
         raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
 
 
+def fused_linear(x, *linears):
+    """x through several nn.Linear at once, concatenated on the last dim: their weights (and biases) stacked
+    into one matmul, the same maths as calling each. Speed: one op, not one per layer, forward and backward
+    (~10 us of dispatch each on one CPU thread), while each layer keeps its parameters, names and init. Used
+    where it measured faster (DeltaNet, 1.08x a step); Based's and H3's q, k, v ran ~3% slower so (strided splits)."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    return F.linear(x, weight, bias)
+
+
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
@@ -619,11 +629,12 @@ class DeltaNet(Mixer):
 
     def mix(self, x):
         b, l, d = x.shape
-        features, conv_fn = [], short_conv_reference if self.reference else short_conv
-        for proj, conv in zip((self.q_proj, self.k_proj, self.v_proj), self._convs()):
-            z = proj(x)                                                                 # (b, l, d)
-            features.append(F.silu(conv_fn(z, conv.weight) if conv is not None else z))
-        q, k, v, beta = self._heads(*features, self.b_proj(x))                          # (b, l, h, k), (b, l, h)
+        conv_fn = short_conv_reference if self.reference else short_conv
+        # q, k, v as one (b, l, 3d) tensor through one projection and one 3d-channel conv (fewer ops, same maths)
+        qkv, beta = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj).split([3 * d, self.n_heads], -1)
+        if self.conv_size > 0:
+            qkv = conv_fn(qkv, torch.cat([conv.weight for conv in self._convs()]))     # (b, l, 3d)
+        q, k, v, beta = self._heads(*F.silu(qkv).split(d, dim=-1), beta)               # (b, l, h, k), (b, l, h)
         q, k, v, beta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_beta(beta)
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
         o = self.hook_o(delta_rule(q, k, v, beta))                                      # (b, l, h, k)
