@@ -65,6 +65,16 @@ def _check_heads(d_model, n_heads):
         raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
 
 
+def fused_linear(x, *linears):
+    """x through several nn.Linear at once, concatenated on the last dim: their weights (and biases) stacked
+    into one matmul, the same maths as calling each. Speed: one op, not one per layer, forward and backward
+    (~10 us of dispatch each on one CPU thread), while each layer keeps its parameters, names and init. Used
+    where it measured faster (DeltaNet, 1.08x a step); Based's and H3's q, k, v ran ~3% slower so (strided splits)."""
+    weight = torch.cat([m.weight for m in linears])
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    return F.linear(x, weight, bias)
+
+
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
@@ -619,11 +629,12 @@ class DeltaNet(Mixer):
 
     def mix(self, x):
         b, l, d = x.shape
-        features, conv_fn = [], short_conv_reference if self.reference else short_conv
-        for proj, conv in zip((self.q_proj, self.k_proj, self.v_proj), self._convs()):
-            z = proj(x)                                                                 # (b, l, d)
-            features.append(F.silu(conv_fn(z, conv.weight) if conv is not None else z))
-        q, k, v, beta = self._heads(*features, self.b_proj(x))                          # (b, l, h, k), (b, l, h)
+        conv_fn = short_conv_reference if self.reference else short_conv
+        # q, k, v as one (b, l, 3d) tensor through one projection and one 3d-channel conv (fewer ops, same maths)
+        qkv, beta = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj).split([3 * d, self.n_heads], -1)
+        if self.conv_size > 0:
+            qkv = conv_fn(qkv, torch.cat([conv.weight for conv in self._convs()]))     # (b, l, 3d)
+        q, k, v, beta = self._heads(*F.silu(qkv).split(d, dim=-1), beta)               # (b, l, h, k), (b, l, h)
         q, k, v, beta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_beta(beta)
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
         o = self.hook_o(delta_rule(q, k, v, beta))                                      # (b, l, h, k)
@@ -670,10 +681,19 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(d_model)
         self.hook_resid_post = HookPoint()  # block output
 
-    def forward(self, r):
+    def forward(self, r, rows=None):
+        """rows (b,) positions: only those rows go through the MLP (it acts per position), out (b, 1, d)."""
         r = self.hook_resid_pre(r)
         r = self.hook_resid_mid(r + self.mixer(self.ln1(r)))
+        if rows is not None:
+            r = r[torch.arange(r.shape[0], device=r.device), rows][:, None]  # (b,l,d) -> (b,1,d)
         return self.hook_resid_post(r + self.mlp(self.ln2(r)))
+
+    def rows_only_ok(self):
+        """Whether forward(r, rows) loses nothing: no hook on the MLP side, which would see (b, 1, d) tensors."""
+        sites = [self.ln2, *self.mlp.modules(), self.hook_resid_post]
+        return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+                    or any(m._forward_hooks or m._forward_pre_hooks for m in sites))
 
 
 class MambaBlock(nn.Module):
@@ -702,8 +722,8 @@ class LM(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.build_args = {}  # filled by build_model, enough to rebuild this model
 
-    def hidden(self, tokens):
-        """The final residual stream (b, l, d), before ln_f."""
+    def hidden(self, tokens, rows=None):
+        """The final residual stream (b, l, d), before ln_f; with rows (b,) (see forward), (b, 1, d) at them."""
         check_tokens(tokens, self.embed.num_embeddings)
         b, l = tokens.shape
         r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
@@ -711,12 +731,17 @@ class LM(nn.Module):
             if l > self.pos_emb.num_embeddings:
                 raise ValueError(f"sequence length {l} exceeds n_positions={self.pos_emb.num_embeddings}.")
             r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
-        for block in self.blocks:
-            r = block(r)
+        for i, block in enumerate(self.blocks):
+            r = block(r) if rows is None or i < len(self.blocks) - 1 else block(r, rows)
         return r
 
     def forward(self, tokens, readout=None):
-        """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only."""
+        """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only.
+        Speed: with a readout, the last block's MLP runs on the readout rows alone when nothing hooks it (in
+        training: 1/l of its work, ~1/6 of a Transformer-block model's step at AR's 21 tokens); same maths."""
+        last = self.blocks[-1] if len(self.blocks) else None
+        if readout is not None and isinstance(last, TransformerBlock) and last.rows_only_ok():
+            return self.logits(self.hidden(tokens, readout)[:, 0])
         return self.logits(self.hidden(tokens), readout)
 
     def logits(self, r, readout=None):

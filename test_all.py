@@ -2504,3 +2504,27 @@ def test_results_and_the_readme_summary_are_rendered_from_the_committed_records(
         assert run_cli.render(name, "quick", records, folder)[1] == committed, f"results/{name}.md"
     readme = open(os.path.join(HERE, "README.md")).read()
     assert run_cli.readme_with_summary(readme, folder) == readme, "README.md's summary table"
+
+    assert torch.equal(loaded(tokens), model(tokens)) and cfg2 == cfg and loaded.task == "ar"
+
+
+def test_readout_rows_only_path_equals_the_full_forward():
+    """LM.forward(tokens, readout) runs the last block's MLP on the readout rows alone when nothing hooks it:
+    logits and gradients equal the full forward's (float64); a hook on that MLP brings the full path back."""
+    torch.manual_seed(0)
+    tokens, readout = torch.randint(0, 50, (4, 9)), torch.tensor([3, 8, 0, 5])
+    for arch in ("attention", "hyena", "mamba"):
+        model = models.build_model(arch, 50, 16, 2).double()
+        fast = model(tokens, readout=readout)
+        (g_fast,) = torch.autograd.grad(fast.square().sum(), model.embed.weight)
+        full = model.logits(model.hidden(tokens), readout)
+        (g_full,) = torch.autograd.grad(full.square().sum(), model.embed.weight)
+        torch.testing.assert_close(fast, full, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g_fast, g_full, rtol=1e-12, atol=1e-12)
+    model, seen = models.build_model("attention", 50, 16, 2), []
+    assert model.blocks[-1].rows_only_ok()
+    handle = model.blocks[-1].hook_resid_post.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert not model.blocks[-1].rows_only_ok()
+    model(tokens, readout=readout)
+    handle.remove()
+    assert seen == [(4, 9, 16)]
