@@ -1,23 +1,19 @@
 """mechsm.py: the recipe of one experiment: config, data, the paper's training loop, checkpoints.
 
 Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 4-5 and App. C, and the reference training loop (tinylang: experiment.py):
-  * a fixed pre-generated training set of 100,032 documents, walked in the same order every epoch
-    (no shuffling), batch 32; 320 fresh evaluation documents;
-  * AdamW (0.9, 0.999, eps 1e-8, no weight decay), 10% linear warmup from 0, then cosine decay to 0
-    (HuggingFace's schedule), cross-entropy on the answer token only, float32, no clipping, no dropout;
-  * evaluation every eval_every steps, step 0 included; accuracy = argmax over the full vocabulary at
-    the query position, and the mean probability of the answer.
-Where we differ on purpose (README, differences 7, 8, 11): the final model is evaluated (the reference
-never evaluates its last updates); ATR accuracy is also reported on the evaluation documents not seen
-verbatim in training ("novel_acc"); the generalisation runs decay with a cosine, as the paper says.
+arXiv 2505.15105), Sec. 4-5 and App. C, and the reference loop (tinylang: experiment.py): a fixed
+training set of 100,032 documents walked in order every epoch, batch 32; AdamW (0.9, 0.999, eps 1e-8,
+no weight decay), 10% linear warmup from 0, then cosine decay to 0; cross-entropy on the answer token
+only, float32; accuracy (argmax over the full vocabulary at the query position) and the answer's mean
+probability on 320 fresh documents every eval_every steps, step 0 included. On purpose unlike it
+(README, differences 7, 8, 11): the final model is evaluated, ATR accuracy is also reported on the
+evaluation documents not seen in training ("novel_acc"), the generalisation runs decay with a cosine.
 
-Read in this order: Config -> Data -> lr_at, answer_loss, evaluate -> train (the loop) -> the timeline
-entry -> save/load. The last part, for many runs at once, is the batched Ensemble (train_group). The
-experiments, sweeps, resume and reports that serve many runs live in run.py.
+Read in order: Config -> Data -> lr_at, answer_loss, evaluate -> train (its loop: fit) -> the
+timeline entry -> save/load; then the batched Ensemble (train_group). Sweeps and reports: run.py.
 
 Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents, r members of an
-Ensemble (runs that differ only in lr and seed, trained as one batched model), P parameters of one model.
+Ensemble (runs differing only in lr and seed, trained as one batched model), P parameters of a model.
 
 Using it from Python:
     import mechsm
@@ -47,14 +43,11 @@ SCHEDULES = ("cosine", "linear")
 DEVICES = ("auto", "cpu", "cuda")
 
 
-# ----------------------------------------------------------------------------------------------
-# Config: every knob of one run, flat, with the paper's values as defaults.
-# ----------------------------------------------------------------------------------------------
+# --- Config: every knob of one run, flat, with the paper's values as defaults.
 
 @dataclass
 class Config:
-    # task (tasks.py); data_seed fixes the language and its documents, so every model of a sweep
-    # trains on the same documents
+    # task (tasks.py); data_seed fixes the language and its documents (shared by a sweep's models)
     task: str = "ar"                 # "ar" | "atr"
     num_keys: int = 4096             # AR: key vocabulary
     num_values: int = 4096           # AR: value vocabulary
@@ -66,7 +59,7 @@ class Config:
     max_depth: int = 10              # ATR: d_max
     terminal_weight: int = 20        # ATR: r_Σ
     max_terminals: int = 1024        # ATR: longer sentences are rejected (the paper: 1024)
-    holdout: float = 0.0             # fraction of (key, value) / (parent, child) pairs held out for "test"
+    holdout: float = 0.0             # fraction of (key, value) / (parent, child) pairs held out
     data_seed: int = 42              # the language seed (grammar, held-out pairs, documents)
     # model (models.build_model)
     arch: str = "attention"          # one of models.ARCHS
@@ -77,25 +70,25 @@ class Config:
     n_positions: int = 1024          # size of the position table (the paper's l_max)
     d_conv: int | None = None        # mamba short-conv size (0 removes it); based/base_conv short kernel
     long_only: bool = False          # based/base_conv: implicit long conv instead of the short conv
-    freeze_features: bool = False    # base_conv's long conv: keep its positional features Z frozen
-                                     # (zoology's form; the paper's runs trained them, README difference 13)
+    freeze_features: bool = False    # base_conv's long conv: keep its features Z frozen (zoology's
+                                     # form; the paper's runs trained them, README difference 13)
     kernels: str = "fast"            # "fast" | "reference" (slow loop scan / direct convolutions)
     # training (the paper's recipe)
     lr: float = 1e-3                 # peak learning rate
     batch_size: int = 32
     train_size: int = 100_032        # documents in the fixed training set (3126 batches of 32)
     epochs: int | None = None        # passes over the training set; None = 16 for AR, 32 for ATR
-    steps: int | None = None         # total optimizer steps; overrides epochs (the set is walked cyclically)
+    steps: int | None = None         # optimizer steps; overrides epochs (the set is walked cyclically)
     warmup_frac: float = 0.1         # linear warmup over int(warmup_frac * total) steps
-    schedule: str = "cosine"         # decay to 0 after warmup: "cosine" | "linear" (README, difference 11)
+    schedule: str = "cosine"         # decay to 0: "cosine" | "linear" (README, difference 11)
     seed: int = 42                   # model init seed (torch)
     device: str = "auto"             # "auto" (cuda if available) | "cpu" | "cuda"
     # evaluation
     eval_every: int = 200            # steps between evaluations; the last step is always evaluated
     eval_size: int = 320             # evaluation documents per split (the paper: 320)
-    timeline_docs: int = 64          # at every evaluation, Attrib@Value/Query on this many eval docs (0: off)
-    gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper: 0.01
-                                     # for AR, 0.1 for the ATR box plots)
+    timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs per evaluation (0: off)
+    gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper:
+                                     # 0.01 for AR, 0.1 for the ATR box plots)
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
@@ -116,7 +109,8 @@ class Config:
 
         def number(name, low, high, what):           # a real number (not a bool, not a string), finite
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or not low <= v < high:
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                    or not low <= v < high):
                 bad(name, what)
 
         if self.task not in TASKS:
@@ -125,9 +119,9 @@ class Config:
             bad("arch", "one of " + ", ".join(models.ARCHS))
         whole("timeline_docs", 0, MAX_SIZE, "a non-negative integer (0 turns the timeline off)")
         number("gap_filter", 0, 1, "a number in [0, 1)")
-        for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals", "max_terminals",
-                     "max_rules", "max_depth", "terminal_weight", "d_model", "n_layers", "n_heads", "n_positions",
-                     "batch_size", "train_size", "eval_every", "eval_size"):
+        for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals",
+                     "max_terminals", "max_rules", "max_depth", "terminal_weight", "d_model", "n_layers",
+                     "n_heads", "n_positions", "batch_size", "train_size", "eval_every", "eval_size"):
             positive_int(name)
         whole("max_rhs_len", 2, MAX_SIZE, "an integer in [2, 2**31) (head + at least one dependent)")
         positive_int("epochs", allow_none=True)
@@ -177,8 +171,7 @@ class Config:
 
 
 def resolve_device(device):
-    """The device to use: "auto" -> "cuda" if available, else "cpu". A CUDA device on a machine without
-    one is a ValueError (one line) here, before a model or a benchmark touches it."""
+    """"auto" -> "cuda" if available, else "cpu". A CUDA device this machine lacks: a ValueError."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda"):
@@ -192,9 +185,7 @@ def resolve_device(device):
     return device
 
 
-# ----------------------------------------------------------------------------------------------
-# Data: the fixed training set and the evaluation set(s) of one config.
-# ----------------------------------------------------------------------------------------------
+# --- Data: the fixed training set and the evaluation set(s) of one config.
 
 @dataclass
 class Data:
@@ -227,12 +218,11 @@ def _make_data(key):
                              max_depth=depth, terminal_weight=weight, seed=seed)
         make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=holdout, seed=seed,
                                                max_terminals=longest)
-    # the SAME seed for every split: tasks.py mixes the split name into the document stream, and the
-    # held-out pairs depend on the seed only, so train/dev/test share the language
+    # the SAME seed for every split: tasks.py mixes the split name into the document stream
     try:
         train, dev = make(train_size, "train"), make(eval_size, "dev")
         test = make(eval_size, "test") if holdout > 0 else None
-    except (RuntimeError, MemoryError) as e:    # e.g. the (keys, values) held-out matrix of a huge vocabulary
+    except (RuntimeError, MemoryError) as e:    # e.g. the held-out matrix of a huge vocabulary
         if not (isinstance(e, MemoryError) or "alloc" in str(e).lower()):
             raise
         raise ValueError(f"{task} task {params} with {train_size} training documents: too large to "
@@ -253,18 +243,12 @@ def make_data(cfg, data=None):
     return data
 
 
-
-
-# ----------------------------------------------------------------------------------------------
-# The recipe: learning-rate schedule, loss, evaluation.
-# ----------------------------------------------------------------------------------------------
+# --- The recipe: learning-rate schedule, loss, evaluation.
 
 def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
-    """The learning rate used for optimizer step `step` (0-based) of `total` (HuggingFace's schedule).
-
-    Linear warmup from 0 over w = int(warmup_frac * total) steps (step 0 uses lr 0, as in the
-    reference), then cosine (or linear) decay that reaches 0 at step == total.
-    """
+    """The learning rate of optimizer step `step` (0-based) of `total` (HuggingFace's schedule):
+    linear warmup from 0 (step 0 uses lr 0, as the reference) over int(warmup_frac * total) steps,
+    then cosine (or linear) decay that reaches 0 at step == total."""
     warmup = int(warmup_frac * total)
     if step < warmup:
         return peak * step / warmup
@@ -275,12 +259,11 @@ def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
 
 
 def answer_loss(model, tokens, queries, answers):
-    """Cross-entropy of the answer token only, read at the query position (mean over the batch).
-    The head is applied to the query rows alone, so no other position can enter the loss. Computed in
-    float32 at least (a float64 model keeps float64). `model` may be any callable model(tokens, readout=)."""
+    """Cross-entropy of the answer token only, read at the query position (mean over the batch), in
+    float32 at least. The head sees the query rows alone. `model`: any callable model(tokens, readout=)."""
     logits = model(tokens, readout=queries)                 # (b, l) -> (b, v); an Ensemble's: (r, b, v)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if logits.dim() == 3:       # an Ensemble: one mean over the batch per member (r,), its failed members 0
+    if logits.dim() == 3:       # an Ensemble: one mean over the batch per member (r,), its failed ones 0
         losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1), reduction="none")
         return model.drop_failed(losses.mean(1))
     return F.cross_entropy(logits, answers)
@@ -312,23 +295,16 @@ def evaluate(model, dataset, batch_size=64):
     return {"acc": correct / n, "prob": prob / n, "loss": loss / n, "n": n}
 
 
-
-
-# ----------------------------------------------------------------------------------------------
-# One training run: the loop, written out (as nanoGPT's train.py writes it).
-# ----------------------------------------------------------------------------------------------
+# --- One training run: the loop, written out (as nanoGPT's train.py writes it).
 
 def train(cfg, *, data=None, log=None):
-    """Train one model with the paper's recipe. Returns (result, model).
-
-    result is JSON-serialisable: config (resolved), status ("ok" | "failed"), error, n_params, device,
-    final metrics (of the final model; a "failed" run keeps its last evaluated ones), history (one
-    entry per evaluation), wall_s, steps_per_s, steps_done, total_steps, timeline_s.
-    A NaN/inf loss stops the run (status "failed"); anything else wrong raises.
-    """
-    cfg = cfg.resolved().check()
-    log = log or (lambda msg: print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] {msg}", file=sys.stderr))
-    data = make_data(cfg, data)            # checked against cfg: documents the model cannot take fail here
+    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe) holds
+    config, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final
+    (the final model's metrics), history (one entry per evaluation), wall_s, steps_per_s, steps_done,
+    total_steps, timeline_s."""
+    [cfg], data = setup([cfg], data)       # data checked against cfg: documents it cannot take fail here
+    log = log or (lambda msg: print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] {msg}",
+                                    file=sys.stderr))
     torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone (on a CPU: the same run)
     model = build(cfg, data.vocab_size)    # on cfg's device
     return fit([cfg], model, adamw(model, cfg.lr), data, log)[0]
@@ -344,8 +320,8 @@ def fit(cfgs, model, optimizer, data, log):
     model.train()
     for step in range(total + 1):
         if step % cfg.eval_every == 0 or step == total:          # evaluate: step 0, every eval_every, the end
-            record_evaluation(model, cfgs, data, step, loss_sum / max(n_losses, 1) if n_losses else None, histories)
-            log(progress(step, total, start, histories))
+            mean_loss = loss_sum / n_losses if n_losses else None
+            log(record_evaluation(model, cfgs, data, step, mean_loss, histories, start))
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break
@@ -363,29 +339,31 @@ def fit(cfgs, model, optimizer, data, log):
     return run_results(model, cfgs, histories, step, error, time.time() - start)
 
 
+def setup(configs, data=None):
+    """(configs resolved and checked, their Data from make_data). More than one must differ only in
+    lr and seed (train_group)."""
+    cfgs = [c.resolved().check() for c in configs]
+    if not cfgs or len({group_key(c) for c in cfgs}) > 1:
+        raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
+    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
+        raise ValueError("train_group: configs: two have the same lr and seed")
+    return cfgs, make_data(cfgs[0], data)
+
+
 def adamw(model, lr):
-    """The paper's optimizer for `model`: AdamW (0.9, 0.999), eps 1e-8, no weight decay. Fused (one kernel
-    over all parameters) where torch has it for their device and dtype: on a CPU, one thread, the default
-    for-loop form took 2.2 ms a step for attention's 690k parameters (3.3 ms, H3's 1.08M), the fused one 0.54
-    (0.9); the same update up to float rounding (test_fused_adamw_agrees_with_the_for_loop_form)."""
+    """The paper's optimizer: AdamW (0.9, 0.999), eps 1e-8, no weight decay; fused (one kernel for all
+    parameters) when all are floating-point on cpu or cuda. On one CPU thread, attention's 690k
+    parameters: 2.2 ms a step for the for-loop form, 0.54 fused (H3's 1.08M: 3.3, 0.9); the same update
+    up to float rounding (test_fused_adamw_agrees_with_the_for_loop_form)."""
     params = list(model.parameters())
-    fused = all(p.device.type in _fused_devices() and p.dtype.is_floating_point for p in params) or None
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params) or None
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused)
-
-
-def _fused_devices():
-    """The device types torch's fused optimizers run on (cpu and cuda among them; a private torch helper)."""
-    try:
-        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    except ImportError:
-        return ("cpu", "cuda")
-    return _get_fused_kernels_supported_devices()
 
 
 def training_batches(cfg, data):
     """The fixed training set on cfg's device, walked in order as the reference walks it: batch(step) is
-    (tokens, queries, answers) of rows [s*B, s*B + B) with s = step mod S (S = steps_per_epoch: a last
-    partial batch is dropped), the tokens trimmed to the batch's longest document."""
+    (tokens, queries, answers) of rows [s*B, s*B + B) with s = step mod S (S = steps_per_epoch), the
+    tokens trimmed to the batch's longest document."""
     B, S, device = cfg.batch_size, cfg.steps_per_epoch(), resolve_device(cfg.device)
     tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
     queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
@@ -410,17 +388,18 @@ def build(cfg, vocab_size):
     return model.to(resolve_device(cfg.device))
 
 
-def record_evaluation(model, cfgs, data, step, train_loss, histories):
-    """Append each member's history_entry at `step` to its history (one model: one member)."""
+def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
+    """Append each member's history_entry at `step` to its history; returns the log line (progress)."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     losses = train_loss.reshape(-1).tolist() if train_loss is not None else [None] * len(cfgs)
     for cfg, member, history, loss in zip(cfgs, members, histories, losses):
         history.append(history_entry(member, data, cfg, step, loss))
+    return progress(step, cfgs[0].total_steps(), start, histories)
 
 
 def run_results(model, cfgs, histories, step, error, wall):
     """[(record, model)] of fit's runs. A failed run (a lone run's error at `step`, or an Ensemble
-    member's) keeps the history up to the step it failed at, as a lone run's ends there."""
+    member's) keeps the history up to the step it failed at."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     failures = model.failures() if isinstance(model, Ensemble) else [(step, error) if error else None]
     out = []
@@ -431,10 +410,11 @@ def run_results(model, cfgs, histories, step, error, wall):
         final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
         out.append((json_safe({
             "config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
-            "error": error, "n_params": models.count_parameters(member), "device": resolve_device(cfg.device),
-            "final": final, "history": history, "wall_s": round(wall, 2), "steps_done": steps_done,
-            "total_steps": cfg.total_steps(), "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
-            "timeline_s": round(timeline_s, 3)}), member))
+            "error": error, "n_params": models.count_parameters(member),
+            "device": resolve_device(cfg.device), "final": final, "history": history,
+            "wall_s": round(wall, 2), "steps_done": steps_done, "total_steps": cfg.total_steps(),
+            "steps_per_s": round(steps_done / max(wall, 1e-9), 2), "timeline_s": round(timeline_s, 3)}),
+            member))
     return out
 
 
@@ -451,7 +431,8 @@ def progress(step, total, start, histories):
     eta = fmt_time((total - step) / rate) if step else "?"
     if len(histories) > 1:
         accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
-        return f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({len(histories) * rate:.1f} model-steps/s) | ETA {eta}"
+        return (f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s "
+                f"({len(histories) * rate:.1f} model-steps/s) | ETA {eta}")
     entry = histories[0][-1]
     loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
     return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
@@ -461,30 +442,23 @@ def progress(step, total, start, histories):
 
 
 def fmt_time(seconds):
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+    s = int(max(0, seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 def fmt_attrib(entry, key):
-    """An attribution of a history entry for a log line or a table: '0.98', or '-' when missing or
-    when the entry had too little signal to read (attrib_low_signal)."""
+    """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
     value = entry.get(key)
     return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
 
 
-# ----------------------------------------------------------------------------------------------
-# The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
-# ----------------------------------------------------------------------------------------------
+# --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
 
 def history_entry(model, data, cfg, step, train_loss):
-    """One evaluation of `model` during training: the history entry train() records.
-
-    {step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)} and, when cfg.timeline_docs > 0, the
-    headline pair on the first timeline_docs evaluation documents: attrib_value, attrib_query (the
-    block input of layer 1 at the value and at the query, as interventions.mechanism reports them),
-    attrib_gap (p_clean - p_corrupt) and attrib_low_signal (gap <= cfg.gap_filter: too little signal
-    to read), and timeline_s, the time that took (run_result sums and removes it).
-    """
+    """One evaluation during training: {step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}
+    and, when cfg.timeline_docs > 0, the headline pair on the first timeline_docs evaluation
+    documents (interventions.headline): attrib_value, attrib_query, attrib_gap (p_clean - p_corrupt),
+    attrib_low_signal (gap <= cfg.gap_filter) and timeline_s (run_results sums and removes it)."""
     total = cfg.total_steps()
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
              "train_loss": train_loss, **evaluate_all(model, data)}
@@ -500,8 +474,7 @@ def history_entry(model, data, cfg, step, train_loss):
 def evaluate_all(model, data):
     """Flat metrics over the eval (dev) set, plus test_* with a held-out split and novel_* for the
     documents not seen verbatim in training (data.novel, ATR only)."""
-    if not isinstance(data, Data):
-        raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
+    _check_is_data(data)
     metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
     if data.test is not None:
         metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
@@ -513,16 +486,17 @@ def evaluate_all(model, data):
     return metrics
 
 
-# ----------------------------------------------------------------------------------------------
-# Checks of a run's data, before any training.
-# ----------------------------------------------------------------------------------------------
+# --- Checks of a run's data, before any training.
 
-def check_data(cfg, data):
-    """Raise a one-line ValueError naming data unless data (a Data) holds cfg's task: the same task and
-    the settings that make its vocabulary and documents (AR: keys, values, pairs; ATR: the grammar and
-    max_terminals; the held-out fraction). A model trained on other documents would be recorded as cfg's."""
+def _check_is_data(data):
     if not isinstance(data, Data):
         raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
+
+
+def check_data(cfg, data):
+    """One-line ValueError unless data holds cfg's task: the settings that make its vocabulary and
+    documents. A model trained on other documents would be recorded as cfg's."""
+    _check_is_data(data)
     meta = data.train.meta
     if data.train.task != cfg.task:
         raise ValueError(f"data holds {data.train.task} documents, but cfg.task is {cfg.task!r}.")
@@ -530,28 +504,20 @@ def check_data(cfg, data):
         made = {k: meta.get(k) for k in ("num_keys", "num_values", "num_pairs")}
     else:
         grammar = meta.get("grammar") or {}
-        made = {k: grammar.get(k) for k in ("num_terminals", "num_nonterminals", "max_rhs_len", "max_rules",
-                                            "max_depth", "terminal_weight")}
+        made = {k: grammar.get(k) for k in ("num_terminals", "num_nonterminals", "max_rhs_len",
+                                            "max_rules", "max_depth", "terminal_weight")}
         made.update(data_seed=grammar.get("seed"), max_terminals=meta.get("max_terminals"))
     made["holdout"] = meta.get("holdout")
     for name, value in made.items():
         if value != getattr(cfg, name):
-            raise ValueError(f"data was made with {name}={value!r}, but cfg has {name}={getattr(cfg, name)!r}: "
-                             f"the data is not cfg's {cfg.task} task.")
-
-
-def probe_task(cfg):
-    """Generate a few documents of cfg's task (raises tasks' ValueError if it cannot be generated);
-    returns the vocabulary size. Cheap: use it to validate input before a long sweep."""
-    return _make_data(_data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
+            raise ValueError(f"data was made with {name}={value!r}, but cfg has "
+                             f"{name}={getattr(cfg, name)!r}: the data is not cfg's {cfg.task} task.")
 
 
 def check_length(cfg, data=None):
-    """Raise ValueError (one line) when cfg's documents are longer than its model accepts
-    (models.position_limit: learned positions, Hyena's filter), so that this fails before training,
-    not at the first step of a run or in a worker. AR documents all have 2 * num_pairs + 5 tokens;
-    ATR documents vary, so unless max_terminals + 5 fits, the longest one of `data` is read (cfg's
-    documents are generated when data is None, and cached for the run that follows)."""
+    """One-line ValueError when cfg's documents are longer than its model accepts
+    (models.position_limit), before training. AR documents have 2 * num_pairs + 5 tokens; for ATR,
+    unless max_terminals + 5 fits, the longest one of `data` (cfg's, made and cached, when None)."""
     cfg = cfg.resolved()
     limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
     if limit is None:
@@ -569,17 +535,19 @@ def check_length(cfg, data=None):
                          f"{limit} {what}; raise n_positions or shorten the documents")
 
 
+def probe_task(cfg):
+    """The vocabulary size of cfg's task, from a few documents (tasks' ValueError if impossible)."""
+    return _make_data(_data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
+
+
 def novel_mask(train, dataset):
-    """(n,) bool: which documents of `dataset` do not appear verbatim in `train` (README, difference 8).
-    Each document is hashed as its unpadded token row."""
+    """(n,) bool: the documents of `dataset` (unpadded rows) not verbatim in `train` (difference 8)."""
     seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
-    return torch.tensor([row[:n].tobytes() not in seen
-                         for row, n in zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
+    return torch.tensor([row[:n].tobytes() not in seen for row, n in
+                         zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: the state_dict plus everything needed to rebuild the exact model.
-# ----------------------------------------------------------------------------------------------
+# --- Checkpoints: the state_dict plus everything needed to rebuild the exact model.
 
 CHECKPOINT_FORMAT = "mechsm-v1"
 
@@ -589,15 +557,15 @@ class CheckpointError(ValueError):
 
 
 def _mismatch(built, build_args, state):
-    """How a model described by (build_args, state: its state_dict) differs from `built` (the model a
-    config builds), in one line; None when they agree: every build argument but the init seed, then the
-    state_dict's keys and shapes (what load_state_dict(strict=True) requires)."""
+    """How a model described by (build_args, state: its state_dict) differs from `built`, in one line,
+    or None: every build argument but the seed, then the state_dict's keys and shapes."""
     if not isinstance(build_args, dict) or not isinstance(state, dict):
         return "its build_args or state_dict is not a dict"
     ours = built.build_args
     for k in dict.fromkeys([*ours, *build_args]):
         a, b = ours.get(k), build_args.get(k)       # an option one side lacks: its default (None or False)
-        if k == "seed" or a == b or (k not in ours and b in (None, False)) or (k not in build_args and a in (None, False)):
+        if (k == "seed" or a == b or (k not in ours and b in (None, False))
+                or (k not in build_args and a in (None, False))):
             continue
         return f"the config builds {k}={a!r}, the weights were built with {k}={b!r}"
     expected = built.state_dict()
@@ -614,13 +582,12 @@ def _mismatch(built, build_args, state):
 
 def save(model, cfg, path):
     """torch.save {format, config, build_args, state_dict} to path, atomically (temp file + os.replace).
-    cfg must describe the model (a ValueError naming cfg otherwise): its task's vocabulary and its build
-    (arch, d_model, n_layers, ...) are the model's, so that load() rebuilds this model from it."""
+    cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
     replace(cfg, device="cpu").check()                  # a run may be saved where its device is absent
     vocab = getattr(model, "build_args", {}).get("vocab_size")
-    probe = _make_data.__wrapped__(_data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))  # uncached
+    probe = _make_data.__wrapped__(_data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))
     if vocab != probe.vocab_size:
         raise ValueError(f"cfg: its {cfg.task} task has a vocabulary of {probe.vocab_size} tokens, but the "
                          f"model's has {vocab}; cfg does not describe this model")
@@ -629,8 +596,8 @@ def save(model, cfg, path):
     if what:
         raise ValueError(f"cfg does not describe this model: {what}")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg.resolved()), "build_args": dict(model.build_args),
-            "state_dict": state}
+    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg.resolved()),
+            "build_args": dict(model.build_args), "state_dict": state}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(blob, tmp)
@@ -642,72 +609,68 @@ def save(model, cfg, path):
 
 
 def load(path, device="cpu"):
-    """(model, cfg) from a checkpoint written by save(). Raises CheckpointError (a ValueError) with
-    a one-line message for a truncated, corrupt or mismatched file; OSError if it cannot be opened.
-    The model is built from the checkpoint's config (every Config field, none unknown, valid), which
-    must agree with the saved build_args and weights (keys and shapes); model.task is its task."""
+    """(model, cfg) from a checkpoint written by save(). CheckpointError (a ValueError, one line) for a
+    truncated, corrupt or mismatched file. The model is built from the checkpoint's config (exactly
+    Config's fields, valid), which must agree with the saved build_args and weights."""
+    def fail(what):
+        return CheckpointError(f"checkpoint {path}: {what}")
+
+    def oneline(e):
+        return " ".join(str(e).split())
+
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {path}: no such file")
+        raise fail("no such file")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:   # truncated zip, garbage bytes, pickle errors: all mean "not a checkpoint"
-        raise CheckpointError(f"checkpoint {path}: unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
+        raise fail(f"unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
     if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"checkpoint {path}: not a {CHECKPOINT_FORMAT} checkpoint")
+        raise fail(f"not a {CHECKPOINT_FORMAT} checkpoint")
     config, known = blob.get("config"), [f.name for f in fields(Config)]
     if not isinstance(config, dict):
-        raise CheckpointError(f"checkpoint {path}: its config is not a dict")
+        raise fail("its config is not a dict")
     missing, unknown = [k for k in known if k not in config], [k for k in config if k not in known]
     if missing or unknown:
-        raise CheckpointError(f"checkpoint {path}: its config " + (f"lacks the field {missing[0]!r}" if missing
-                              else f"has an unknown field {unknown[0]!r}") + "; expected exactly mechsm.Config's fields")
+        raise fail("its config " + (f"lacks the field {missing[0]!r}" if missing else
+                                    f"has an unknown field {unknown[0]!r}")
+                   + "; expected exactly mechsm.Config's fields")
     try:
         cfg = Config(**config)
         replace(cfg, device="cpu").check()              # trained on a GPU, loaded here: still valid
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: its config is invalid ({' '.join(str(e).split())})") from None
-    # the model must read the documents of its own config: a vocabulary smaller than the task's would
-    # meet ids it has no embedding for, a larger one would be scored on data it was not trained on
+        raise fail(f"its config is invalid ({oneline(e)})") from None
+    # the model must read its own config's documents (no unknown ids, no data it was not trained on)
     try:
         task_vocab = probe_task(cfg)
     except ValueError as e:
-        raise CheckpointError(f"checkpoint {path}: its task cannot be generated ({' '.join(str(e).split())})") from None
+        raise fail(f"its task cannot be generated ({oneline(e)})") from None
     build_args = blob.get("build_args") if isinstance(blob.get("build_args"), dict) else {}
     if build_args.get("vocab_size") != task_vocab:
-        raise CheckpointError(f"checkpoint {path}: its model has a vocabulary of {build_args.get('vocab_size')} "
-                              f"tokens but its {cfg.task} task ({cfg.name()}) has {task_vocab}; the config "
-                              "does not describe the data this model was trained on")
+        raise fail(f"its model has a vocabulary of {build_args.get('vocab_size')} tokens but its "
+                   f"{cfg.task} task ({cfg.name()}) has {task_vocab}; the config does not describe "
+                   "the data this model was trained on")
     try:
         model = build(cfg, task_vocab)
         what = _mismatch(model, blob.get("build_args"), blob.get("state_dict"))
         if what is None:
             model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree, so this is rare
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        what = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        what = f"{type(e).__name__}: {oneline(e)[:200]}"
     if what:
-        raise CheckpointError(f"checkpoint {path}: does not rebuild its model ({what})")
+        raise fail(f"does not rebuild its model ({what})")
     model.task = cfg.task                               # models.check_dataset refuses other tasks' data
     return model.to(resolve_device(device)), cfg
 
 
-# ==============================================================================================
-# For many runs at once: the batched Ensemble. Runs this small are bound by kernel launches on a
-# GPU; r runs that differ only in lr and seed as one model make every kernel do r times the work for
-# about the launch cost of one (`run.py bench`, part 5). The loop is train()'s own (fit).
-# ==============================================================================================
+# === For many runs at once: the batched Ensemble. On a GPU, runs this small are bound by kernel
+# launches; r runs as one model do r times the work per launch (`run.py bench`, part 5).
 
 class Ensemble:
-    """r models of one architecture and shape trained as one (shape glossary: r members).
-
-    The parameters of the members are rows of ONE (r, P) leaf; the members' logits come from
-    torch.func.vmap over torch.func.functional_call of one base module, its row split back into
-    named parameters (the PyTorch docs' model-ensembling tutorial, with the stack kept flat); and one
-    AdamW step (StackedAdamW) updates all rows at once, a handful of ops whatever r and however many
-    parameter tensors. The members' losses are summed before backward: they share no parameter, so
-    each row gets exactly its member's gradient. A member whose loss is not finite is dead from that
-    step on (drop_failed): its weights stay those of the step that failed (where a lone run stops),
-    and no NaN reaches the others.
-    """
+    """r models of one architecture and shape trained as one: their parameters are the rows of ONE
+    (r, P) leaf, their logits torch.func.vmap over functional_call of one base module (the PyTorch
+    model-ensembling tutorial), one StackedAdamW step for all. The summed loss gives each row exactly
+    its member's gradient. A member whose loss is not finite is dead from that step on (drop_failed),
+    its weights those of the step that failed (where a lone run stops)."""
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
@@ -741,8 +704,8 @@ class Ensemble:
                 for n, shape, x in zip(self.names, self.shapes, pieces)}
 
     def drop_failed(self, losses):
-        """losses (r,) with the members that failed (now or before) set to 0; a member whose loss is not
-        finite at this step is recorded as failed there. No host sync: failures() reads it at the end."""
+        """losses (r,) with the members that failed (now or before) set to 0; a non-finite loss marks
+        its member failed at this step. No host sync: failures() reads it at the end."""
         step, finite = self.optimizer.n_steps, torch.isfinite(losses.detach())
         newly = self.alive & ~finite
         self.failed_step = torch.where(newly, step, self.failed_step)
@@ -770,10 +733,9 @@ class Ensemble:
 
 class StackedAdamW:
     """torch.optim.AdamW's single-tensor step (betas 0.9/0.999, eps 1e-8, no weight decay) on an
-    Ensemble's (r, P) leaf, op for op, with one param group (learning rate) per member, so that each
-    member follows the run it would have had alone, to rounding. A dead member's row gets no gradient
-    and a step of 0. A parameter that never gets a gradient (frozen, or unused) gets zeros here
-    instead of None, and AdamW moves it by exactly 0, as torch's skips it."""
+    Ensemble's (r, P) leaf, op for op, one param group (learning rate) per member, so that each member
+    follows its lone run to rounding. A dead member's row steps by 0; so does a parameter without a
+    gradient (frozen, or unused: zeros here instead of None), as torch's skips it."""
 
     BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -791,7 +753,7 @@ class StackedAdamW:
         self.n_steps += 1
         bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
         grad = torch.where(alive[:, None], flat.grad, 0.0)                  # (r, P): dead rows get 0
-        lrs = torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64).to(flat.device)  # (r,)
+        lrs = torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64).to(flat.device)
         neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]        # (r, 1): 0 when dead
         self.exp_avg.lerp_(grad, 1 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -809,14 +771,9 @@ def train_group(configs, *, data=None, log=None):
     loop. Returns [(result, model)], one per config in order, each what train(cfg) returns for it (to
     rounding), plus "group": {"size", "index"}; wall_s and steps_per_s are the group's. A member whose
     loss goes NaN/inf is "failed" at that step, and the others go on undisturbed."""
-    cfgs = [c.resolved().check() for c in configs]
-    if not cfgs or len({group_key(c) for c in cfgs}) > 1:
-        raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
-    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
-        raise ValueError("train_group: configs: two have the same lr and seed")
+    cfgs, data = setup(configs, data)
     cfg, r = cfgs[0], len(cfgs)
     log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
-    data = make_data(cfg, data)
     ens = Ensemble([build(c, data.vocab_size) for c in cfgs])  # own seeds
     for group, c in zip(ens.optimizer.param_groups, cfgs):
         group["lr_peak"] = c.lr
