@@ -115,7 +115,7 @@ class Experiment:
     claim: str          # the claim, in one line
     paper_numbers: dict  # table row label (or arch) -> the paper's number / finding for that row
     quick: dict         # the quick grid
-    paper: dict         # the paper's grid (preset "paper")
+    paper: dict         # the paper's grid (preset "paper"; None for a probe: its quick grid)
     probe: bool = False  # a probe that chose a quick setting: its report lists every run
 
 
@@ -181,10 +181,10 @@ EXPERIMENTS = {e.name: e for e in [
                           + [dict(arch="attention", num_keys=1024, num_values=1024, lr=5e-4, steps=32_000)],
                           seeds={"mamba": [0, 1], "*": [0]}),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
-               paper(PAPER_AR, []), probe=True),
+               None, probe=True),
     Experiment("atr-budget", "probe", "the quick ATR grid's step budgets, the first quick grid's against longer", {},
                quick(QUICK_ATR, [dict(arch=a, steps=n) for a, steps in ATR_BUDGETS.items() for n in steps]),
-               paper(PAPER_ATR, []), probe=True),
+               None, probe=True),
 ]}
 PRESETS = ("quick", "paper")
 LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout", "freeze_features",
@@ -200,7 +200,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
         raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
-    grid = getattr(EXPERIMENTS[name], preset)
+    grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick    # a probe is its own paper grid
     runs = grid["runs"]
     if archs is not None:
         runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
