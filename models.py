@@ -1,13 +1,10 @@
-"""models.py: the language model, its seven sequence mixers and the kernels they run on, in plain PyTorch.
+"""models.py: the language model, its seven sequence mixers and their kernels, in plain PyTorch.
 
-Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
-2505.15105), Sec. 4 and App. B, with the upstream modules' parameter names, shapes and initialisation:
-zoology (github.com/HazyResearch/zoology: zoology/model.py, zoology/mixers/*.py), mamba-ssm
-(github.com/state-spaces/mamba: mamba_ssm/modules/mamba_simple.py) and, for DeltaNet, flash-linear-attention
-(github.com/fla-org/flash-linear-attention: fla/layers/delta_net.py); but every mixer is plain PyTorch with
-a HookPoint on every tensor an intervention may patch (README, difference 10). Sections: 1 HookPoint and
-Mixer; 2 reference kernels, slow and obviously correct; 3 the mixers; 4 blocks, LM, init pass, registry,
-build_model; 5 fast kernels, each equal to a reference of 2 (mixers look them up by name when they run).
+Follows Arora et al. 2025 (arXiv 2505.15105), Sec. 4 and App. B, with the parameter names, shapes and init of
+zoology (zoology/model.py, zoology/mixers/*.py), mamba-ssm (mamba_ssm/modules/mamba_simple.py) and, for
+DeltaNet, flash-linear-attention (fla/layers/delta_net.py), plus a HookPoint on every tensor an intervention
+may patch (README, difference 10). Sections: 1 HookPoint and Mixer; 2 slow reference kernels; 3 the mixers;
+4 blocks, LM, init, registry, build_model; 5 fast kernels, each equal to a reference of 2.
 
 Shapes: b batch, l length, d d_model, e Mamba inner width (2d), n SSM state, h heads, k head width (d/h),
 f Based features, v vocabulary, c conv channels, r members of a vmapped ensemble (mechsm.train_group).
@@ -26,9 +23,8 @@ import torch.nn.functional as F
 # ============================================ 1. Hook points and the mixer interface
 
 class HookPoint(nn.Module):
-    """Identity module marking an intervention site, which interventions.py patches with a forward hook.
-    seq_dim indexes token positions (1 for (b, l, ...), 2 for the (b, h, l, l) attention patterns, whose rows
-    are query positions), or is None for tensors of parameters alone (filters, kernels)."""
+    """Identity module marking an intervention site (interventions.py patches it with a forward hook). seq_dim:
+    the token axis (1 for (b, l, ...), 2 for (b, h, l, l) attention patterns), None for parameter-only tensors."""
 
     def __init__(self, seq_dim=1):
         super().__init__()
@@ -40,18 +36,17 @@ class HookPoint(nn.Module):
 
 class Mixer(nn.Module):
     """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers, reference, **options)
-    (options it does not use are ignored); subclasses implement `mix`. hook_in sees the input (after the block's
-    norm), hook_out the output. What generic code needs to know of an architecture lives here, on its class:"""
+    (unused options ignored); subclasses implement `mix`. What generic code reads of an architecture:"""
     INTERNAL_SITES = []     # the inner hooks interventions.py patches by default
     READS = {}              # extra summary numbers: name -> (inner hook, position), read in layer 0
-    POS_EMB = False         # learned absolute positions by default (the paper's convention: attention only)
+    POS_EMB = False         # learned absolute positions (the paper's convention: attention only)
     FIXED_LENGTH = False    # a filter or table of n_positions rows: documents must fit n_positions
-    D_CONV = None           # the short-conv sizes the mixer accepts (None: it has no short conv)
+    D_CONV = None           # the short-conv sizes the mixer accepts (None: no short conv)
 
     def __init__(self, reference=False):
         super().__init__()
-        self.reference = reference  # run the slow reference kernels of section 2 instead of the fast ones
-        self.hook_in, self.hook_out = HookPoint(), HookPoint()
+        self.reference = reference  # run the slow reference kernels of section 2
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's norm; the output
 
     def mix(self, x):
         raise NotImplementedError
@@ -66,10 +61,8 @@ def _check_heads(d_model, n_heads):
 
 
 def fused_linear(x, *linears):
-    """x through several nn.Linear at once, concatenated on the last dim: their weights (and biases) stacked
-    into one matmul, the same maths as calling each. Speed: one op, not one per layer, forward and backward
-    (~10 us of dispatch each on one CPU thread), while each layer keeps its parameters, names and init. Used
-    where it measured faster (DeltaNet, 1.08x a step); Based's and H3's q, k, v ran ~3% slower so (strided splits)."""
+    """Several nn.Linear as one matmul (weights stacked), outputs concatenated. Speed: one op forward and backward,
+    not one per layer; each keeps its parameters. Used in DeltaNet (1.08x a step; slower for Based and H3)."""
     weight = torch.cat([m.weight for m in linears])
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
     return F.linear(x, weight, bias)
@@ -78,8 +71,8 @@ def fused_linear(x, *linears):
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
-    """h_t = a_t * h_{t-1} + b_t along dim 1, h_{-1} = 0 (a, b, h: (b, l, ...)), as a Python loop under autograd:
-    slow, but impossible to get wrong. `unbind` (not `x[:, t]`) keeps the backward linear in l."""
+    """h_t = a_t h_{t-1} + b_t along dim 1, h_{-1} = 0, as a Python loop under autograd (slow, obviously right).
+    `unbind` (not `x[:, t]`) keeps the backward linear in l."""
     h, out = torch.zeros_like(b[:, 0]), []
     for a_t, b_t in zip(a.unbind(1), b.unbind(1)):
         h = a_t * h + b_t
@@ -88,10 +81,8 @@ def sequential_scan(a, b):
 
 
 def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
-    """Mamba's selective scan, materialised and left to autograd (the oracle and the benchmark baseline).
-    u, delta: (b, l, e); A: (e, n); B, C: (b, l, n) -> y (b, l, e) (Mamba eqs. 2a, 2b, 4):
-      h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t  (zero-order hold for A, Euler for B),  y_t = sum_n C_t h_t.
-    plain_scan runs h_t = a_t h_{t-1} + b_t (the GPU path of selective_scan passes the parallel scan)."""
+    """Mamba's selective scan (eqs. 2a, 2b, 4), materialised. u, delta (b, l, e); A (e, n); B, C (b, l, n):
+      h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t,  y_t = sum_n C_t h_t  -> y (b, l, e)."""
     decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
     drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
     states = plain_scan(decay, drive)                         # (b,l,e,n)
@@ -99,8 +90,7 @@ def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
 
 
 def direct_conv(u, k):
-    """Causal long convolution y_t = sum_{s<=t} k_{t-s} u_s per channel, u: (b, l, d), k: (l, d), by the (l, l, d)
-    Toeplitz tensor T[t, s] = k[t-s] (0 above the diagonal): O(l^2 d), fine for the tens of tokens of AR."""
+    """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b, l, d), k (l, d), by the Toeplitz tensor."""
     length = u.shape[1]
     t = torch.arange(length, device=u.device)
     lag = t[:, None] - t[None, :]                         # (l, l): t - s
@@ -109,15 +99,14 @@ def direct_conv(u, k):
 
 
 def _shift_right(x, s, fill):
-    """x shifted by s steps along dim 1, the first s entries set to `fill`: out[:, t] = x[:, t - s]."""
+    """out[:, t] = x[:, t - s], the first s entries `fill`."""
     pad = torch.full_like(x[:, :s], fill)
     return torch.cat([pad, x[:, :-s]], dim=1)
 
 
 def short_conv_reference(x, weight, bias=None):
-    """Causal depthwise short convolution SC_K as the sum in its definition: y_t = bias + sum_j w_j x_{t-(K-1)+j}.
-    x: (b, l, c), weight: (c, 1, K), bias: (c,) or None; weight[:, 0, K-1] multiplies the current token (Conv1d's
-    layout, so weights move to and from zoology's ShortConvolution and mamba-ssm's conv1d unchanged)."""
+    """Causal depthwise short conv SC_K: y_t = bias + sum_j w_j x_{t-(K-1)+j}. x (b, l, c), weight (c, 1, K)
+    (Conv1d's layout: weight[:, 0, K-1] multiplies the current token), bias (c,) or None."""
     kernel = weight.shape[-1]
     y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
     for j in range(kernel):
@@ -137,8 +126,7 @@ def delta_rule_step(state, q_t, k_t, v_t, beta_t):
 
 def delta_rule_recurrent(q, k, v, beta):
     """The delta rule as a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h) -> o (b, l, h, k):
-    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T   (write: move S^T k_t towards v_t),
-    o_t = S_t^T q_t / sqrt(d_k)                          (read after the write)."""
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k)."""
     b, l, h, dk = k.shape
     state = k.new_zeros(b, h, dk, v.shape[-1])                                     # S_{-1} = 0: (b, h, k, k)
     outputs = []
@@ -156,8 +144,8 @@ class MLP(nn.Module):
     def __init__(self, d_model):
         super().__init__()
         self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)  # "fc2.weight" is down-scaled by the init pass
-        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's second norm; before the residual add
+        self.fc2 = nn.Linear(4 * d_model, d_model)  # down-scaled by the init pass
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's second norm; before the add
 
     def forward(self, x):
         x = self.hook_in(x)
@@ -177,9 +165,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(Mixer):
-    """Causal multi-head softmax attention (zoology/mixers/attention.py, MHA): q, k, v = x W_qkv^T split per
-    head; z = softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is computed explicitly (not
-    by scaled_dot_product_attention) so that it is a patchable site: z uses whatever hook_pattern returns."""
+    """Causal multi-head softmax attention (zoology MHA): q, k, v = x W_qkv^T per head; z = softmax(q k^T /
+    sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is explicit (not SDPA) so that it is a patchable site."""
     POS_EMB = True
     INTERNAL_SITES = ["hook_pattern", "hook_z"]
 
@@ -190,7 +177,7 @@ class Attention(Mixer):
         self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False hits only this
         self.out_proj = nn.Linear(d_model, d_model)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
-        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l), rows are queries; (b,l,h,k)
+        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l) rows are queries; (b,l,h,k)
 
     def mix(self, x):
         b, l, d = x.shape
@@ -198,7 +185,7 @@ class Attention(Mixer):
         q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # three blocks of d, head outer: (b,l,h,k) each
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
-        # Upstream adds -1e4 above the diagonal; -inf gives exactly zero weight (difference ~e^-1e4).
+        # -inf, not upstream's -1e4: exactly zero weight (a difference of ~e^-1e4)
         future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
         pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
         z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))      # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
@@ -206,17 +193,16 @@ class Attention(Mixer):
 
 
 def hyena_positional_features(n_positions):
-    """Z (P, 3), the input of Hyena's and BaseConv's filter MLPs: Z[n] = (n/(P-1), cos w_n, -sin w_n), w_n =
-    2 pi 1e-4 n/P (Hyena's features, one band at frequency 1e-4: Z[n] ~ (n/(P-1), 1, 0)), never rescaled to l."""
+    """Z (P, 3), the input of Hyena's and BaseConv's filter MLPs: Z[n] = (n/(P-1), cos w_n, -sin w_n),
+    w_n = 2 pi 1e-4 n/P (Hyena's features, one band), never rescaled to l."""
     n = torch.arange(n_positions, dtype=torch.float32)
     angle = 2 * math.pi * 1e-4 * n / n_positions
     return torch.stack([n / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=1)
 
 
 class BaseConv(Mixer):
-    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, with p = u W_p^T + b_p and c a causal conv of
-    the input u: a short depthwise conv SC_K(u) (kernel_size K >= 1) or, for kernel_size=-1, an implicit
-    long conv LC(u; kappa) + u whose filter kappa (l, d) is a small ReLU MLP of fixed positional features Z."""
+    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC_K(u) (kernel_size K >= 1)
+    or, for kernel_size=-1, LC(u; kappa) + u with the filter kappa (l, d) a ReLU MLP of positional features Z."""
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
@@ -224,13 +210,12 @@ class BaseConv(Mixer):
         super().__init__(reference)
         self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
-        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c * p (b,l,d)
+        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c*p (b,l,d)
         if kernel_size == -1:
-            # zoology freezes Z, but tinylang/experiment.py sets requires_grad=True on every parameter at each
-            # evaluation, step 0 included: Z trained in the paper (README, difference 13). freeze_features: frozen.
-            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)  # (P, 3)
+            # Z trained in the paper (tinylang re-enabled its grad; README, difference 13) unless freeze_features
+            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)
             self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
-            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d), LC(u; kappa) (b,l,d)
+            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d); (b,l,d)
         else:
             self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, padding=kernel_size - 1)
 
@@ -248,8 +233,8 @@ class BaseConv(Mixer):
 
 
 def taylor_features(a):
-    """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4), vec(a a^T) / sqrt(2f)]
-    (all f^2 ordered products, row-major): phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s) with s = q.k / sqrt(f)."""
+    """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4), vec(a a^T) / sqrt(2f)],
+    so that phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s), s = q.k / sqrt(f)."""
     f = a.shape[-1]
     outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
     ones = torch.ones_like(a[..., :1])
@@ -257,10 +242,9 @@ def taylor_features(a):
 
 
 class BasedAttention(Mixer):
-    """Based linear attention with the Taylor feature map (zoology/mixers/based.py), no biases:
-    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), out = y W_o^T.
-    `mix` uses the quadratic view (what the paper trained); `step` the recurrent view, with state
-    S_t = sum phi(k_s) v_s^T and normaliser z_t = sum phi(k_s)."""
+    """Based linear attention, Taylor feature map, no biases (zoology/mixers/based.py): out = y W_o^T with
+    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps). `mix`: the quadratic view
+    (what the paper trained); `step`: the recurrent one, S_t = sum phi(k_s) v_s^T, z_t = sum phi(k_s)."""
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, eps=1e-12, **options):
@@ -273,10 +257,10 @@ class BasedAttention(Mixer):
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
         self.hook_v = HookPoint()                                        # (b,l,h,k)
-        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # causal phi(q).phi(k) (b,h,l,l); y (b,l,d)
+        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # phi(q).phi(k) (b,h,l,l); y (b,l,d)
 
     def _features(self, x):
-        """q, k, v for x (b, l, d): phi-mapped queries and keys (b,l,h,F) and values (b,l,h,k)."""
+        """phi(q), phi(k) (b, l, h, F) and v (b, l, h, k) for x (b, l, d)."""
         b, l, d = x.shape
         h, f = self.n_heads, self.feature_dim
         q = self.hook_q(self.proj_q(x).view(b, l, h, f))
@@ -303,7 +287,7 @@ class BasedAttention(Mixer):
         return S, z
 
     def step(self, x_t, state):
-        """One token of the recurrent view: x_t (b, d) -> (y_t (b, d), state). No hooks here."""
+        """One token of the recurrent view, no hooks: x_t (b, d) -> (y_t (b, d), state)."""
         b, d = x_t.shape
         S, z = state
         h, f = self.n_heads, self.feature_dim
@@ -318,10 +302,8 @@ class BasedAttention(Mixer):
 
 
 class H3(Mixer):
-    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM over the m x m outer
-    products k~ v^T: k~ = LC(k; K^s) + D^k*k, w_{h,i,j} = LC(k~_{h,i} v_{h,j}; K^d_h) + D^d_h k~_{h,i} v_{h,j},
-    o_{h,j} = sum_i q_{h,i} w_{h,i,j}, out = o W_o + b_o (o's channels in the order j*H + h). As attention:
-    w_t is a per-head m x m fast-weight memory, decaying through the SSM, read by q_t. `step`: the recurrences."""
+    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM over the m x m products
+    k~ v^T: k~ = LC(k; K^s) + D^k k, w = LC(k~ v^T; K^d) + D^d k~ v^T, o_j = sum_i q_i w_ij, out = o W_o + b_o."""
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2, **options):
@@ -332,13 +314,13 @@ class H3(Mixer):
         self.d_state, self.head_dim, self.n_heads = n, m, d // m
         h = self.n_heads
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
-        # Shift SSM, one per channel: state = down-shift(state) + B^s k_t, output C^s . state.
+        # Shift SSM per channel: state = down-shift(state) + B^s k_t, output C^s . state
         shift_B = torch.zeros(d, n)
         shift_B[:, 0] = 1.0                                  # at init K^s = C^s[:, :l]
         self.shift_B = nn.Parameter(shift_B)                                        # (d, n)
         self.shift_C = nn.Parameter(torch.empty(d, n).uniform_(-n ** -0.5, n ** -0.5))  # (d, n)
         self.shift_D = nn.Parameter(torch.randn(d))                                 # D^k
-        # Diagonal S4D-Lin SSM, one per head: n/2 complex modes (their conjugates are the factor 2).
+        # Diagonal S4D-Lin SSM per head: n/2 complex modes (their conjugates are the factor 2)
         self.log_dt = nn.Parameter(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)))
         self.log_neg_A_real = nn.Parameter(torch.full((h, n // 2), math.log(0.5)))  # rho: Re A = -1/2
         self.A_imag = nn.Parameter(math.pi * torch.arange(n // 2).float().repeat(h, 1))  # theta: pi*n
@@ -347,12 +329,12 @@ class H3(Mixer):
         self.diag_B = nn.Parameter(diag_B)                                          # (h, n/2, re/im)
         self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))      # standard complex normal
         self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
-        self.output_linear = nn.Linear(d, d)  # not called out_proj upstream, so NOT down-scaled
+        self.output_linear = nn.Linear(d, d)  # not out_proj, so NOT down-scaled
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b, l, d)
-        self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()  # K^s (l, d), LC(k; K^s) (b, l, d)
-        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()                        # (b, l, d), (b, l, h, m, m)
-        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()    # K^d (l, h), w (b, l, h, m, m)
-        self.hook_y = HookPoint()                                                         # (b, l, d): before output_linear
+        self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()  # K^s (l,d); (b,l,d)
+        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()                        # (b,l,d), (b,l,h,m,m)
+        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()    # K^d (l,h); (b,l,h,m,m)
+        self.hook_y = HookPoint()                                                         # (b,l,d)
 
     def shift_kernel(self, length):
         """K^s (l, d): K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag], the shift SSM's impulse response."""
@@ -369,8 +351,8 @@ class H3(Mixer):
         return torch.fft.irfft(spectrum, n=2 * n)[:, :length].T.to(B.dtype)          # (l, d)
 
     def diag_modes(self):
-        """(A_bar, W) (h, n/2) complex, the bilinear (Tustin) discretisation of the S4D-Lin modes: A_bar =
-        (1 + dt A/2) / (1 - dt A/2), W = C B dt / (1 - dt A/2), so that K^d[lag] = 2 Re sum_n W A_bar^lag."""
+        """(A_bar, W) (h, n/2) complex by the bilinear discretisation: A_bar = (1 + dt A/2) / (1 - dt A/2),
+        W = C B dt / (1 - dt A/2), so that K^d[lag] = 2 Re sum_n W A_bar^lag."""
         up = lambda p: p.to(torch.promote_types(p.dtype, torch.float32))  # no bfloat16 complex numbers
         dt = up(self.log_dt).exp()[:, None]                                         # (h, 1)
         A = torch.complex(-up(self.log_neg_A_real).exp(), up(self.A_imag))          # (h, n/2)
@@ -380,8 +362,7 @@ class H3(Mixer):
         return (1 + half) / (1 - half), C * B * dt / (1 - half)
 
     def ssm_kernel(self, length):
-        """K^d (l, h) = 2 Re sum_n W A_bar^lag (a Vandermonde product over the n/2 modes). The reference path
-        takes the complex powers as a running product under autograd; the fast path is vandermonde_kernel."""
+        """K^d (l, h) = 2 Re sum_n W A_bar^lag: a cumprod under autograd (reference) or vandermonde_kernel."""
         A_bar, W = self.diag_modes()                                                # (h, n/2) each
         if self.reference:
             powers = torch.cumprod(A_bar[..., None].expand(*A_bar.shape, length), dim=-1) / A_bar[..., None]
@@ -397,7 +378,7 @@ class H3(Mixer):
         shift_kernel = self.hook_shift_kernel(self.shift_kernel(l))                 # (l, d)
         shift_out = self.hook_shift_out(long_conv(k, shift_kernel, reference=self.reference))
         k_tilde = self.hook_k_tilde(shift_out + self.shift_D * k)                   # (b, l, d)
-        # Channel c = head*m + i (head outer). z[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head.
+        # channel c = head*m + i; kv[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head
         kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))      # (b, l, h, m, m)
         ssm_kernel = self.hook_ssm_kernel(self.ssm_kernel(l))                       # (l, h)
         per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # one kernel per head
@@ -408,7 +389,7 @@ class H3(Mixer):
         return self.output_linear(y)
 
     def init_state(self, batch, device=None, dtype=None):
-        """Recurrent state: the shift register (b, d, n) and the diagonal SSM's modes (b, h, m, m, n/2), complex."""
+        """The shift register (b, d, n) and the diagonal SSM's complex modes (b, h, m, m, n/2)."""
         d, n, h, m = self.shift_B.shape[0], self.d_state, self.n_heads, self.head_dim
         dtype = dtype or self.shift_B.dtype
         complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
@@ -416,8 +397,7 @@ class H3(Mixer):
                 "diag": torch.zeros(batch, h, m, m, n // 2, device=device, dtype=complex_dtype)}
 
     def step(self, x_t, state):
-        """One token, x_t (b, d) -> (y_t (b, d), next state), no hooks: shift state <- down-shift(state) + B^s k_t;
-        diagonal state per mode <- A_bar state + z_t, w = 2 Re sum_n W state + D^d z_t."""
+        """One token, no hooks: x_t (b, d) -> (y_t (b, d), next state)."""
         b, d = x_t.shape
         h, m = self.n_heads, self.head_dim
         q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)                # (b, d)
@@ -433,20 +413,18 @@ class H3(Mixer):
 
 
 class HyenaFilter(nn.Module):
-    """Hyena's implicit long filter h (l, d), a sine MLP on positional features times a decay window:
-    h[n] = (W_4 g_3) * exp(-tau_n * alpha), g_i = sin(omega * (W_i g_{i-1} + b_i)), g_0 = Z[n]."""
+    """Hyena's implicit long filter h (l, d): h[n] = (W_4 g_3) * exp(-tau_n alpha), g_i = sin(omega (W_i g_{i-1}
+    + b_i)), g_0 = Z[n]."""
 
     def __init__(self, d_model, order, n_positions):
         super().__init__()
-        # Trainable: upstream tags it lr 1e-5, but the paper's optimizer ignored the tag.
-        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3)
+        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3); trained (upstream's lr tag unused)
         self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (P,) tau_n = n/(P-1)
         self.lin1 = nn.Linear(3, order)
         self.lin2, self.lin3 = nn.Linear(order, order), nn.Linear(order, order)
         self.lin_out = nn.Linear(order, d_model, bias=False)
-        # omega: ONE vector shared by all three sines, because upstream reuses a single Sin module.
-        self.freq = nn.Parameter(torch.ones(order))
-        # alpha: per-channel decay rates 15.35..3.07, so the window reaches 1e-2 at 30%..150% of P. Never trained.
+        self.freq = nn.Parameter(torch.ones(order))  # omega: ONE vector for all three sines, as upstream
+        # alpha: decay rates 15.35..3.07 per channel (the window reaches 1e-2 at 30%..150% of P); never trained
         target = math.log(1e-2)
         self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())  # (d,)
 
@@ -459,9 +437,8 @@ class HyenaFilter(nn.Module):
 
 
 class Hyena(Mixer):
-    """Hyena operator of order 2 (zoology/mixers/hyena.py, the paper's config): [x1 | x2 | v] = SC_3(x W_in + b_in),
-    s = v*x1, y = LC(s; h), out = (y*x2) W_out + b_out. Upstream adds a skip beta*s inside the filter, but the
-    paper's `bias=False` multiplied beta by 0: a counted, inert parameter (hyena_skip=True turns it on)."""
+    """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC_3(x W_in + b_in), s = v x1, y = LC(s; h),
+    out = (y x2) W_out + b_out. The skip beta s is inert, as in the paper (bias=False: 0 beta; hyena_skip=True)."""
     FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
 
@@ -472,12 +449,11 @@ class Hyena(Mixer):
         self.n_positions = n_positions
         self.use_skip = hyena_skip
         self.in_proj = nn.Linear(d, 3 * d)
-        # Applied through short_conv (its forward is never called); Conv1d keeps torch's init and upstream's layout.
-        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)
+        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)  # weights only, for short_conv
         self.filter = HyenaFilter(d, hyena_order, n_positions)
         self.skip = nn.Parameter(torch.randn(d))   # beta
-        self.out_proj = nn.Linear(d, d)             # named out_proj so the global init pass down-scales it
-        self.hook_in_proj, self.hook_short = HookPoint(), HookPoint()  # (b, l, 3d); the short filter carries the token shift
+        self.out_proj = nn.Linear(d, d)             # down-scaled by the init pass
+        self.hook_in_proj, self.hook_short = HookPoint(), HookPoint()  # (b, l, 3d) each
         self.hook_pregate, self.hook_filter = HookPoint(), HookPoint(seq_dim=None)  # s (b, l, d), h (l, d)
         self.hook_longconv, self.hook_postgate = HookPoint(), HookPoint()          # (b, l, d) each
 
@@ -491,18 +467,16 @@ class Hyena(Mixer):
         x1, x2, v = u.split(d, dim=-1)                                                    # (b, l, d) each
         s = self.hook_pregate(v * x1)
         kernel = self.hook_filter(self.filter(l))                                         # (l, d)
-        skip = self.skip if self.use_skip else 0 * self.skip  # 0*beta: the paper's inert skip (zero gradient)
+        skip = self.skip if self.use_skip else 0 * self.skip  # the paper's inert skip (zero gradient)
         y = self.hook_longconv(long_conv(s, kernel, reference=self.reference) + skip * s)  # (b, l, d)
         return self.out_proj(self.hook_postgate(y * x2))
 
 
 class Mamba(Mixer):
-    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, mamba-ssm 2.2.4), same parameter names and shapes.
-    Read `step` first: the recurrence one token at a time, with a state h (b, e, n) per sequence:
+    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, 2.2.4), per token (`step`), state h (b, e, n):
       [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
       h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T,
-    with A = -exp(A_log) (e, n). `mix` computes the same for a whole sequence (selective_scan runs the
-    recurrence), hooking every intermediate. d_conv=0 removes the short conv; its weights stay, unused."""
+    A = -exp(A_log) (e, n). `mix`: the whole sequence, hooked. d_conv=0 removes the short conv (weights unused)."""
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
     READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the short conv carrying the key forward (v3)
     D_CONV = range(5)                                          # 0 removes the conv
@@ -519,19 +493,19 @@ class Mamba(Mixer):
         self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # used through short_conv
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
-        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [dt_min, dt_max]: two decades.
+        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [dt_min, dt_max]
         nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
         dt = torch.exp(torch.empty(e).uniform_(math.log(dt_min), math.log(dt_max))).clamp(min=dt_floor)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
         self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # (e,n), S4D-real
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # S4D-real
         self.D = nn.Parameter(torch.ones(e))
         self.out_proj = nn.Linear(e, d_model, bias=False)
         self.hook_x, self.hook_z = HookPoint(), HookPoint()         # xi, z (b,l,e)
         self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC_K(xi), u = SiLU(SC_K(xi)) (b,l,e)
-        self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()  # (b,l,e), (b,l,n), (b,l,n)
-        self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # sum_n C h, SiLU(z), y (b,l,e)
+        self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()  # (b,l,e), (b,l,n) x2
+        self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # (b,l,e) each
 
     def _selection(self, u):
         """Delta (..., e), B (..., n), C (..., n) from u (..., e)."""
@@ -573,12 +547,10 @@ class Mamba(Mixer):
         u = self.hook_u(F.silu(self.hook_conv_out(conv_out)))
         delta, B, C = self._selection(u)                          # (b,l,e), (b,l,n), (b,l,n)
         delta, B, C = self.hook_delta(delta), self.hook_B(B), self.hook_C(C)
-        # The recurrence runs in float32 at least (as the reference does), whatever the model dtype.
-        work = torch.promote_types(x.dtype, torch.float32)
+        work = torch.promote_types(x.dtype, torch.float32)        # the recurrence in float32 at least
         delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
         A = -torch.exp(self.A_log.to(work))                       # (e,n)
-        # h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  ssm_out_t = sum_n C_t h_t   (b,l,e)
-        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)
+        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)  # sum_n C_t h_t (b,l,e)
         ssm_out = self.hook_ssm_out(ssm_out.to(x.dtype))
         y = ssm_out + self.D * u
         y = self.hook_y(y * self.hook_gate(F.silu(z)))
@@ -591,10 +563,9 @@ def l2_normalize(x):
 
 
 class DeltaNet(Mixer):
-    """DeltaNet (fla/layers/delta_net.py; our configuration, README, difference 15: 1 head, K=4 convs, beta on,
-    no gate): q, k, v = SiLU(SC_4(x W)); q, k L2-normalised per head; beta = sigmoid(x W_beta) per head; the delta
-    rule (delta_rule_recurrent, or delta_rule_parallel unless reference) stores and retrieves key -> value pairs;
-    per-head RMSNorm (one shared weight); W_o. d_conv: the conv size (default 4; 0 removes the convs)."""
+    """DeltaNet (fla/layers/delta_net.py; 1 head, K=4 convs, beta, no gate: README, difference 15): q, k, v =
+    SiLU(SC_4(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta); the delta rule stores key -> value
+    pairs; per-head RMSNorm (one weight); W_o. d_conv: the conv size (default 4; 0 removes the convs)."""
     D_CONV = range(2**31)   # 0 removes the convs
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
 
@@ -607,12 +578,12 @@ class DeltaNet(Mixer):
         self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.b_proj = nn.Linear(d, h, bias=False)
-        if self.conv_size > 0:  # weights only, applied by short_conv; torch-default init U(+-1/sqrt(K))
+        if self.conv_size > 0:  # weights only, for short_conv; torch-default init
             self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False) for _ in range(3))
         self.o_norm = RMSNorm(d // h)                          # per head, one weight shared by the heads
         self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
         self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b, l, h, k): after conv, SiLU and L2 norm
-        self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # v, beta (b, l, h), readout o
+        self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k), (b,l,h), o
 
     def _convs(self):
         return (self.q_conv, self.k_conv, self.v_conv) if self.conv_size > 0 else (None, None, None)
@@ -624,13 +595,13 @@ class DeltaNet(Mixer):
         return l2_normalize(q), l2_normalize(k), v, torch.sigmoid(beta)
 
     def _norm_out(self, o):
-        """Per-head RMSNorm, heads concatenated, then W_o. o (..., h, k) -> (..., d)."""
+        """Per-head RMSNorm, heads concatenated, then W_o: (..., h, k) -> (..., d)."""
         return self.o_proj(self.o_norm(o).flatten(-2))
 
     def mix(self, x):
         b, l, d = x.shape
         conv_fn = short_conv_reference if self.reference else short_conv
-        # q, k, v as one (b, l, 3d) tensor through one projection and one 3d-channel conv (fewer ops, same maths)
+        # q, k, v through one projection and one 3d-channel conv (fewer ops, same maths)
         qkv, beta = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj).split([3 * d, self.n_heads], -1)
         if self.conv_size > 0:
             qkv = conv_fn(qkv, torch.cat([conv.weight for conv in self._convs()]))     # (b, l, 3d)
@@ -641,7 +612,7 @@ class DeltaNet(Mixer):
         return self._norm_out(o)                                                        # (b, l, d)
 
     def init_state(self, batch, device=None, dtype=None):
-        """Recurrent state: S (b, h, k, k) and the last K-1 projected inputs of each conv (b, K-1, d)."""
+        """S (b, h, k, k) and each conv's last K-1 inputs (b, K-1, d)."""
         d, h = self.o_proj.in_features, self.n_heads
         dtype = dtype or self.o_proj.weight.dtype
         state = {"S": torch.zeros(batch, h, d // h, d // h, device=device, dtype=dtype)}
@@ -650,7 +621,7 @@ class DeltaNet(Mixer):
         return state
 
     def step(self, x_t, state):
-        """One token: x_t (b, d) -> (y_t (b, d), next state). Hooks are not applied in step mode."""
+        """One token, no hooks: x_t (b, d) -> (y_t (b, d), next state)."""
         next_state, features = {}, []
         for name, proj, conv in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), self._convs()):
             z = proj(x_t)                                                               # (b, d)
