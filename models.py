@@ -653,7 +653,7 @@ class TransformerBlock(nn.Module):
         self.hook_resid_post = HookPoint()  # block output
 
     def forward(self, r, rows=None):
-        """rows (b,) positions: only those rows go through the MLP (it acts per position), out (b, 1, d)."""
+        """rows (b,): only those positions go through the MLP, out (b, 1, d)."""
         r = self.hook_resid_pre(r)
         r = self.hook_resid_mid(r + self.mixer(self.ln1(r)))
         if rows is not None:
@@ -661,7 +661,7 @@ class TransformerBlock(nn.Module):
         return self.hook_resid_post(r + self.mlp(self.ln2(r)))
 
     def rows_only_ok(self):
-        """Whether forward(r, rows) loses nothing: no hook on the MLP side, which would see (b, 1, d) tensors."""
+        """Whether forward(r, rows) loses nothing: no hook on the MLP side (it would see (b, 1, d))."""
         sites = [self.ln2, *self.mlp.modules(), self.hook_resid_post]
         return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
                     or any(m._forward_hooks or m._forward_pre_hooks for m in sites))
@@ -694,7 +694,7 @@ class LM(nn.Module):
         self.build_args = {}  # filled by build_model, enough to rebuild this model
 
     def hidden(self, tokens, rows=None):
-        """The final residual stream (b, l, d), before ln_f; with rows (b,) (see forward), (b, 1, d) at them."""
+        """The final residual stream (b, l, d) before ln_f; (b, 1, d) at rows (b,) if given."""
         check_tokens(tokens, self.embed.num_embeddings)
         b, l = tokens.shape
         r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
@@ -707,25 +707,23 @@ class LM(nn.Module):
         return r
 
     def forward(self, tokens, readout=None):
-        """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only.
-        Speed: with a readout, the last block's MLP runs on the readout rows alone when nothing hooks it (in
-        training: 1/l of its work, ~1/6 of a Transformer-block model's step at AR's 21 tokens); same maths."""
+        """tokens (b, l) -> logits (b, l, v), or (b, v) at readout (b,) positions. Speed: the last block's MLP
+        then runs on the readout rows alone when unhooked (~1/6 of a Transformer step at AR's 21 tokens)."""
         last = self.blocks[-1] if len(self.blocks) else None
         if readout is not None and isinstance(last, TransformerBlock) and last.rows_only_ok():
             return self.logits(self.hidden(tokens, readout)[:, 0])
         return self.logits(self.hidden(tokens), readout)
 
     def logits(self, r, readout=None):
-        """Final norm and tied head on the last residual stream r (b, l, d), at the readout rows if given."""
+        """Final norm and tied head on r (b, l, d), at the readout rows if given."""
         if readout is not None:
             r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
         return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
 
 
 def check_tokens(tokens, vocab_size):
-    """Raise a one-line ValueError unless tokens is a (b, l) integer tensor of ids in [0, vocab_size), rather
-    than an unpack or IndexError deep inside nn.Embedding. The range is read on a CPU only, outside
-    torch.compile and vmap: no host sync per forward on a GPU (its embedding asserts), no branch on values."""
+    """A one-line ValueError unless tokens is a (b, l) integer tensor of ids in [0, vocab_size). The range is read
+    on a CPU only, outside torch.compile and vmap: no host sync per forward on a GPU (its embedding asserts)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"tokens must be a (batch, length) tensor of token ids; got {shape}.")
@@ -734,7 +732,7 @@ def check_tokens(tokens, vocab_size):
     if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
         try:
             low, high = (x.item() for x in torch.aminmax(tokens))
-        except RuntimeError:          # vmap over the tokens: no .item() inside the transform
+        except RuntimeError:          # vmap over the tokens: no .item()
             return
         if low < 0 or high >= vocab_size:
             raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary); "
@@ -742,10 +740,8 @@ def check_tokens(tokens, vocab_size):
 
 
 def check_dataset(model, dataset, name="dataset"):
-    """Raise a one-line ValueError naming `name` unless dataset (a tasks.Dataset) is data the model can
-    read: its vocabulary is the model's (model.build_args["vocab_size"]) and, when the model knows its
-    task (model.task, which mechsm.load sets from the checkpoint's config), its task is that one. Token
-    ids below the vocabulary (check_tokens) are not enough: an AR model would score ATR documents."""
+    """A one-line ValueError naming `name` unless dataset (a tasks.Dataset) has the model's vocabulary and, if
+    the model knows it (model.task, set by mechsm.load), its task: ids in range alone would let AR score ATR."""
     if not all(hasattr(dataset, a) for a in ("task", "vocab_size", "tokens", "positions", "answers")):
         raise ValueError(f"{name} must be a tasks.Dataset (e.g. mechsm.make_data(cfg).eval); "
                          f"got {type(dataset).__name__}.")
@@ -760,15 +756,14 @@ def check_dataset(model, dataset, name="dataset"):
 
 
 def count_parameters(model, trainable_only=False):
-    """Number of distinct parameters (the tied head counted once; frozen ones included unless asked)."""
+    """Number of distinct parameters (the tied head once; frozen ones unless trainable_only)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def init_weights(model, n_layers, mamba_blocks):
-    """zoology's global init pass (zoology/model.py, _init_weights), by name and type, for any mixer. Embeddings
-    N(0, 0.02^2). Transformer blocks: Linear weights N(0, 0.02^2) (filter MLPs included), biases 0, then out_proj
-    and fc2 weights N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2's residual scaling). Mamba blocks: Linears keep their
-    weights, biases are zeroed unless _no_reinit, out_proj is torch-default / sqrt(n_layers). Convs keep theirs."""
+    """zoology's _init_weights, by name and type. Embeddings N(0, 0.02^2). Transformer blocks: Linear weights
+    N(0, 0.02^2), biases 0, out_proj and fc2 weights N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2). Mamba blocks:
+    Linear weights kept, biases 0 unless _no_reinit, out_proj torch-default / sqrt(n_layers). Convs keep theirs."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             if not mamba_blocks:
@@ -787,14 +782,13 @@ def init_weights(model, n_layers, mamba_blocks):
 
 
 def _base_conv_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """base_conv: kernel sizes [3, -1] alternate by layer (-1 = implicit long conv); d_conv sets every
-    layer's short kernel, long_only makes every layer long."""
+    """base_conv: kernel sizes 3, -1 (implicit long conv) alternate; d_conv sets all, long_only: all long."""
     kernel = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
     return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
 
 
 def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """based: even layers are BaseConv (short K=3, or d_conv, or long with long_only), odd layers linear attention."""
+    """based: BaseConv (K=3, d_conv, or long with long_only) on even layers, linear attention on odd ones."""
     if layer_idx % 2 == 0:
         kernel = -1 if long_only else d_conv if d_conv is not None else 3
         return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
@@ -807,9 +801,8 @@ MAMBA_BLOCK_ARCHS = set()  # archs built from MambaBlocks (RMSNorm, no MLP, Mamb
 
 
 def register(name, mixer, description, mamba_block=False):
-    """Make a mixer buildable as arch `name` by build_model, mechsm.Config and run.py (README, "Add your own
-    mixer"): a Mixer subclass or any factory called like one, per layer, with n_heads, d_conv, long_only,
-    n_positions and any extra build options. mamba_block=True: in Mamba's blocks (RMSNorm, no MLP)."""
+    """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name` (README, "Add your
+    own mixer"). mamba_block=True: in Mamba's blocks (RMSNorm, no MLP)."""
     if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
         raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
     MIXER_CLASSES[name] = mixer
@@ -818,7 +811,7 @@ def register(name, mixer, description, mamba_block=False):
         MAMBA_BLOCK_ARCHS.add(name)
 
 
-# The one list of the built-in architectures (the paper's six, then DeltaNet), in the order of every table.
+# The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
 register("base_conv", _base_conv_layer,
          "BaseConv: projection gated by a causal conv, short (K=3) and implicit long conv alternating + MLP")
@@ -831,15 +824,14 @@ BUILT_IN_ARCHS = tuple(ARCHS)
 
 _base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)
 _base_conv_layer.D_CONV = _based_layer.D_CONV = range(1, 2**31)      # the short-conv kernel size
-# Classes the factories above build and hand their **options to: their keyword parameters are build options too.
+# Classes the factories above hand their **options to: their keywords are build options too.
 MIXER_PARTS = (BaseConv, BasedAttention)
 NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
 
 
 def mixer_options():
-    """The extra keywords build_model accepts for every arch (a sweep passes the same ones to all): the keyword
-    parameters with defaults of the MIXER_CLASSES factories and MIXER_PARTS classes, read from their signatures
-    so that a new option needs no list; a keyword no mixer takes (n_head for n_heads) is an error."""
+    """The extra keywords build_model accepts for any arch: those with defaults in the signatures of the
+    MIXER_CLASSES factories and MIXER_PARTS (a keyword no mixer takes, n_head for n_heads, is an error)."""
     names = set()
     for factory in (*MIXER_CLASSES.values(), *MIXER_PARTS):
         for p in inspect.signature(factory).parameters.values():
@@ -849,30 +841,28 @@ def mixer_options():
 
 
 def takes_option(arch, name):
-    """Whether arch's mixer takes build option `name` (d_conv, long_only, n_heads, ...): a keyword of its
-    factory's signature, or of the classes the factory builds (its `builds` attribute)."""
+    """Whether arch's factory, or a class it builds (its `builds`), takes build option `name`."""
     factory = MIXER_CLASSES[arch]
     return any(name in inspect.signature(f).parameters for f in (factory, *getattr(factory, "builds", ())))
 
 
 def mixer_attr(arch, name):
-    """A class attribute of arch's mixer (Mixer.READS, POS_EMB, FIXED_LENGTH, D_CONV), or of its factory."""
+    """A class attribute of arch's mixer or factory (READS, POS_EMB, FIXED_LENGTH, D_CONV)."""
     return getattr(MIXER_CLASSES[arch], name, getattr(Mixer, name))
 
 
 def _pos_emb_or_default(arch, pos_emb):
-    """pos_emb as given; None means the mixer's default (Mixer.POS_EMB: attention only)."""
+    """pos_emb, or the mixer's POS_EMB for None."""
     return mixer_attr(arch, "POS_EMB") if pos_emb is None else pos_emb
 
 
 def position_limit(arch, pos_emb, n_positions):
-    """The longest sequence arch's model accepts, or None for any length: learned positions (pos_emb as in
-    build_model) and fixed-length filters (Mixer.FIXED_LENGTH) are tables of n_positions rows."""
+    """The longest sequence arch's model accepts (None: any): positions and FIXED_LENGTH filters are tables."""
     return n_positions if _pos_emb_or_default(arch, pos_emb) or mixer_attr(arch, "FIXED_LENGTH") else None
 
 
 def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options):
-    """Raise a one-line ValueError naming the first argument build_model cannot build from."""
+    """A one-line ValueError naming the first argument build_model cannot build from."""
     positive_int = lambda x: isinstance(x, int) and x >= 1
     if arch not in MIXER_CLASSES:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
@@ -900,8 +890,7 @@ def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions,
 
 
 def _too_big(error, arch, vocab_size, d_model, n_layers):
-    """A ValueError naming the sizes for an allocation failure while building (None for other errors):
-    a width or vocabulary too large to allocate is bad input, not a crash."""
+    """A ValueError naming the sizes if error is an allocation failure (bad input, not a crash), else None."""
     text = " ".join(str(error).split())
     if not (isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text.lower()):
         return None
@@ -913,9 +902,8 @@ def _too_big(error, arch, vocab_size, d_model, n_layers):
 
 def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
                 d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """The language model for `arch` with the paper's defaults. pos_emb: learned positions (None: attention
-    only). d_conv: short-conv size of mamba (0..4, 0 removes it) or based/base_conv; long_only: long convs only
-    there. kernels: "fast" or "reference" (section 2). seed: seeds the init without touching the global RNG."""
+    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: attention only).
+    d_conv: short-conv size; long_only: long convs only. kernels: "fast" or "reference". seed: the init's own RNG."""
     _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options)
     pos_emb = _pos_emb_or_default(arch, pos_emb)
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
@@ -927,7 +915,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         if seed is not None:
             torch.manual_seed(seed)
         make_mixer = MIXER_CLASSES[arch]
-        try:  # parameters are drawn in this order: the mixers layer by layer, then the embeddings
+        try:  # drawn in this order: the mixers layer by layer, then the embeddings
             blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
                                                 d_conv=d_conv, long_only=long_only, n_positions=n_positions,
                                                 **options))
@@ -946,9 +934,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
 # ============================================ 5. Fast kernels and their dispatchers (scan, selective_scan, long_conv)
 
 class _one_thread:
-    """Run a loop of small CPU ops on one intra-op thread: splitting a step of a few tens of thousands of floats
-    costs more in hand-offs than it gains (with two threads a Mamba training step ran at 13.6 steps/s with its
-    loops on one, 11.5 on both). Large ops elsewhere keep every thread."""
+    """A loop of small CPU ops on one thread: hand-offs cost more than they gain (Mamba: 13.6 steps/s, 11.5 on 2)."""
 
     def __enter__(self):
         self.threads = torch.get_num_threads()
@@ -961,9 +947,8 @@ class _one_thread:
 
 
 class kernel_form:
-    """`with kernel_form("gpu"):` makes scan and selective_scan pick the form they use off the CPU (parallel
-    scan, materialised selective scan) even for CPU tensors, and "cpu" the loop forms on any device; the
-    choice by device comes back on exit, exceptions included. Tests use it to run the GPU paths on a CPU."""
+    """`with kernel_form("gpu"):` makes scan and selective_scan use their GPU forms on any device ("cpu": the
+    loop forms); tests use it to run the GPU paths on a CPU."""
 
     forced = None  # "cpu" | "gpu" | None (choose by device)
 
@@ -981,14 +966,13 @@ class kernel_form:
 
     @staticmethod
     def of(x):
-        """The form for tensor x: the forced one, else "cpu" for CPU tensors and "gpu" otherwise."""
+        """The forced form, else x's device's."""
         return kernel_form.forced or ("cpu" if x.device.type == "cpu" else "gpu")
 
 
 def _fold_into_batch(info, in_dims, tensors):
-    """First half of a custom autograd.Function's vmap rule: each tensor, vmapped at in_dims[i] (None: expanded
-    to every member) -> (r*b, ...), members stacked member-major along the batch dim, so that the plain kernel
-    runs once on all of them under regular autograd; the rule then unflattens the output to (r, b, ...)."""
+    """A vmap rule's first half: each tensor (vmapped at in_dims[i], None: expanded) -> (r*b, ...), member-major,
+    so the plain kernel runs once on all members; the rule then unflattens its output to (r, b, ...)."""
     folded = []
     for x, dim in zip(tensors, in_dims):
         x = x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)  # (r, b, ...)
@@ -997,12 +981,9 @@ def _fold_into_batch(info, in_dims, tensors):
 
 
 def parallel_scan(a, b):
-    """sequential_scan's recurrence with no Python loop over the length (odd-even reduction). Step t is the affine
-    map h -> a_t*h + b_t, and steps 2k, 2k+1 composed are one: h -> (a_{2k+1} a_{2k}) h + (a_{2k+1} b_{2k} + b_{2k+1}).
-    So: pair up neighbours, solve the half-length problem for the odd positions (recursively), then fill in each
-    even position from its left neighbour, h_2k = a_2k h_{2k-1} + b_2k. Each level is a few elementwise ops on
-    whole (b, l/2^level, ...) tensors: ~log2(l) levels of launches on a GPU instead of l steps, O(l) work in all
-    (Blelloch-style, not Hillis-Steele's O(l log l)). On a CPU the loop in `scan` is still faster (`run.py bench`)."""
+    """sequential_scan by odd-even reduction: steps 2k, 2k+1 compose into one affine map, h -> (a_{2k+1} a_{2k}) h
+    + (a_{2k+1} b_{2k} + b_{2k+1}); solve for the odd positions recursively, then h_2k = a_2k h_{2k-1} + b_2k.
+    Speed: ~log2(l) levels of whole-tensor ops on a GPU instead of l steps, O(l) work."""
     length = a.shape[1]
     if length == 1:
         return b
@@ -1019,7 +1000,7 @@ def parallel_scan(a, b):
 
 
 class _ScanFn(torch.autograd.Function):
-    """The scans with a hand-written backward: both save (a, h), both fold a vmap into the batch dim."""
+    """A scan with a hand-written backward: saves (a, h), folds a vmap into the batch dim."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -1032,9 +1013,8 @@ class _ScanFn(torch.autograd.Function):
 
 
 class _LoopScanFn(_ScanFn):
-    """sequential_scan with a hand-written backward: no autograd graph of l small ops. Forward: its loop, each
-    step written in place into one preallocated output. Backward: with g = dLoss/dh, the gradient flowing into
-    h_t is c_t = g_t + a_{t+1} * c_{t+1} (a reverse scan), then dLoss/db_t = c_t and dLoss/da_t = c_t h_{t-1}."""
+    """sequential_scan in place, hand-written backward (no graph of l small ops): with g = dL/dh, the gradient
+    into h_t is c_t = g_t + a_{t+1} c_{t+1} (a reverse scan), dL/db_t = c_t, dL/da_t = c_t h_{t-1}."""
 
     @staticmethod
     def forward(a, b):
@@ -1052,7 +1032,7 @@ class _LoopScanFn(_ScanFn):
         grad_b[:, -1] = grad_h[:, -1]
         with _one_thread():
             for t in range(h.shape[1] - 2, -1, -1):
-                torch.addcmul(grad_h[:, t], a[:, t + 1], grad_b[:, t + 1], out=grad_b[:, t])  # c_t = g_t + a_{t+1} c_{t+1}
+                torch.addcmul(grad_h[:, t], a[:, t + 1], grad_b[:, t + 1], out=grad_b[:, t])  # c_t
         grad_a = torch.empty_like(h)
         grad_a[:, 0] = 0
         torch.mul(grad_b[:, 1:], h[:, :-1], out=grad_a[:, 1:])             # dL/da_t = c_t h_{t-1}
@@ -1060,9 +1040,8 @@ class _LoopScanFn(_ScanFn):
 
 
 class _ParallelScanFn(_ScanFn):
-    """parallel_scan with a backward that is one parallel scan run right to left (autograd through its slices
-    keeps ~2.5x more tensors): c_t = g_t + a_{t+1} c_{t+1} (see _LoopScanFn) reversed in time, s = l-1-t, is
-    c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s} (a'_0 unused), i.e. parallel_scan(a', g')."""
+    """parallel_scan whose backward is parallel_scan right to left (autograd keeps ~2.5x more tensors): _LoopScanFn's
+    c_t reversed in time, s = l-1-t, is c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s}."""
 
     @staticmethod
     def forward(a, b):
@@ -1078,13 +1057,12 @@ class _ParallelScanFn(_ScanFn):
         return grad_a, grad_b
 
 
-loop_scan = _LoopScanFn.apply                      # sequential_scan's loop, hand-written backward: fastest on a CPU
-parallel_scan_custom_grad = _ParallelScanFn.apply  # parallel_scan with the reverse-scan backward: `scan` on a GPU
+loop_scan = _LoopScanFn.apply                      # fastest on a CPU
+parallel_scan_custom_grad = _ParallelScanFn.apply  # `scan` on a GPU
 
 
 def scan(a, b, reference=False):
-    """h_t = a_t h_{t-1} + b_t for a mixer: loop_scan on a CPU, else parallel_scan_custom_grad (or
-    kernel_form's); reference=True (a mixer's kernels="reference") runs sequential_scan itself."""
+    """h_t = a_t h_{t-1} + b_t: loop_scan on a CPU, else parallel_scan_custom_grad (or as kernel_form says)."""
     if reference:
         return sequential_scan(a, b)
     if kernel_form.of(a) == "cpu":
@@ -1093,8 +1071,7 @@ def scan(a, b, reference=False):
 
 
 def _selective_states(u, delta, A, B):
-    """decay = exp(Δ A) and the states h (both (b, l, e, n)) of h_t = decay_t h_{t-1} + Δ_t u_t B_t.
-    A is (e, n), or (b, e, n): one A per batch row (an ensemble's members folded into the batch)."""
+    """decay = exp(Δ A) and states h_t = decay_t h_{t-1} + Δ_t u_t B_t, (b, l, e, n); A (e, n) or (b, e, n)."""
     decay = (delta[..., None] * (A if A.dim() == 2 else A[:, None])).exp_()  # (b,l,e,n)
     states = (delta * u)[..., None] * B[:, :, None, :]                    # drive (b,l,e,n), becomes h
     h, a = states.unbind(1), decay.unbind(1)                              # views, taken once: no select per step
@@ -1104,41 +1081,29 @@ def _selective_states(u, delta, A, B):
 
 
 def _selective_readout(states, C):
-    """y_t = sum_n C_t h_t: (b, l, e, n), (b, l, n) -> (b, l, e). A multiply and a sum over the last dim: on a CPU
-    1.5-2.5x faster than the same as a batched matrix-vector product (bmm), which goes through gemv per row."""
+    """y_t = sum_n C_t h_t: (b, l, e, n), (b, l, n) -> (b, l, e). Multiply and sum: 1.5-2.5x faster than bmm (gemv)."""
     return (states * C[:, :, None, :]).sum(-1)
 
 
 def _sum_over_e(x, states):
-    """sum_e x_t h_t: (b, l, e), (b, l, e, n) -> (b, l, n), as one batched vector-matrix product."""
+    """sum_e x_t h_t: (b, l, e), (b, l, e, n) -> (b, l, n), one bmm."""
     b, l, e, n = states.shape
     return torch.bmm(x.reshape(b * l, 1, e), states.view(b * l, e, n)).view(b, l, n)
 
 
 def _row_chunks(shape, floats=1 << 17, most=8):
-    """Slices of the batch whose (rows, l, e, n) tensors hold about `floats` floats (512 KB in float32), at most
-    `most` of them: a few such tensors stay in a core's L2 cache, where a pass over them is several times faster
-    than one over the whole (b, l, e, n) tensor from memory. Each slice costs ~90 more dispatched ops (the loops):
-    the vmap rule asks for most=2, so that an ensemble's folded batch (mechsm.Ensemble) stays ~2 batched ops a step
-    (at 35 members of `run.py bench` size tiny: 24 ops per member-step against 529 alone; 1 slice: 16, slower)."""
+    """At most `most` batch slices whose (rows, l, e, n) tensors hold ~`floats` floats. Speed: they stay in L2 cache,
+    several times faster than passes over memory; each slice costs ~90 ops (the vmap rule takes most=2)."""
     b = shape[0]
     rows = max(1, floats // math.prod(shape[1:]), -(-b // most))
     return [slice(i, min(i + rows, b)) for i in range(0, b, rows)]
 
 
 class _SelectiveScanLoopFn(torch.autograd.Function):
-    """selective_scan_reference with one in-place op per time step and a hand-written backward (the CPU path),
-    a slice of the batch at a time (_row_chunks) so that its (rows, l, e, n) tensors stay in cache. Forward: per
-    slice, decay = exp(Δ A) and drive = Δ u B are built once, the drive overwritten in place by the states,
-    h_t += decay_t h_{t-1}; y = sum_n C h is one bmm. Only the inputs are saved: the backward recomputes each
-    slice's decay and states (4 cheap in-cache passes, against writing and re-reading 2 big tensors), then runs
-    the reverse-time loop on the gradient reaching h_t,
-      g_t = C_t dy_t + decay_{t+1} g_{t+1}          (in place, one op per step)
-    and everything else as batched ops over all steps at once:
-      dL/dC_t = sum_e dy_t h_t    dL/dB_t = sum_e Δ_t u_t g_t    dL/d(Δ_t u_t) = sum_n g_t B_t
-      dL/d(Δ_t A) = g_t * h_{t-1} * decay_t  -> dL/dA = sum_{b,t} (.) Δ_t,  dL/dΔ_t += sum_n (.) A.
-    About 15 in-cache passes over a slice in all (the unsliced form: ~33 over memory, 3.5x slower at the quick
-    AR shape). A: (e, n), or (b, e, n), one per row, under the vmap rule."""
+    """selective_scan_reference, one in-place op per step, a batch slice at a time (_row_chunks: in cache), only
+    the inputs saved (the backward recomputes the states in cache). Backward: g_t = C_t dy_t + decay_{t+1} g_{t+1}
+    in place, then batched: dC_t = sum_e dy_t h_t, dB_t = sum_e Δ_t u_t g_t, d(Δ_t u_t) = sum_n g_t B_t,
+    d(Δ_t A) = g_t h_{t-1} decay_t -> dA, dΔ. ~15 in-cache passes (unsliced: ~33 over memory, 3.5x slower)."""
 
     @staticmethod
     def forward(u, delta, A, B, C, most):
@@ -1177,7 +1142,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
                 g[:, 1:].mul_(states[:, :-1])                             # g becomes dL/d(Δ A):
                 g[:, 0].zero_()                                           #   g_t h_{t-1} decay_t, h_{-1} = 0
                 g.mul_(decay)
-                # multiply and sum, not einsum: its bmm/gemv with e as the batch dim ran 3-15x slower here
+                # multiply and sum, not einsum (bmm/gemv over e: 3-15x slower)
                 grad_A_rows += (g * d_delta[..., None]).sum(1 if per_row else (0, 1))
                 grad_delta[rows] = (g * (A_rows[:, None] if per_row else A_rows)).sum(-1).addcmul_(grad_drive, u[rows])
                 grad_u[rows] = grad_drive * d_delta
@@ -1195,13 +1160,12 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
 
 
 def selective_scan_loop(u, delta, A, B, C):
-    """The CPU form of selective_scan: y (b, l, e) from _SelectiveScanLoopFn."""
+    """The CPU form of selective_scan (_SelectiveScanLoopFn)."""
     return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)
 
 
 def selective_scan(u, delta, A, B, C, reference=False):
-    """Mamba's selective scan as the model runs it: selective_scan_loop on a CPU, else the reference's maths through
-    parallel_scan_custom_grad (~2 log2(l) launches, not l); kernel_form forces either. reference=True: the reference."""
+    """selective_scan_loop on a CPU, else the reference through parallel_scan_custom_grad (or as kernel_form says)."""
     if reference:
         return selective_scan_reference(u, delta, A, B, C)
     if kernel_form.of(u) == "cpu":
@@ -1210,8 +1174,7 @@ def selective_scan(u, delta, A, B, C, reference=False):
 
 
 def _powers(A, length):
-    """A^0 .. A^(l-1): (h, m) complex -> (h, m, l), by doubling: P[k:2k] = P[:k] A^k, log2(l) multiplies over
-    growing slices (one pass in all; torch.cumprod on complex numbers ran ~5x slower on a CPU)."""
+    """A^0 .. A^(l-1): (h, m) complex -> (h, m, l) by doubling, P[k:2k] = P[:k] A^k (complex cumprod: ~5x slower)."""
     P = A.new_empty(*A.shape, length)
     P[..., 0] = 1
     k, A_k = 1, A                                                           # A_k = A^k
@@ -1223,14 +1186,9 @@ def _powers(A, length):
 
 
 class _VandermondeFn(torch.autograd.Function):
-    """H3.ssm_kernel's K (l, h) = 2 Re sum_m W_hm A_hm^lag from the modes A, W (h, m) complex, with a hand-written
-    backward. Autograd through the reference's cumprod (or through exp/log/cos/sin of a real-arithmetic form,
-    the previous fast path) keeps and revisits ~10 (h, m, l) tensors; here the powers are one cumprod, built
-    again in the backward (only A and W are saved), and each direction is one complex bmm over them:
-      K^T = 2 Re (W^T P)            with P[h, m, lag] = A^lag
-      dL/dW = 2 conj(P G)           (G (h, l) = dL/dK^T; torch's complex gradient is dL/dRe + i dL/dIm)
-      dL/dA = 2 conj(W P G')        with G'[lag] = (lag+1) G[lag+1] (d A^(lag+1)/dA = (lag+1) A^lag), G'[l-1] = 0.
-    vmap: the members are more heads."""
+    """K (l, h) = 2 Re sum_m W A^lag, hand-written backward: only A, W saved (autograd keeps ~10 (h, m, l) tensors),
+    each direction one complex bmm over the powers P: K^T = 2 Re (W^T P), dW = 2 conj(P G), dA = 2 conj(W P G')
+    with G = dL/dK^T, G'[lag] = (lag+1) G[lag+1]. vmap: the members are more heads."""
 
     @staticmethod
     def forward(A, W, length):
@@ -1260,14 +1218,12 @@ class _VandermondeFn(torch.autograd.Function):
 
 
 def vandermonde_kernel(A, W, length):
-    """K (l, h) = 2 Re sum_m W A^lag for modes A, W (h, m) complex: H3's diagonal-SSM kernel (_VandermondeFn)."""
+    """H3's diagonal-SSM kernel K (l, h) from modes A, W (h, m) complex (_VandermondeFn)."""
     return _VandermondeFn.apply(A, W, length)
 
 
 def fft_conv(u, k):
-    """direct_conv's causal long convolution by real FFT, O(l log l). Both signals are zero-padded to 2l so
-    that the circular convolution the FFT computes has no wrap-around: the first l outputs are exactly the
-    causal linear convolution. The length goes on the last (contiguous) axis, where the FFT runs fastest."""
+    """direct_conv by real FFT, O(l log l), zero-padded to 2l (no wrap-around), length on the contiguous axis."""
     length = u.shape[1]
     n = 2 * length
     work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU: cast up, then back
@@ -1278,14 +1234,13 @@ def fft_conv(u, k):
 
 
 def long_conv(u, k, reference=False):
-    """Causal long convolution as the mixers use it: fft_conv, or direct_conv when reference=True."""
+    """fft_conv, or direct_conv when reference=True."""
     return direct_conv(u, k) if reference else fft_conv(u, k)
 
 
 def short_conv(x, weight, bias=None):
-    """short_conv_reference's SC_K as K multiply-adds over one zero-padded copy of x (no cat per tap), not
-    F.conv1d: at the tens of tokens of AR the depthwise conv's CPU path, forward+backward, took 1.4 ms at
-    Hyena's (32, 21, 192), this 0.55-0.8 ms (`run.py bench`). x: (b, l, c), weight: (c, 1, K), bias: (c,) or None."""
+    """short_conv_reference as K multiply-adds over one padded copy of x. Speed: F.conv1d's CPU path took 1.4 ms at
+    Hyena's (32, 21, 192) forward+backward, this 0.55-0.8 ms."""
     length, kernel = x.shape[1], weight.shape[-1]
     padded = F.pad(x, (0, 0, kernel - 1, 0))                        # (b, l+K-1, c): K-1 zeros in front
     taps = weight[:, 0].t()                                         # (K, c); tap j looks K-1-j steps back
@@ -1296,10 +1251,8 @@ def short_conv(x, weight, bias=None):
 
 
 def delta_rule_parallel(q, k, v, beta):
-    """delta_rule_recurrent's outputs with no loop over tokens. Write S_t = sum_{j<=t} k_j u_j^T. The update
-    says u_t = beta_t (v_t - S_{t-1}^T k_t) = beta_t v_t - beta_t sum_{j<t} (k_t . k_j) u_j, i.e. the unit
-    lower-triangular system (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V, one triangular solve per
-    head. Then o_t = sum_{j<=t} (q_t . k_j) u_j / sqrt(d_k) = tril(Q K^T) U / sqrt(d_k)."""
+    """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
+    u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k)."""
     dk = k.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, k)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
