@@ -128,7 +128,7 @@ def delta_rule_recurrent(q, k, v, beta):
     """The delta rule as a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h) -> o (b, l, h, k):
     S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k)."""
     b, l, h, dk = k.shape
-    state = k.new_zeros(b, h, dk, v.shape[-1])                                     # S_{-1} = 0: (b, h, k, k)
+    state = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, k, k)
     outputs = []
     for q_t, k_t, v_t, beta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), beta.unbind(1)):
         o_t, state = delta_rule_step(state, q_t, k_t, v_t, beta_t)
@@ -212,7 +212,7 @@ class BaseConv(Mixer):
         self.projection = nn.Linear(d_model, d_model)
         self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c*p (b,l,d)
         if kernel_size == -1:
-            # Z trained in the paper (tinylang re-enabled its grad; README, difference 13) unless freeze_features
+            # Z trained in the paper (README, difference 13) unless freeze_features
             self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)
             self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
             self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d); (b,l,d)
@@ -224,7 +224,7 @@ class BaseConv(Mixer):
         p = self.hook_proj(self.projection(u))
         if self.kernel_size == -1:
             kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
-            c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # note the built-in identity
+            c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # a built-in identity
         else:
             conv = short_conv_reference if self.reference else short_conv
             c = conv(u, self.conv.weight, self.conv.bias)                  # (b,l,d)
@@ -326,13 +326,13 @@ class H3(Mixer):
         self.A_imag = nn.Parameter(math.pi * torch.arange(n // 2).float().repeat(h, 1))  # theta: pi*n
         diag_B = torch.zeros(h, n // 2, 2)
         diag_B[..., 0] = 1.0                                                        # B^d = 1 + 0i
-        self.diag_B = nn.Parameter(diag_B)                                          # (h, n/2, re/im)
+        self.diag_B = nn.Parameter(diag_B)  # (h, n/2, re/im)
         self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))      # standard complex normal
         self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
         self.output_linear = nn.Linear(d, d)  # not out_proj, so NOT down-scaled
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b, l, d)
         self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()  # K^s (l,d); (b,l,d)
-        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()                        # (b,l,d), (b,l,h,m,m)
+        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()  # (b,l,d), (b,l,h,m,m)
         self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()    # K^d (l,h); (b,l,h,m,m)
         self.hook_y = HookPoint()                                                         # (b,l,d)
 
@@ -346,7 +346,7 @@ class H3(Mixer):
             lags = [(B[:, :n - lag] * C[:, lag:]).sum(-1) for lag in range(length)]  # l x (d,)
             return torch.stack(lags, dim=0)                                          # (l, d)
         # Cross-correlation by FFT; padding to 2n keeps lags 0..n-1 free of wrap-around.
-        work = torch.promote_types(B.dtype, torch.float32)                           # no half-precision FFT on CPU
+        work = torch.promote_types(B.dtype, torch.float32)  # no half-precision FFT on CPU
         spectrum = torch.fft.rfft(C.to(work), n=2 * n) * torch.fft.rfft(B.to(work), n=2 * n).conj()  # (d, n+1)
         return torch.fft.irfft(spectrum, n=2 * n)[:, :length].T.to(B.dtype)          # (l, d)
 
@@ -379,12 +379,12 @@ class H3(Mixer):
         shift_out = self.hook_shift_out(long_conv(k, shift_kernel, reference=self.reference))
         k_tilde = self.hook_k_tilde(shift_out + self.shift_D * k)                   # (b, l, d)
         # channel c = head*m + i; kv[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head
-        kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))      # (b, l, h, m, m)
+        kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))  # (b, l, h, m, m)
         ssm_kernel = self.hook_ssm_kernel(self.ssm_kernel(l))                       # (l, h)
         per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # one kernel per head
         w = long_conv(kv.reshape(b, l, h * m * m), per_signal, reference=self.reference).view(b, l, h, m, m)
-        w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)                  # (b, l, h, m, m)
-        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)                 # read out with the query
+        w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)  # (b, l, h, m, m)
+        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)  # read out with the query
         y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,h,m) -> (b,l,m,h) -> (b,l,d): channel j*H+h
         return self.output_linear(y)
 
@@ -403,12 +403,12 @@ class H3(Mixer):
         q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)                # (b, d)
         shift = F.pad(state["shift"][..., :-1], (1, 0)) + self.shift_B * k[..., None]  # (b, d, n)
         k_tilde = (self.shift_C * shift).sum(-1) + self.shift_D * k                    # (b, d)
-        kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)                             # (b, h, m, m)
+        kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)  # (b, h, m, m)
         A_bar, W = self.diag_modes()                                                   # (h, n/2)
-        diag = A_bar[:, None, None] * state["diag"] + kv[..., None]                    # (b, h, m, m, n/2)
+        diag = A_bar[:, None, None] * state["diag"] + kv[..., None]  # (b, h, m, m, n/2)
         w = 2 * (W[:, None, None] * diag).sum(-1).real + self.diag_D[:, None, None] * kv  # (b, h, m, m)
         o = torch.einsum("bhi,bhij->bhj", q.view(b, h, m), w)                          # (b, h, m)
-        y = o.transpose(1, 2).reshape(b, d)                                            # channel j*H + h
+        y = o.transpose(1, 2).reshape(b, d)  # channel j*H + h
         return self.output_linear(y), {"shift": shift, "diag": diag}
 
 
@@ -418,13 +418,13 @@ class HyenaFilter(nn.Module):
 
     def __init__(self, d_model, order, n_positions):
         super().__init__()
-        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3); trained (upstream's lr tag unused)
+        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3), trained
         self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (P,) tau_n = n/(P-1)
         self.lin1 = nn.Linear(3, order)
         self.lin2, self.lin3 = nn.Linear(order, order), nn.Linear(order, order)
         self.lin_out = nn.Linear(order, d_model, bias=False)
         self.freq = nn.Parameter(torch.ones(order))  # omega: ONE vector for all three sines, as upstream
-        # alpha: decay rates 15.35..3.07 per channel (the window reaches 1e-2 at 30%..150% of P); never trained
+        # alpha: decay rates 15.35..3.07 per channel (window 1e-2 at 30%..150% of P), never trained
         target = math.log(1e-2)
         self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())  # (d,)
 
@@ -461,10 +461,10 @@ class Hyena(Mixer):
         b, l, d = x.shape
         if l > self.n_positions:
             raise ValueError(f"Hyena: sequence length {l} exceeds n_positions={self.n_positions}")
-        u = self.hook_in_proj(self.in_proj(x))                                            # (b, l, 3d)
+        u = self.hook_in_proj(self.in_proj(x))  # (b, l, 3d)
         conv = short_conv_reference if self.reference else short_conv
-        u = self.hook_short(conv(u, self.short_filter.weight, self.short_filter.bias))    # (b, l, 3d)
-        x1, x2, v = u.split(d, dim=-1)                                                    # (b, l, d) each
+        u = self.hook_short(conv(u, self.short_filter.weight, self.short_filter.bias))  # (b, l, 3d)
+        x1, x2, v = u.split(d, dim=-1)  # (b, l, d) each
         s = self.hook_pregate(v * x1)
         kernel = self.hook_filter(self.filter(l))                                         # (l, d)
         skip = self.skip if self.use_skip else 0 * self.skip  # the paper's inert skip (zero gradient)
@@ -547,7 +547,7 @@ class Mamba(Mixer):
         u = self.hook_u(F.silu(self.hook_conv_out(conv_out)))
         delta, B, C = self._selection(u)                          # (b,l,e), (b,l,n), (b,l,n)
         delta, B, C = self.hook_delta(delta), self.hook_B(B), self.hook_C(C)
-        work = torch.promote_types(x.dtype, torch.float32)        # the recurrence in float32 at least
+        work = torch.promote_types(x.dtype, torch.float32)  # the recurrence in float32 at least
         delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
         A = -torch.exp(self.A_log.to(work))                       # (e,n)
         ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)  # sum_n C_t h_t (b,l,e)
@@ -580,7 +580,7 @@ class DeltaNet(Mixer):
         self.b_proj = nn.Linear(d, h, bias=False)
         if self.conv_size > 0:  # weights only, for short_conv; torch-default init
             self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False) for _ in range(3))
-        self.o_norm = RMSNorm(d // h)                          # per head, one weight shared by the heads
+        self.o_norm = RMSNorm(d // h)  # per head, one weight shared by the heads
         self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
         self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b, l, h, k): after conv, SiLU and L2 norm
         self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k), (b,l,h), o
@@ -605,10 +605,10 @@ class DeltaNet(Mixer):
         qkv, beta = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj).split([3 * d, self.n_heads], -1)
         if self.conv_size > 0:
             qkv = conv_fn(qkv, torch.cat([conv.weight for conv in self._convs()]))     # (b, l, 3d)
-        q, k, v, beta = self._heads(*F.silu(qkv).split(d, dim=-1), beta)               # (b, l, h, k), (b, l, h)
+        q, k, v, beta = self._heads(*F.silu(qkv).split(d, dim=-1), beta)  # (b, l, h, k), (b, l, h)
         q, k, v, beta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_beta(beta)
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
-        o = self.hook_o(delta_rule(q, k, v, beta))                                      # (b, l, h, k)
+        o = self.hook_o(delta_rule(q, k, v, beta))  # (b, l, h, k)
         return self._norm_out(o)                                                        # (b, l, d)
 
     def init_state(self, batch, device=None, dtype=None):
@@ -626,18 +626,18 @@ class DeltaNet(Mixer):
         for name, proj, conv in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), self._convs()):
             z = proj(x_t)                                                               # (b, d)
             if conv is not None:
-                window = torch.cat([state[name], z[:, None]], dim=1)                    # (b, K, d), oldest first
+                window = torch.cat([state[name], z[:, None]], dim=1)  # (b, K, d), oldest first
                 next_state[name] = window[:, 1:]
                 z = (window * conv.weight[:, 0].T).sum(1)  # tap K-1 hits the current token, as in short_conv
             else:
                 next_state[name] = state[name]
             features.append(F.silu(z))
-        q, k, v, beta = self._heads(*features, self.b_proj(x_t))                        # (b, h, k), (b, h)
+        q, k, v, beta = self._heads(*features, self.b_proj(x_t))  # (b, h, k), (b, h)
         o, next_state["S"] = delta_rule_step(state["S"], q, k, v, beta)                # (b, h, k)
         return self._norm_out(o), next_state
 
 
-# ============================================ 4. Blocks, the LM (zoology/model.py), the init pass, the registry
+# ============================================ 4. Blocks, the LM (zoology/model.py), init, registry
 
 class TransformerBlock(nn.Module):
     """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
@@ -795,7 +795,7 @@ def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, lon
     return BasedAttention(d_model, layer_idx, n_layers, reference, **options)
 
 
-ARCHS = {}                 # arch name -> one-line description (run.py's help, mechsm.Config's check)
+ARCHS = {}  # arch name -> one-line description (run.py's help, mechsm.Config's check)
 MIXER_CLASSES = {}         # arch name -> factory (d_model, layer_idx, n_layers, reference, **options) -> Mixer
 MAMBA_BLOCK_ARCHS = set()  # archs built from MambaBlocks (RMSNorm, no MLP, Mamba's init rules)
 
@@ -931,7 +931,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     return model
 
 
-# ============================================ 5. Fast kernels and their dispatchers (scan, selective_scan, long_conv)
+# ============================================ 5. Fast kernels and their dispatchers
 
 class _one_thread:
     """A loop of small CPU ops on one thread: hand-offs cost more than they gain (Mamba: 13.6 steps/s, 11.5 on 2)."""
@@ -976,7 +976,7 @@ def _fold_into_batch(info, in_dims, tensors):
     folded = []
     for x, dim in zip(tensors, in_dims):
         x = x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)  # (r, b, ...)
-        folded.append(x.reshape(-1, *x.shape[2:]))                                         # (r*b, ...)
+        folded.append(x.reshape(-1, *x.shape[2:]))  # (r*b, ...)
     return folded
 
 
@@ -990,7 +990,7 @@ def parallel_scan(a, b):
     if length % 2:  # pad with an identity step (a = 1, b = 0), dropped at the end
         a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
         b = torch.cat([b, torch.zeros_like(b[:, :1])], dim=1)
-    a_even, a_odd = a[:, 0::2], a[:, 1::2]                        # steps 0, 2, 4, ... and 1, 3, 5, ...
+    a_even, a_odd = a[:, 0::2], a[:, 1::2]  # steps 0, 2, 4, ... and 1, 3, 5, ...
     b_even, b_odd = b[:, 0::2], b[:, 1::2]
     h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
     h_before_even = torch.cat([torch.zeros_like(h_odd[:, :1]), h_odd[:, :-1]], dim=1)  # h_{-1}=0, h_1, h_3, ...
@@ -1046,7 +1046,7 @@ class _ParallelScanFn(_ScanFn):
     @staticmethod
     def forward(a, b):
         h = parallel_scan(a, b)
-        return b.clone() if h is b else h    # l = 1 hands b back as is: saving it needs a fresh tensor
+        return b.clone() if h is b else h    # l = 1 returns b itself
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -1073,10 +1073,10 @@ def scan(a, b, reference=False):
 def _selective_states(u, delta, A, B):
     """decay = exp(Δ A) and states h_t = decay_t h_{t-1} + Δ_t u_t B_t, (b, l, e, n); A (e, n) or (b, e, n)."""
     decay = (delta[..., None] * (A if A.dim() == 2 else A[:, None])).exp_()  # (b,l,e,n)
-    states = (delta * u)[..., None] * B[:, :, None, :]                    # drive (b,l,e,n), becomes h
-    h, a = states.unbind(1), decay.unbind(1)                              # views, taken once: no select per step
+    states = (delta * u)[..., None] * B[:, :, None, :]  # drive (b,l,e,n), becomes h
+    h, a = states.unbind(1), decay.unbind(1)  # views, taken once: no select per step
     for t in range(1, u.shape[1]):
-        h[t].addcmul_(a[t], h[t - 1])                                     # h_t = drive_t + decay_t h_{t-1}
+        h[t].addcmul_(a[t], h[t - 1])  # h_t = drive_t + decay_t h_{t-1}
     return decay, states
 
 
@@ -1128,19 +1128,19 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         grad_A = torch.zeros_like(A)
         with _one_thread():
             for rows in _row_chunks((*u.shape, A.shape[-1]), most=ctx.most):
-                per_row = A.dim() == 3                                    # A (b, e, n): dL/dA per row
+                per_row = A.dim() == 3  # A (b, e, n): dL/dA per row
                 A_rows, grad_A_rows = (A[rows], grad_A[rows]) if per_row else (A, grad_A)
                 dy, du, d_delta = grad_y[rows], u[rows] * delta[rows], delta[rows]
                 decay, states = _selective_states(u[rows], d_delta, A_rows, B[rows])  # (r,l,e,n) each
-                g = dy[..., None] * C[rows][:, :, None, :]                # C_t dy_t (r,l,e,n), becomes g
+                g = dy[..., None] * C[rows][:, :, None, :]  # C_t dy_t (r,l,e,n), becomes g
                 g_t, a = g.unbind(1), decay.unbind(1)
                 for t in range(u.shape[1] - 2, -1, -1):
-                    g_t[t].addcmul_(a[t + 1], g_t[t + 1])                 # g_t += decay_{t+1} g_{t+1}
+                    g_t[t].addcmul_(a[t + 1], g_t[t + 1])  # g_t += decay_{t+1} g_{t+1}
                 grad_C[rows] = _sum_over_e(dy, states)
                 grad_B[rows] = _sum_over_e(du, g)
                 grad_drive = _selective_readout(g, B[rows])               # sum_n g B (r,l,e)
                 g[:, 1:].mul_(states[:, :-1])                             # g becomes dL/d(Δ A):
-                g[:, 0].zero_()                                           #   g_t h_{t-1} decay_t, h_{-1} = 0
+                g[:, 0].zero_()  #   g_t h_{t-1} decay_t, h_{-1} = 0
                 g.mul_(decay)
                 # multiply and sum, not einsum (bmm/gemv over e: 3-15x slower)
                 grad_A_rows += (g * d_delta[..., None]).sum(1 if per_row else (0, 1))
@@ -1152,10 +1152,10 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
     def vmap(info, in_dims, u, delta, A, B, C, most):
         r = info.batch_size
         u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))  # (r*b, l, .)
-        if in_dims[2] is not None:                                        # one A per member: one per row
+        if in_dims[2] is not None:  # one A per member: one per row
             A = A.movedim(in_dims[2], 0)                                   # (r, e, n)
             A = A[:, None].expand(r, u.shape[0] // r, *A.shape[1:]).reshape(u.shape[0], *A.shape[1:])  # (r*b, e, n)
-        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)               # 2 slices: few ops per member
+        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)  # 2 slices: few ops per member
         return y.unflatten(0, (r, -1)), 0                                  # (r, b, l, e)
 
 
@@ -1205,16 +1205,16 @@ class _VandermondeFn(torch.autograd.Function):
         A, W = ctx.saved_tensors
         G = grad_K.T                                                        # (h, l)
         lags = torch.arange(1, ctx.length, device=G.device, dtype=G.dtype)
-        G_next = F.pad(G[:, 1:] * lags, (0, 1))                              # G'[lag] = (lag+1) G[lag+1]
+        G_next = F.pad(G[:, 1:] * lags, (0, 1))  # G'[lag] = (lag+1) G[lag+1]
         both = torch.stack([G, G_next], -1).to(A.dtype)                     # (h, l, 2)
         S, T = torch.bmm(_powers(A, ctx.length), both).unbind(-1)            # (h, m) each
-        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj(): a lazy bit, later copied slowly
+        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj() is lazy, copied slowly later
 
     @staticmethod
     def vmap(info, in_dims, A, W, length):
         A, W = _fold_into_batch(info, in_dims[:2], (A, W))                  # (r*h, m)
         K = _VandermondeFn.apply(A, W, length)                              # (l, r*h)
-        return K.unflatten(1, (info.batch_size, -1)), 1                     # (l, r, h), members at dim 1
+        return K.unflatten(1, (info.batch_size, -1)), 1  # (l, r, h), members at dim 1
 
 
 def vandermonde_kernel(A, W, length):
@@ -1226,7 +1226,7 @@ def fft_conv(u, k):
     """direct_conv by real FFT, O(l log l), zero-padded to 2l (no wrap-around), length on the contiguous axis."""
     length = u.shape[1]
     n = 2 * length
-    work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU: cast up, then back
+    work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU
     u_f = torch.fft.rfft(u.to(work).transpose(1, 2), n=n)  # (b, d, l+1) complex
     k_f = torch.fft.rfft(k.to(work).t(), n=n)              # (d, l+1) complex
     y = torch.fft.irfft(u_f * k_f, n=n)[..., :length]      # (b, d, l)
@@ -1242,8 +1242,8 @@ def short_conv(x, weight, bias=None):
     """short_conv_reference as K multiply-adds over one padded copy of x. Speed: F.conv1d's CPU path took 1.4 ms at
     Hyena's (32, 21, 192) forward+backward, this 0.55-0.8 ms."""
     length, kernel = x.shape[1], weight.shape[-1]
-    padded = F.pad(x, (0, 0, kernel - 1, 0))                        # (b, l+K-1, c): K-1 zeros in front
-    taps = weight[:, 0].t()                                         # (K, c); tap j looks K-1-j steps back
+    padded = F.pad(x, (0, 0, kernel - 1, 0))  # (b, l+K-1, c): K-1 zeros in front
+    taps = weight[:, 0].t()  # (K, c); tap j looks K-1-j steps back
     y = padded[:, :length] * taps[0] if bias is None else torch.addcmul(bias, padded[:, :length], taps[0])
     for j in range(1, kernel):
         y = torch.addcmul(y, padded[:, j:j + length], taps[j])      # y += w_j x_{t-(K-1)+j}
@@ -1256,10 +1256,10 @@ def delta_rule_parallel(q, k, v, beta):
     dk = k.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, k)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
-    gram = k @ k.transpose(-1, -2)                                                 # (b,h,l,k) @ (b,h,k,l) -> (b,h,l,l)
-    system = torch.tril(beta * gram, diagonal=-1)      # the solver reads a unit diagonal, so 0 here is fine
+    gram = k @ k.transpose(-1, -2)  # (b,h,l,k) @ (b,h,k,l) -> (b,h,l,l)
+    system = torch.tril(beta * gram, diagonal=-1)      # the solver assumes a unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
     u = torch.linalg.solve_triangular(system.to(work), (beta * v).to(work), upper=False,
                                       unitriangular=True).to(v.dtype)               # (b, h, l, k)
-    scores = torch.tril(q @ k.transpose(-1, -2))                                   # (b, h, l, l): q_t . k_j, j <= t
-    return (scores @ u / math.sqrt(dk)).transpose(1, 2)                            # (b, h, l, k) -> (b, l, h, k)
+    scores = torch.tril(q @ k.transpose(-1, -2))  # (b, h, l, l): q_t . k_j, j <= t
+    return (scores @ u / math.sqrt(dk)).transpose(1, 2)  # (b, h, l, k) -> (b, l, h, k)
