@@ -1,18 +1,16 @@
-"""models.py: the language model, its seven sequence mixers and the kernels they run on, in plain PyTorch.
+"""models.py: the language model, its seven sequence mixers and their kernels, in plain PyTorch.
 
-Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
-2505.15105), Sec. 4 and App. B, with the upstream modules' parameter names, shapes and initialisation:
-zoology (github.com/HazyResearch/zoology: zoology/model.py, zoology/mixers/*.py), mamba-ssm
-(github.com/state-spaces/mamba: mamba_ssm/modules/mamba_simple.py) and, for DeltaNet, flash-linear-attention
-(github.com/fla-org/flash-linear-attention: fla/layers/delta_net.py); but every mixer is plain PyTorch with
-a HookPoint on every tensor an intervention may patch (README, difference 10). Sections: 1 HookPoint and
-Mixer; 2 reference kernels, slow and obviously correct; 3 the mixers; 4 blocks, LM, init pass, registry,
-build_model; 5 fast kernels, each equal to a reference of 2 (mixers look them up by name when they run).
+Follows Arora et al. 2025 (arXiv 2505.15105), Sec. 4 and App. B, with the parameter names, shapes and init of
+zoology (zoology/model.py, zoology/mixers/*.py), mamba-ssm (mamba_ssm/modules/mamba_simple.py) and, for
+DeltaNet, flash-linear-attention (fla/layers/delta_net.py), plus a HookPoint on every tensor an intervention
+may patch (README, difference 10). Sections: 1 HookPoint and Mixer; 2 slow reference kernels; 3 the mixers;
+4 blocks, LM, init, registry, build_model; 5 fast kernels, each equal to a reference of 2.
 
 Shapes: b batch, l length, d d_model, e Mamba inner width (2d), n SSM state, h heads, k head width (d/h),
 f Based features, v vocabulary, c conv channels, r members of a vmapped ensemble (mechsm.train_group).
 """
 
+import contextlib
 import difflib
 import inspect
 import math
@@ -26,9 +24,8 @@ import torch.nn.functional as F
 # ============================================ 1. Hook points and the mixer interface
 
 class HookPoint(nn.Module):
-    """Identity module marking an intervention site, which interventions.py patches with a forward hook.
-    seq_dim indexes token positions (1 for (b, l, ...), 2 for the (b, h, l, l) attention patterns, whose rows
-    are query positions), or is None for tensors of parameters alone (filters, kernels)."""
+    """Identity module marking an intervention site (interventions.py patches it with a forward hook). seq_dim:
+    the token axis (1 for (b, l, ...), 2 for (b, h, l, l) attention patterns), None for parameter-only tensors."""
 
     def __init__(self, seq_dim=1):
         super().__init__()
@@ -40,18 +37,17 @@ class HookPoint(nn.Module):
 
 class Mixer(nn.Module):
     """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers, reference, **options)
-    (options it does not use are ignored); subclasses implement `mix`. hook_in sees the input (after the block's
-    norm), hook_out the output. What generic code needs to know of an architecture lives here, on its class:"""
+    (unused options ignored); subclasses implement `mix`. What generic code reads of an architecture:"""
     INTERNAL_SITES = []     # the inner hooks interventions.py patches by default
     READS = {}              # extra summary numbers: name -> (inner hook, position), read in layer 0
-    POS_EMB = False         # learned absolute positions by default (the paper's convention: attention only)
+    POS_EMB = False         # learned absolute positions (the paper's convention: attention only)
     FIXED_LENGTH = False    # a filter or table of n_positions rows: documents must fit n_positions
-    D_CONV = None           # the short-conv sizes the mixer accepts (None: it has no short conv)
+    D_CONV = None           # the short-conv sizes the mixer accepts (None: no short conv)
 
     def __init__(self, reference=False):
         super().__init__()
-        self.reference = reference  # run the slow reference kernels of section 2 instead of the fast ones
-        self.hook_in, self.hook_out = HookPoint(), HookPoint()
+        self.reference = reference  # run the slow reference kernels of section 2
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's norm; the output
 
     def mix(self, x):
         raise NotImplementedError
@@ -66,10 +62,8 @@ def _check_heads(d_model, n_heads):
 
 
 def fused_linear(x, *linears):
-    """x through several nn.Linear at once, concatenated on the last dim: their weights (and biases) stacked
-    into one matmul, the same maths as calling each. Speed: one op, not one per layer, forward and backward
-    (~10 us of dispatch each on one CPU thread), while each layer keeps its parameters, names and init. Used
-    where it measured faster (DeltaNet, 1.08x a step); Based's and H3's q, k, v ran ~3% slower so (strided splits)."""
+    """Several nn.Linear as one matmul (weights stacked), outputs concatenated. Speed: one op forward and backward,
+    not one per layer; each keeps its parameters. Used in DeltaNet (1.08x a step; slower for Based and H3)."""
     weight = torch.cat([m.weight for m in linears])
     bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
     return F.linear(x, weight, bias)
@@ -78,8 +72,8 @@ def fused_linear(x, *linears):
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
-    """h_t = a_t * h_{t-1} + b_t along dim 1, h_{-1} = 0 (a, b, h: (b, l, ...)), as a Python loop under autograd:
-    slow, but impossible to get wrong. `unbind` (not `x[:, t]`) keeps the backward linear in l."""
+    """h_t = a_t h_{t-1} + b_t along dim 1, h_{-1} = 0, as a Python loop under autograd (slow, obviously right).
+    `unbind` (not `x[:, t]`) keeps the backward linear in l."""
     h, out = torch.zeros_like(b[:, 0]), []
     for a_t, b_t in zip(a.unbind(1), b.unbind(1)):
         h = a_t * h + b_t
@@ -88,10 +82,8 @@ def sequential_scan(a, b):
 
 
 def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
-    """Mamba's selective scan, materialised and left to autograd (the oracle and the benchmark baseline).
-    u, delta: (b, l, e); A: (e, n); B, C: (b, l, n) -> y (b, l, e) (Mamba eqs. 2a, 2b, 4):
-      h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t  (zero-order hold for A, Euler for B),  y_t = sum_n C_t h_t.
-    plain_scan runs h_t = a_t h_{t-1} + b_t (the GPU path of selective_scan passes the parallel scan)."""
+    """Mamba's selective scan (eqs. 2a, 2b, 4), materialised. u, delta (b, l, e); A (e, n); B, C (b, l, n):
+      h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t,  y_t = sum_n C_t h_t  -> y (b, l, e)."""
     decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
     drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
     states = plain_scan(decay, drive)                         # (b,l,e,n)
@@ -99,8 +91,7 @@ def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
 
 
 def direct_conv(u, k):
-    """Causal long convolution y_t = sum_{s<=t} k_{t-s} u_s per channel, u: (b, l, d), k: (l, d), by the (l, l, d)
-    Toeplitz tensor T[t, s] = k[t-s] (0 above the diagonal): O(l^2 d), fine for the tens of tokens of AR."""
+    """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b, l, d), k (l, d), by the Toeplitz tensor."""
     length = u.shape[1]
     t = torch.arange(length, device=u.device)
     lag = t[:, None] - t[None, :]                         # (l, l): t - s
@@ -109,15 +100,14 @@ def direct_conv(u, k):
 
 
 def _shift_right(x, s, fill):
-    """x shifted by s steps along dim 1, the first s entries set to `fill`: out[:, t] = x[:, t - s]."""
+    """out[:, t] = x[:, t - s], the first s entries `fill`."""
     pad = torch.full_like(x[:, :s], fill)
     return torch.cat([pad, x[:, :-s]], dim=1)
 
 
 def short_conv_reference(x, weight, bias=None):
-    """Causal depthwise short convolution SC_K as the sum in its definition: y_t = bias + sum_j w_j x_{t-(K-1)+j}.
-    x: (b, l, c), weight: (c, 1, K), bias: (c,) or None; weight[:, 0, K-1] multiplies the current token (Conv1d's
-    layout, so weights move to and from zoology's ShortConvolution and mamba-ssm's conv1d unchanged)."""
+    """Causal depthwise short conv SC_K: y_t = bias + sum_j w_j x_{t-(K-1)+j}. x (b, l, c), weight (c, 1, K)
+    (Conv1d's layout: weight[:, 0, K-1] multiplies the current token), bias (c,) or None."""
     kernel = weight.shape[-1]
     y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
     for j in range(kernel):
@@ -137,10 +127,9 @@ def delta_rule_step(state, q_t, k_t, v_t, beta_t):
 
 def delta_rule_recurrent(q, k, v, beta):
     """The delta rule as a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h) -> o (b, l, h, k):
-    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T   (write: move S^T k_t towards v_t),
-    o_t = S_t^T q_t / sqrt(d_k)                          (read after the write)."""
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k)."""
     b, l, h, dk = k.shape
-    state = k.new_zeros(b, h, dk, v.shape[-1])                                     # S_{-1} = 0: (b, h, k, k)
+    state = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, k, k)
     outputs = []
     for q_t, k_t, v_t, beta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), beta.unbind(1)):
         o_t, state = delta_rule_step(state, q_t, k_t, v_t, beta_t)
@@ -156,12 +145,11 @@ class MLP(nn.Module):
     def __init__(self, d_model):
         super().__init__()
         self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)  # "fc2.weight" is down-scaled by the init pass
-        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's second norm; before the residual add
+        self.fc2 = nn.Linear(4 * d_model, d_model)  # down-scaled by the init pass
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's second norm; before the add
 
     def forward(self, x):
-        x = self.hook_in(x)
-        return self.hook_out(self.fc2(F.gelu(self.fc1(x))))  # exact erf GELU: (b,l,d)->(b,l,4d)->(b,l,d)
+        return self.hook_out(self.fc2(F.gelu(self.fc1(self.hook_in(x)))))  # exact erf GELU: (b,l,d)->(b,l,4d)->(b,l,d)
 
 
 class RMSNorm(nn.Module):
@@ -177,9 +165,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(Mixer):
-    """Causal multi-head softmax attention (zoology/mixers/attention.py, MHA): q, k, v = x W_qkv^T split per
-    head; z = softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is computed explicitly (not
-    by scaled_dot_product_attention) so that it is a patchable site: z uses whatever hook_pattern returns."""
+    """Causal multi-head softmax attention (zoology MHA): q, k, v = x W_qkv^T per head; z = softmax(q k^T /
+    sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is explicit (not SDPA) so that it is a patchable site."""
     POS_EMB = True
     INTERNAL_SITES = ["hook_pattern", "hook_z"]
 
@@ -190,7 +177,7 @@ class Attention(Mixer):
         self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False hits only this
         self.out_proj = nn.Linear(d_model, d_model)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
-        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l), rows are queries; (b,l,h,k)
+        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l) rows are queries; (b,l,h,k)
 
     def mix(self, x):
         b, l, d = x.shape
@@ -198,7 +185,7 @@ class Attention(Mixer):
         q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # three blocks of d, head outer: (b,l,h,k) each
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
-        # Upstream adds -1e4 above the diagonal; -inf gives exactly zero weight (difference ~e^-1e4).
+        # -inf, not upstream's -1e4: exactly zero weight (a difference of ~e^-1e4)
         future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
         pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
         z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))      # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
@@ -206,17 +193,16 @@ class Attention(Mixer):
 
 
 def hyena_positional_features(n_positions):
-    """Z (P, 3), the input of Hyena's and BaseConv's filter MLPs: Z[n] = (n/(P-1), cos w_n, -sin w_n), w_n =
-    2 pi 1e-4 n/P (Hyena's features, one band at frequency 1e-4: Z[n] ~ (n/(P-1), 1, 0)), never rescaled to l."""
+    """Z (P, 3), the input of Hyena's and BaseConv's filter MLPs: Z[n] = (n/(P-1), cos w_n, -sin w_n),
+    w_n = 2 pi 1e-4 n/P (Hyena's features, one band), never rescaled to l."""
     n = torch.arange(n_positions, dtype=torch.float32)
     angle = 2 * math.pi * 1e-4 * n / n_positions
     return torch.stack([n / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=1)
 
 
 class BaseConv(Mixer):
-    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, with p = u W_p^T + b_p and c a causal conv of
-    the input u: a short depthwise conv SC_K(u) (kernel_size K >= 1) or, for kernel_size=-1, an implicit
-    long conv LC(u; kappa) + u whose filter kappa (l, d) is a small ReLU MLP of fixed positional features Z."""
+    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC_K(u) (kernel_size K >= 1)
+    or, for kernel_size=-1, LC(u; kappa) + u with the filter kappa (l, d) a ReLU MLP of positional features Z."""
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
@@ -224,13 +210,12 @@ class BaseConv(Mixer):
         super().__init__(reference)
         self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
-        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c * p (b,l,d)
+        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c*p (b,l,d)
         if kernel_size == -1:
-            # zoology freezes Z, but tinylang/experiment.py sets requires_grad=True on every parameter at each
-            # evaluation, step 0 included: Z trained in the paper (README, difference 13). freeze_features: frozen.
-            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)  # (P, 3)
+            # Z trained in the paper (README, difference 13) unless freeze_features
+            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)
             self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
-            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d), LC(u; kappa) (b,l,d)
+            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d); (b,l,d)
         else:
             self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, padding=kernel_size - 1)
 
@@ -239,7 +224,7 @@ class BaseConv(Mixer):
         p = self.hook_proj(self.projection(u))
         if self.kernel_size == -1:
             kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
-            c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # note the built-in identity
+            c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # a built-in identity
         else:
             conv = short_conv_reference if self.reference else short_conv
             c = conv(u, self.conv.weight, self.conv.bias)                  # (b,l,d)
@@ -248,8 +233,8 @@ class BaseConv(Mixer):
 
 
 def taylor_features(a):
-    """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4), vec(a a^T) / sqrt(2f)]
-    (all f^2 ordered products, row-major): phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s) with s = q.k / sqrt(f)."""
+    """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4), vec(a a^T) / sqrt(2f)],
+    so that phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s), s = q.k / sqrt(f)."""
     f = a.shape[-1]
     outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
     ones = torch.ones_like(a[..., :1])
@@ -257,10 +242,9 @@ def taylor_features(a):
 
 
 class BasedAttention(Mixer):
-    """Based linear attention with the Taylor feature map (zoology/mixers/based.py), no biases:
-    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), out = y W_o^T.
-    `mix` uses the quadratic view (what the paper trained); `step` the recurrent view, with state
-    S_t = sum phi(k_s) v_s^T and normaliser z_t = sum phi(k_s)."""
+    """Based linear attention, Taylor feature map, no biases (zoology/mixers/based.py): out = y W_o^T with
+    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps). `mix`: the quadratic view
+    (what the paper trained); `step`: the recurrent one, S_t = sum phi(k_s) v_s^T, z_t = sum phi(k_s)."""
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, eps=1e-12, **options):
@@ -273,10 +257,10 @@ class BasedAttention(Mixer):
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
         self.hook_v = HookPoint()                                        # (b,l,h,k)
-        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # causal phi(q).phi(k) (b,h,l,l); y (b,l,d)
+        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # phi(q).phi(k) (b,h,l,l); y (b,l,d)
 
     def _features(self, x):
-        """q, k, v for x (b, l, d): phi-mapped queries and keys (b,l,h,F) and values (b,l,h,k)."""
+        """phi(q), phi(k) (b, l, h, F) and v (b, l, h, k) for x (b, l, d)."""
         b, l, d = x.shape
         h, f = self.n_heads, self.feature_dim
         q = self.hook_q(self.proj_q(x).view(b, l, h, f))
@@ -303,7 +287,7 @@ class BasedAttention(Mixer):
         return S, z
 
     def step(self, x_t, state):
-        """One token of the recurrent view: x_t (b, d) -> (y_t (b, d), state). No hooks here."""
+        """One token of the recurrent view, no hooks: x_t (b, d) -> (y_t (b, d), state)."""
         b, d = x_t.shape
         S, z = state
         h, f = self.n_heads, self.feature_dim
@@ -318,10 +302,8 @@ class BasedAttention(Mixer):
 
 
 class H3(Mixer):
-    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM over the m x m outer
-    products k~ v^T: k~ = LC(k; K^s) + D^k*k, w_{h,i,j} = LC(k~_{h,i} v_{h,j}; K^d_h) + D^d_h k~_{h,i} v_{h,j},
-    o_{h,j} = sum_i q_{h,i} w_{h,i,j}, out = o W_o + b_o (o's channels in the order j*H + h). As attention:
-    w_t is a per-head m x m fast-weight memory, decaying through the SSM, read by q_t. `step`: the recurrences."""
+    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM over the m x m products
+    k~ v^T: k~ = LC(k; K^s) + D^k k, w = LC(k~ v^T; K^d) + D^d k~ v^T, o_j = sum_i q_i w_ij, out = o W_o + b_o."""
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2, **options):
@@ -332,27 +314,23 @@ class H3(Mixer):
         self.d_state, self.head_dim, self.n_heads = n, m, d // m
         h = self.n_heads
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
-        # Shift SSM, one per channel: state = down-shift(state) + B^s k_t, output C^s . state.
-        shift_B = torch.zeros(d, n)
-        shift_B[:, 0] = 1.0                                  # at init K^s = C^s[:, :l]
-        self.shift_B = nn.Parameter(shift_B)                                        # (d, n)
+        # Shift SSM per channel: state = down-shift(state) + B^s k_t, output C^s . state
+        self.shift_B = nn.Parameter(torch.eye(n)[0].repeat(d, 1))  # (d, n) one-hot: at init K^s = C^s[:, :l]
         self.shift_C = nn.Parameter(torch.empty(d, n).uniform_(-n ** -0.5, n ** -0.5))  # (d, n)
         self.shift_D = nn.Parameter(torch.randn(d))                                 # D^k
-        # Diagonal S4D-Lin SSM, one per head: n/2 complex modes (their conjugates are the factor 2).
+        # Diagonal S4D-Lin SSM per head: n/2 complex modes (their conjugates are the factor 2)
         self.log_dt = nn.Parameter(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)))
         self.log_neg_A_real = nn.Parameter(torch.full((h, n // 2), math.log(0.5)))  # rho: Re A = -1/2
         self.A_imag = nn.Parameter(math.pi * torch.arange(n // 2).float().repeat(h, 1))  # theta: pi*n
-        diag_B = torch.zeros(h, n // 2, 2)
-        diag_B[..., 0] = 1.0                                                        # B^d = 1 + 0i
-        self.diag_B = nn.Parameter(diag_B)                                          # (h, n/2, re/im)
+        self.diag_B = nn.Parameter(torch.tensor([1.0, 0.0]).repeat(h, n // 2, 1))  # (h, n/2, re/im): 1 + 0i
         self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))      # standard complex normal
         self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
-        self.output_linear = nn.Linear(d, d)  # not called out_proj upstream, so NOT down-scaled
+        self.output_linear = nn.Linear(d, d)  # not out_proj, so NOT down-scaled
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b, l, d)
-        self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()  # K^s (l, d), LC(k; K^s) (b, l, d)
-        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()                        # (b, l, d), (b, l, h, m, m)
-        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()    # K^d (l, h), w (b, l, h, m, m)
-        self.hook_y = HookPoint()                                                         # (b, l, d): before output_linear
+        self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()  # K^s (l,d); (b,l,d)
+        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()  # (b,l,d), (b,l,h,m,m)
+        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()    # K^d (l,h); (b,l,h,m,m)
+        self.hook_y = HookPoint()                                                         # (b,l,d)
 
     def shift_kernel(self, length):
         """K^s (l, d): K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag], the shift SSM's impulse response."""
@@ -364,13 +342,13 @@ class H3(Mixer):
             lags = [(B[:, :n - lag] * C[:, lag:]).sum(-1) for lag in range(length)]  # l x (d,)
             return torch.stack(lags, dim=0)                                          # (l, d)
         # Cross-correlation by FFT; padding to 2n keeps lags 0..n-1 free of wrap-around.
-        work = torch.promote_types(B.dtype, torch.float32)                           # no half-precision FFT on CPU
+        work = torch.promote_types(B.dtype, torch.float32)  # no half-precision FFT on CPU
         spectrum = torch.fft.rfft(C.to(work), n=2 * n) * torch.fft.rfft(B.to(work), n=2 * n).conj()  # (d, n+1)
         return torch.fft.irfft(spectrum, n=2 * n)[:, :length].T.to(B.dtype)          # (l, d)
 
     def diag_modes(self):
-        """(A_bar, W) (h, n/2) complex, the bilinear (Tustin) discretisation of the S4D-Lin modes: A_bar =
-        (1 + dt A/2) / (1 - dt A/2), W = C B dt / (1 - dt A/2), so that K^d[lag] = 2 Re sum_n W A_bar^lag."""
+        """(A_bar, W) (h, n/2) complex by the bilinear discretisation: A_bar = (1 + dt A/2) / (1 - dt A/2),
+        W = C B dt / (1 - dt A/2), so that K^d[lag] = 2 Re sum_n W A_bar^lag."""
         up = lambda p: p.to(torch.promote_types(p.dtype, torch.float32))  # no bfloat16 complex numbers
         dt = up(self.log_dt).exp()[:, None]                                         # (h, 1)
         A = torch.complex(-up(self.log_neg_A_real).exp(), up(self.A_imag))          # (h, n/2)
@@ -380,8 +358,7 @@ class H3(Mixer):
         return (1 + half) / (1 - half), C * B * dt / (1 - half)
 
     def ssm_kernel(self, length):
-        """K^d (l, h) = 2 Re sum_n W A_bar^lag (a Vandermonde product over the n/2 modes). The reference path
-        takes the complex powers as a running product under autograd; the fast path is vandermonde_kernel."""
+        """K^d (l, h) = 2 Re sum_n W A_bar^lag: a cumprod under autograd (reference) or vandermonde_kernel."""
         A_bar, W = self.diag_modes()                                                # (h, n/2) each
         if self.reference:
             powers = torch.cumprod(A_bar[..., None].expand(*A_bar.shape, length), dim=-1) / A_bar[..., None]
@@ -397,18 +374,18 @@ class H3(Mixer):
         shift_kernel = self.hook_shift_kernel(self.shift_kernel(l))                 # (l, d)
         shift_out = self.hook_shift_out(long_conv(k, shift_kernel, reference=self.reference))
         k_tilde = self.hook_k_tilde(shift_out + self.shift_D * k)                   # (b, l, d)
-        # Channel c = head*m + i (head outer). z[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head.
-        kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))      # (b, l, h, m, m)
+        # channel c = head*m + i; kv[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head
+        kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))  # (b, l, h, m, m)
         ssm_kernel = self.hook_ssm_kernel(self.ssm_kernel(l))                       # (l, h)
         per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # one kernel per head
         w = long_conv(kv.reshape(b, l, h * m * m), per_signal, reference=self.reference).view(b, l, h, m, m)
-        w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)                  # (b, l, h, m, m)
-        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)                 # read out with the query
+        w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)  # (b, l, h, m, m)
+        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)  # read out with the query
         y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,h,m) -> (b,l,m,h) -> (b,l,d): channel j*H+h
         return self.output_linear(y)
 
     def init_state(self, batch, device=None, dtype=None):
-        """Recurrent state: the shift register (b, d, n) and the diagonal SSM's modes (b, h, m, m, n/2), complex."""
+        """The shift register (b, d, n) and the diagonal SSM's complex modes (b, h, m, m, n/2)."""
         d, n, h, m = self.shift_B.shape[0], self.d_state, self.n_heads, self.head_dim
         dtype = dtype or self.shift_B.dtype
         complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
@@ -416,37 +393,34 @@ class H3(Mixer):
                 "diag": torch.zeros(batch, h, m, m, n // 2, device=device, dtype=complex_dtype)}
 
     def step(self, x_t, state):
-        """One token, x_t (b, d) -> (y_t (b, d), next state), no hooks: shift state <- down-shift(state) + B^s k_t;
-        diagonal state per mode <- A_bar state + z_t, w = 2 Re sum_n W state + D^d z_t."""
+        """One token, no hooks: x_t (b, d) -> (y_t (b, d), next state)."""
         b, d = x_t.shape
         h, m = self.n_heads, self.head_dim
         q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)                # (b, d)
         shift = F.pad(state["shift"][..., :-1], (1, 0)) + self.shift_B * k[..., None]  # (b, d, n)
         k_tilde = (self.shift_C * shift).sum(-1) + self.shift_D * k                    # (b, d)
-        kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)                             # (b, h, m, m)
+        kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)  # (b, h, m, m)
         A_bar, W = self.diag_modes()                                                   # (h, n/2)
-        diag = A_bar[:, None, None] * state["diag"] + kv[..., None]                    # (b, h, m, m, n/2)
+        diag = A_bar[:, None, None] * state["diag"] + kv[..., None]  # (b, h, m, m, n/2)
         w = 2 * (W[:, None, None] * diag).sum(-1).real + self.diag_D[:, None, None] * kv  # (b, h, m, m)
         o = torch.einsum("bhi,bhij->bhj", q.view(b, h, m), w)                          # (b, h, m)
-        y = o.transpose(1, 2).reshape(b, d)                                            # channel j*H + h
+        y = o.transpose(1, 2).reshape(b, d)  # channel j*H + h
         return self.output_linear(y), {"shift": shift, "diag": diag}
 
 
 class HyenaFilter(nn.Module):
-    """Hyena's implicit long filter h (l, d), a sine MLP on positional features times a decay window:
-    h[n] = (W_4 g_3) * exp(-tau_n * alpha), g_i = sin(omega * (W_i g_{i-1} + b_i)), g_0 = Z[n]."""
+    """Hyena's implicit long filter h (l, d): h[n] = (W_4 g_3) * exp(-tau_n alpha), g_i = sin(omega (W_i g_{i-1}
+    + b_i)), g_0 = Z[n]."""
 
     def __init__(self, d_model, order, n_positions):
         super().__init__()
-        # Trainable: upstream tags it lr 1e-5, but the paper's optimizer ignored the tag.
-        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3)
+        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3), trained
         self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (P,) tau_n = n/(P-1)
         self.lin1 = nn.Linear(3, order)
         self.lin2, self.lin3 = nn.Linear(order, order), nn.Linear(order, order)
         self.lin_out = nn.Linear(order, d_model, bias=False)
-        # omega: ONE vector shared by all three sines, because upstream reuses a single Sin module.
-        self.freq = nn.Parameter(torch.ones(order))
-        # alpha: per-channel decay rates 15.35..3.07, so the window reaches 1e-2 at 30%..150% of P. Never trained.
+        self.freq = nn.Parameter(torch.ones(order))  # omega: ONE vector for all three sines, as upstream
+        # alpha: decay rates 15.35..3.07 per channel (window 1e-2 at 30%..150% of P), never trained
         target = math.log(1e-2)
         self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())  # (d,)
 
@@ -459,9 +433,8 @@ class HyenaFilter(nn.Module):
 
 
 class Hyena(Mixer):
-    """Hyena operator of order 2 (zoology/mixers/hyena.py, the paper's config): [x1 | x2 | v] = SC_3(x W_in + b_in),
-    s = v*x1, y = LC(s; h), out = (y*x2) W_out + b_out. Upstream adds a skip beta*s inside the filter, but the
-    paper's `bias=False` multiplied beta by 0: a counted, inert parameter (hyena_skip=True turns it on)."""
+    """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC_3(x W_in + b_in), s = v x1, y = LC(s; h),
+    out = (y x2) W_out + b_out. The skip beta s is inert, as in the paper (bias=False: 0 beta; hyena_skip=True)."""
     FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
 
@@ -472,12 +445,11 @@ class Hyena(Mixer):
         self.n_positions = n_positions
         self.use_skip = hyena_skip
         self.in_proj = nn.Linear(d, 3 * d)
-        # Applied through short_conv (its forward is never called); Conv1d keeps torch's init and upstream's layout.
-        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)
+        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)  # weights only, for short_conv
         self.filter = HyenaFilter(d, hyena_order, n_positions)
         self.skip = nn.Parameter(torch.randn(d))   # beta
-        self.out_proj = nn.Linear(d, d)             # named out_proj so the global init pass down-scales it
-        self.hook_in_proj, self.hook_short = HookPoint(), HookPoint()  # (b, l, 3d); the short filter carries the token shift
+        self.out_proj = nn.Linear(d, d)             # down-scaled by the init pass
+        self.hook_in_proj, self.hook_short = HookPoint(), HookPoint()  # (b, l, 3d) each
         self.hook_pregate, self.hook_filter = HookPoint(), HookPoint(seq_dim=None)  # s (b, l, d), h (l, d)
         self.hook_longconv, self.hook_postgate = HookPoint(), HookPoint()          # (b, l, d) each
 
@@ -485,24 +457,22 @@ class Hyena(Mixer):
         b, l, d = x.shape
         if l > self.n_positions:
             raise ValueError(f"Hyena: sequence length {l} exceeds n_positions={self.n_positions}")
-        u = self.hook_in_proj(self.in_proj(x))                                            # (b, l, 3d)
+        u = self.hook_in_proj(self.in_proj(x))  # (b, l, 3d)
         conv = short_conv_reference if self.reference else short_conv
-        u = self.hook_short(conv(u, self.short_filter.weight, self.short_filter.bias))    # (b, l, 3d)
-        x1, x2, v = u.split(d, dim=-1)                                                    # (b, l, d) each
+        u = self.hook_short(conv(u, self.short_filter.weight, self.short_filter.bias))  # (b, l, 3d)
+        x1, x2, v = u.split(d, dim=-1)  # (b, l, d) each
         s = self.hook_pregate(v * x1)
         kernel = self.hook_filter(self.filter(l))                                         # (l, d)
-        skip = self.skip if self.use_skip else 0 * self.skip  # 0*beta: the paper's inert skip (zero gradient)
+        skip = self.skip if self.use_skip else 0 * self.skip  # the paper's inert skip (zero gradient)
         y = self.hook_longconv(long_conv(s, kernel, reference=self.reference) + skip * s)  # (b, l, d)
         return self.out_proj(self.hook_postgate(y * x2))
 
 
 class Mamba(Mixer):
-    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, mamba-ssm 2.2.4), same parameter names and shapes.
-    Read `step` first: the recurrence one token at a time, with a state h (b, e, n) per sequence:
+    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, 2.2.4), per token (`step`), state h (b, e, n):
       [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
       h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T,
-    with A = -exp(A_log) (e, n). `mix` computes the same for a whole sequence (selective_scan runs the
-    recurrence), hooking every intermediate. d_conv=0 removes the short conv; its weights stay, unused."""
+    A = -exp(A_log) (e, n). `mix`: the whole sequence, hooked. d_conv=0 removes the short conv (weights unused)."""
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
     READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the short conv carrying the key forward (v3)
     D_CONV = range(5)                                          # 0 removes the conv
@@ -519,19 +489,19 @@ class Mamba(Mixer):
         self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # used through short_conv
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
-        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [dt_min, dt_max]: two decades.
+        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [dt_min, dt_max]
         nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
         dt = torch.exp(torch.empty(e).uniform_(math.log(dt_min), math.log(dt_max))).clamp(min=dt_floor)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
         self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # (e,n), S4D-real
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # S4D-real
         self.D = nn.Parameter(torch.ones(e))
         self.out_proj = nn.Linear(e, d_model, bias=False)
         self.hook_x, self.hook_z = HookPoint(), HookPoint()         # xi, z (b,l,e)
         self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC_K(xi), u = SiLU(SC_K(xi)) (b,l,e)
-        self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()  # (b,l,e), (b,l,n), (b,l,n)
-        self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # sum_n C h, SiLU(z), y (b,l,e)
+        self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()  # (b,l,e), (b,l,n) x2
+        self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # (b,l,e) each
 
     def _selection(self, u):
         """Delta (..., e), B (..., n), C (..., n) from u (..., e)."""
@@ -573,12 +543,10 @@ class Mamba(Mixer):
         u = self.hook_u(F.silu(self.hook_conv_out(conv_out)))
         delta, B, C = self._selection(u)                          # (b,l,e), (b,l,n), (b,l,n)
         delta, B, C = self.hook_delta(delta), self.hook_B(B), self.hook_C(C)
-        # The recurrence runs in float32 at least (as the reference does), whatever the model dtype.
-        work = torch.promote_types(x.dtype, torch.float32)
+        work = torch.promote_types(x.dtype, torch.float32)  # the recurrence in float32 at least
         delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
         A = -torch.exp(self.A_log.to(work))                       # (e,n)
-        # h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  ssm_out_t = sum_n C_t h_t   (b,l,e)
-        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)
+        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)  # sum_n C_t h_t (b,l,e)
         ssm_out = self.hook_ssm_out(ssm_out.to(x.dtype))
         y = ssm_out + self.D * u
         y = self.hook_y(y * self.hook_gate(F.silu(z)))
@@ -591,10 +559,9 @@ def l2_normalize(x):
 
 
 class DeltaNet(Mixer):
-    """DeltaNet (fla/layers/delta_net.py; our configuration, README, difference 15: 1 head, K=4 convs, beta on,
-    no gate): q, k, v = SiLU(SC_4(x W)); q, k L2-normalised per head; beta = sigmoid(x W_beta) per head; the delta
-    rule (delta_rule_recurrent, or delta_rule_parallel unless reference) stores and retrieves key -> value pairs;
-    per-head RMSNorm (one shared weight); W_o. d_conv: the conv size (default 4; 0 removes the convs)."""
+    """DeltaNet (fla/layers/delta_net.py; 1 head, K=4 convs, beta, no gate: README, difference 15): q, k, v =
+    SiLU(SC_4(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta); the delta rule stores key -> value
+    pairs; per-head RMSNorm (one weight); W_o. d_conv: the conv size (default 4; 0 removes the convs)."""
     D_CONV = range(2**31)   # 0 removes the convs
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
 
@@ -607,12 +574,12 @@ class DeltaNet(Mixer):
         self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.b_proj = nn.Linear(d, h, bias=False)
-        if self.conv_size > 0:  # weights only, applied by short_conv; torch-default init U(+-1/sqrt(K))
+        if self.conv_size > 0:  # weights only, for short_conv; torch-default init
             self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False) for _ in range(3))
-        self.o_norm = RMSNorm(d // h)                          # per head, one weight shared by the heads
+        self.o_norm = RMSNorm(d // h)  # per head, one weight shared by the heads
         self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
         self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b, l, h, k): after conv, SiLU and L2 norm
-        self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # v, beta (b, l, h), readout o
+        self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k), (b,l,h), o
 
     def _convs(self):
         return (self.q_conv, self.k_conv, self.v_conv) if self.conv_size > 0 else (None, None, None)
@@ -624,24 +591,24 @@ class DeltaNet(Mixer):
         return l2_normalize(q), l2_normalize(k), v, torch.sigmoid(beta)
 
     def _norm_out(self, o):
-        """Per-head RMSNorm, heads concatenated, then W_o. o (..., h, k) -> (..., d)."""
+        """Per-head RMSNorm, heads concatenated, then W_o: (..., h, k) -> (..., d)."""
         return self.o_proj(self.o_norm(o).flatten(-2))
 
     def mix(self, x):
         b, l, d = x.shape
         conv_fn = short_conv_reference if self.reference else short_conv
-        # q, k, v as one (b, l, 3d) tensor through one projection and one 3d-channel conv (fewer ops, same maths)
+        # q, k, v through one projection and one 3d-channel conv (fewer ops, same maths)
         qkv, beta = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj).split([3 * d, self.n_heads], -1)
         if self.conv_size > 0:
             qkv = conv_fn(qkv, torch.cat([conv.weight for conv in self._convs()]))     # (b, l, 3d)
-        q, k, v, beta = self._heads(*F.silu(qkv).split(d, dim=-1), beta)               # (b, l, h, k), (b, l, h)
+        q, k, v, beta = self._heads(*F.silu(qkv).split(d, dim=-1), beta)  # (b, l, h, k), (b, l, h)
         q, k, v, beta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_beta(beta)
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
-        o = self.hook_o(delta_rule(q, k, v, beta))                                      # (b, l, h, k)
+        o = self.hook_o(delta_rule(q, k, v, beta))  # (b, l, h, k)
         return self._norm_out(o)                                                        # (b, l, d)
 
     def init_state(self, batch, device=None, dtype=None):
-        """Recurrent state: S (b, h, k, k) and the last K-1 projected inputs of each conv (b, K-1, d)."""
+        """S (b, h, k, k) and each conv's last K-1 inputs (b, K-1, d)."""
         d, h = self.o_proj.in_features, self.n_heads
         dtype = dtype or self.o_proj.weight.dtype
         state = {"S": torch.zeros(batch, h, d // h, d // h, device=device, dtype=dtype)}
@@ -650,23 +617,23 @@ class DeltaNet(Mixer):
         return state
 
     def step(self, x_t, state):
-        """One token: x_t (b, d) -> (y_t (b, d), next state). Hooks are not applied in step mode."""
+        """One token, no hooks: x_t (b, d) -> (y_t (b, d), next state)."""
         next_state, features = {}, []
         for name, proj, conv in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), self._convs()):
             z = proj(x_t)                                                               # (b, d)
             if conv is not None:
-                window = torch.cat([state[name], z[:, None]], dim=1)                    # (b, K, d), oldest first
+                window = torch.cat([state[name], z[:, None]], dim=1)  # (b, K, d), oldest first
                 next_state[name] = window[:, 1:]
                 z = (window * conv.weight[:, 0].T).sum(1)  # tap K-1 hits the current token, as in short_conv
             else:
                 next_state[name] = state[name]
             features.append(F.silu(z))
-        q, k, v, beta = self._heads(*features, self.b_proj(x_t))                        # (b, h, k), (b, h)
+        q, k, v, beta = self._heads(*features, self.b_proj(x_t))  # (b, h, k), (b, h)
         o, next_state["S"] = delta_rule_step(state["S"], q, k, v, beta)                # (b, h, k)
         return self._norm_out(o), next_state
 
 
-# ============================================ 4. Blocks, the LM (zoology/model.py), the init pass, the registry
+# ============================================ 4. Blocks, the LM (zoology/model.py), init, registry
 
 class TransformerBlock(nn.Module):
     """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
@@ -682,7 +649,7 @@ class TransformerBlock(nn.Module):
         self.hook_resid_post = HookPoint()  # block output
 
     def forward(self, r, rows=None):
-        """rows (b,) positions: only those rows go through the MLP (it acts per position), out (b, 1, d)."""
+        """rows (b,): only those positions go through the MLP, out (b, 1, d)."""
         r = self.hook_resid_pre(r)
         r = self.hook_resid_mid(r + self.mixer(self.ln1(r)))
         if rows is not None:
@@ -690,7 +657,7 @@ class TransformerBlock(nn.Module):
         return self.hook_resid_post(r + self.mlp(self.ln2(r)))
 
     def rows_only_ok(self):
-        """Whether forward(r, rows) loses nothing: no hook on the MLP side, which would see (b, 1, d) tensors."""
+        """Whether forward(r, rows) loses nothing: no hook on the MLP side (it would see (b, 1, d))."""
         sites = [self.ln2, *self.mlp.modules(), self.hook_resid_post]
         return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
                     or any(m._forward_hooks or m._forward_pre_hooks for m in sites))
@@ -723,7 +690,7 @@ class LM(nn.Module):
         self.build_args = {}  # filled by build_model, enough to rebuild this model
 
     def hidden(self, tokens, rows=None):
-        """The final residual stream (b, l, d), before ln_f; with rows (b,) (see forward), (b, 1, d) at them."""
+        """The final residual stream (b, l, d) before ln_f; (b, 1, d) at rows (b,) if given."""
         check_tokens(tokens, self.embed.num_embeddings)
         b, l = tokens.shape
         r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
@@ -736,25 +703,23 @@ class LM(nn.Module):
         return r
 
     def forward(self, tokens, readout=None):
-        """tokens (b, l) -> logits (b, l, v); with readout (b,) positions -> logits (b, v) at those rows only.
-        Speed: with a readout, the last block's MLP runs on the readout rows alone when nothing hooks it (in
-        training: 1/l of its work, ~1/6 of a Transformer-block model's step at AR's 21 tokens); same maths."""
+        """tokens (b, l) -> logits (b, l, v), or (b, v) at readout (b,) positions. Speed: the last block's MLP
+        then runs on the readout rows alone when unhooked (~1/6 of a Transformer step at AR's 21 tokens)."""
         last = self.blocks[-1] if len(self.blocks) else None
         if readout is not None and isinstance(last, TransformerBlock) and last.rows_only_ok():
             return self.logits(self.hidden(tokens, readout)[:, 0])
         return self.logits(self.hidden(tokens), readout)
 
     def logits(self, r, readout=None):
-        """Final norm and tied head on the last residual stream r (b, l, d), at the readout rows if given."""
+        """Final norm and tied head on r (b, l, d), at the readout rows if given."""
         if readout is not None:
             r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
         return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
 
 
 def check_tokens(tokens, vocab_size):
-    """Raise a one-line ValueError unless tokens is a (b, l) integer tensor of ids in [0, vocab_size), rather
-    than an unpack or IndexError deep inside nn.Embedding. The range is read on a CPU only, outside
-    torch.compile and vmap: no host sync per forward on a GPU (its embedding asserts), no branch on values."""
+    """A one-line ValueError unless tokens is a (b, l) integer tensor of ids in [0, vocab_size). The range is read
+    on a CPU only, outside torch.compile and vmap: no host sync per forward on a GPU (its embedding asserts)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"tokens must be a (batch, length) tensor of token ids; got {shape}.")
@@ -763,7 +728,7 @@ def check_tokens(tokens, vocab_size):
     if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
         try:
             low, high = (x.item() for x in torch.aminmax(tokens))
-        except RuntimeError:          # vmap over the tokens: no .item() inside the transform
+        except RuntimeError:          # vmap over the tokens: no .item()
             return
         if low < 0 or high >= vocab_size:
             raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary); "
@@ -771,10 +736,8 @@ def check_tokens(tokens, vocab_size):
 
 
 def check_dataset(model, dataset, name="dataset"):
-    """Raise a one-line ValueError naming `name` unless dataset (a tasks.Dataset) is data the model can
-    read: its vocabulary is the model's (model.build_args["vocab_size"]) and, when the model knows its
-    task (model.task, which mechsm.load sets from the checkpoint's config), its task is that one. Token
-    ids below the vocabulary (check_tokens) are not enough: an AR model would score ATR documents."""
+    """A one-line ValueError naming `name` unless dataset (a tasks.Dataset) has the model's vocabulary and, if
+    the model knows it (model.task, set by mechsm.load), its task: ids in range alone would let AR score ATR."""
     if not all(hasattr(dataset, a) for a in ("task", "vocab_size", "tokens", "positions", "answers")):
         raise ValueError(f"{name} must be a tasks.Dataset (e.g. mechsm.make_data(cfg).eval); "
                          f"got {type(dataset).__name__}.")
@@ -789,15 +752,14 @@ def check_dataset(model, dataset, name="dataset"):
 
 
 def count_parameters(model, trainable_only=False):
-    """Number of distinct parameters (the tied head counted once; frozen ones included unless asked)."""
+    """Number of distinct parameters (the tied head once; frozen ones unless trainable_only)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def init_weights(model, n_layers, mamba_blocks):
-    """zoology's global init pass (zoology/model.py, _init_weights), by name and type, for any mixer. Embeddings
-    N(0, 0.02^2). Transformer blocks: Linear weights N(0, 0.02^2) (filter MLPs included), biases 0, then out_proj
-    and fc2 weights N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2's residual scaling). Mamba blocks: Linears keep their
-    weights, biases are zeroed unless _no_reinit, out_proj is torch-default / sqrt(n_layers). Convs keep theirs."""
+    """zoology's _init_weights, by name and type. Embeddings N(0, 0.02^2). Transformer blocks: Linear weights
+    N(0, 0.02^2), biases 0, out_proj and fc2 weights N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2). Mamba blocks:
+    Linear weights kept, biases 0 unless _no_reinit, out_proj torch-default / sqrt(n_layers). Convs keep theirs."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             if not mamba_blocks:
@@ -816,29 +778,26 @@ def init_weights(model, n_layers, mamba_blocks):
 
 
 def _base_conv_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """base_conv: kernel sizes [3, -1] alternate by layer (-1 = implicit long conv); d_conv sets every
-    layer's short kernel, long_only makes every layer long."""
+    """base_conv: kernel sizes 3, -1 (implicit long conv) alternate; d_conv sets all, long_only: all long."""
     kernel = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
     return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
 
 
 def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """based: even layers are BaseConv (short K=3, or d_conv, or long with long_only), odd layers linear attention."""
+    """based: BaseConv (K=3, d_conv, or long with long_only) on even layers, linear attention on odd ones."""
     if layer_idx % 2 == 0:
-        kernel = -1 if long_only else d_conv if d_conv is not None else 3
-        return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
+        return _base_conv_layer(d_model, layer_idx, n_layers, reference, d_conv, long_only, **options)
     return BasedAttention(d_model, layer_idx, n_layers, reference, **options)
 
 
-ARCHS = {}                 # arch name -> one-line description (run.py's help, mechsm.Config's check)
+ARCHS = {}  # arch name -> one-line description (run.py's help, mechsm.Config's check)
 MIXER_CLASSES = {}         # arch name -> factory (d_model, layer_idx, n_layers, reference, **options) -> Mixer
 MAMBA_BLOCK_ARCHS = set()  # archs built from MambaBlocks (RMSNorm, no MLP, Mamba's init rules)
 
 
 def register(name, mixer, description, mamba_block=False):
-    """Make a mixer buildable as arch `name` by build_model, mechsm.Config and run.py (README, "Add your own
-    mixer"): a Mixer subclass or any factory called like one, per layer, with n_heads, d_conv, long_only,
-    n_positions and any extra build options. mamba_block=True: in Mamba's blocks (RMSNorm, no MLP)."""
+    """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name` (README, "Add your
+    own mixer"). mamba_block=True: in Mamba's blocks (RMSNorm, no MLP)."""
     if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
         raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
     MIXER_CLASSES[name] = mixer
@@ -847,7 +806,7 @@ def register(name, mixer, description, mamba_block=False):
         MAMBA_BLOCK_ARCHS.add(name)
 
 
-# The one list of the built-in architectures (the paper's six, then DeltaNet), in the order of every table.
+# The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
 register("base_conv", _base_conv_layer,
          "BaseConv: projection gated by a causal conv, short (K=3) and implicit long conv alternating + MLP")
@@ -860,15 +819,14 @@ BUILT_IN_ARCHS = tuple(ARCHS)
 
 _base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)
 _base_conv_layer.D_CONV = _based_layer.D_CONV = range(1, 2**31)      # the short-conv kernel size
-# Classes the factories above build and hand their **options to: their keyword parameters are build options too.
+# Classes the factories above hand their **options to: their keywords are build options too.
 MIXER_PARTS = (BaseConv, BasedAttention)
 NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
 
 
 def mixer_options():
-    """The extra keywords build_model accepts for every arch (a sweep passes the same ones to all): the keyword
-    parameters with defaults of the MIXER_CLASSES factories and MIXER_PARTS classes, read from their signatures
-    so that a new option needs no list; a keyword no mixer takes (n_head for n_heads) is an error."""
+    """The extra keywords build_model accepts for any arch: those with defaults in the signatures of the
+    MIXER_CLASSES factories and MIXER_PARTS (a keyword no mixer takes, n_head for n_heads, is an error)."""
     names = set()
     for factory in (*MIXER_CLASSES.values(), *MIXER_PARTS):
         for p in inspect.signature(factory).parameters.values():
@@ -878,30 +836,28 @@ def mixer_options():
 
 
 def takes_option(arch, name):
-    """Whether arch's mixer takes build option `name` (d_conv, long_only, n_heads, ...): a keyword of its
-    factory's signature, or of the classes the factory builds (its `builds` attribute)."""
+    """Whether arch's factory, or a class it builds (its `builds`), takes build option `name`."""
     factory = MIXER_CLASSES[arch]
     return any(name in inspect.signature(f).parameters for f in (factory, *getattr(factory, "builds", ())))
 
 
 def mixer_attr(arch, name):
-    """A class attribute of arch's mixer (Mixer.READS, POS_EMB, FIXED_LENGTH, D_CONV), or of its factory."""
+    """A class attribute of arch's mixer or factory (READS, POS_EMB, FIXED_LENGTH, D_CONV)."""
     return getattr(MIXER_CLASSES[arch], name, getattr(Mixer, name))
 
 
 def _pos_emb_or_default(arch, pos_emb):
-    """pos_emb as given; None means the mixer's default (Mixer.POS_EMB: attention only)."""
+    """pos_emb, or the mixer's POS_EMB for None."""
     return mixer_attr(arch, "POS_EMB") if pos_emb is None else pos_emb
 
 
 def position_limit(arch, pos_emb, n_positions):
-    """The longest sequence arch's model accepts, or None for any length: learned positions (pos_emb as in
-    build_model) and fixed-length filters (Mixer.FIXED_LENGTH) are tables of n_positions rows."""
+    """The longest sequence arch's model accepts (None: any): positions and FIXED_LENGTH filters are tables."""
     return n_positions if _pos_emb_or_default(arch, pos_emb) or mixer_attr(arch, "FIXED_LENGTH") else None
 
 
 def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options):
-    """Raise a one-line ValueError naming the first argument build_model cannot build from."""
+    """A one-line ValueError naming the first argument build_model cannot build from."""
     positive_int = lambda x: isinstance(x, int) and x >= 1
     if arch not in MIXER_CLASSES:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
@@ -928,23 +884,21 @@ def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions,
                          + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
 
 
-def _too_big(error, arch, vocab_size, d_model, n_layers):
-    """A ValueError naming the sizes for an allocation failure while building (None for other errors):
-    a width or vocabulary too large to allocate is bad input, not a crash."""
+def _raise_if_too_big(error, arch, vocab_size, d_model, n_layers):
+    """A ValueError naming the sizes if error is an allocation failure (bad input, not a crash)."""
     text = " ".join(str(error).split())
     if not (isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text.lower()):
-        return None
+        return
     asked = re.search(r"allocate (\d+) bytes", text)
     size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
-    return ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} model "
-                      f"is too large to allocate{size}")
+    raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} model "
+                     f"is too large to allocate{size}") from None
 
 
 def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
                 d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """The language model for `arch` with the paper's defaults. pos_emb: learned positions (None: attention
-    only). d_conv: short-conv size of mamba (0..4, 0 removes it) or based/base_conv; long_only: long convs only
-    there. kernels: "fast" or "reference" (section 2). seed: seeds the init without touching the global RNG."""
+    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: attention only).
+    d_conv: short-conv size; long_only: long convs only. kernels: "fast" or "reference". seed: the init's own RNG."""
     _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options)
     pos_emb = _pos_emb_or_default(arch, pos_emb)
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
@@ -956,43 +910,36 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         if seed is not None:
             torch.manual_seed(seed)
         make_mixer = MIXER_CLASSES[arch]
-        try:  # parameters are drawn in this order: the mixers layer by layer, then the embeddings
+        try:  # drawn in this order: the mixers layer by layer, then the embeddings
             blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
                                                 d_conv=d_conv, long_only=long_only, n_positions=n_positions,
                                                 **options))
                       for i in range(n_layers)]
             model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
         except (RuntimeError, MemoryError) as e:
-            too_big = _too_big(e, arch, vocab_size, d_model, n_layers)
-            if too_big is None:
-                raise
-            raise too_big from None
+            _raise_if_too_big(e, arch, vocab_size, d_model, n_layers)
+            raise
         init_weights(model, n_layers, mamba_blocks)
     model.build_args = build_args
     return model
 
 
-# ============================================ 5. Fast kernels and their dispatchers (scan, selective_scan, long_conv)
+# ============================================ 5. Fast kernels and their dispatchers
 
-class _one_thread:
-    """Run a loop of small CPU ops on one intra-op thread: splitting a step of a few tens of thousands of floats
-    costs more in hand-offs than it gains (with two threads a Mamba training step ran at 13.6 steps/s with its
-    loops on one, 11.5 on both). Large ops elsewhere keep every thread."""
-
-    def __enter__(self):
-        self.threads = torch.get_num_threads()
-        if self.threads > 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc):
-        if self.threads > 1:
-            torch.set_num_threads(self.threads)
+@contextlib.contextmanager
+def _one_thread():
+    """A loop of small CPU ops on one thread: hand-offs cost more than they gain (Mamba: 13.6 steps/s, 11.5 on 2)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class kernel_form:
-    """`with kernel_form("gpu"):` makes scan and selective_scan pick the form they use off the CPU (parallel
-    scan, materialised selective scan) even for CPU tensors, and "cpu" the loop forms on any device; the
-    choice by device comes back on exit, exceptions included. Tests use it to run the GPU paths on a CPU."""
+    """`with kernel_form("gpu"):` makes scan and selective_scan use their GPU forms on any device ("cpu": the
+    loop forms); tests use it to run the GPU paths on a CPU."""
 
     forced = None  # "cpu" | "gpu" | None (choose by device)
 
@@ -1010,35 +957,31 @@ class kernel_form:
 
     @staticmethod
     def of(x):
-        """The form for tensor x: the forced one, else "cpu" for CPU tensors and "gpu" otherwise."""
+        """The forced form, else x's device's."""
         return kernel_form.forced or ("cpu" if x.device.type == "cpu" else "gpu")
 
 
 def _fold_into_batch(info, in_dims, tensors):
-    """First half of a custom autograd.Function's vmap rule: each tensor, vmapped at in_dims[i] (None: expanded
-    to every member) -> (r*b, ...), members stacked member-major along the batch dim, so that the plain kernel
-    runs once on all of them under regular autograd; the rule then unflattens the output to (r, b, ...)."""
+    """A vmap rule's first half: each tensor (vmapped at in_dims[i], None: expanded) -> (r*b, ...), member-major,
+    so the plain kernel runs once on all members; the rule then unflattens its output to (r, b, ...)."""
     folded = []
     for x, dim in zip(tensors, in_dims):
         x = x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)  # (r, b, ...)
-        folded.append(x.reshape(-1, *x.shape[2:]))                                         # (r*b, ...)
+        folded.append(x.reshape(-1, *x.shape[2:]))  # (r*b, ...)
     return folded
 
 
 def parallel_scan(a, b):
-    """sequential_scan's recurrence with no Python loop over the length (odd-even reduction). Step t is the affine
-    map h -> a_t*h + b_t, and steps 2k, 2k+1 composed are one: h -> (a_{2k+1} a_{2k}) h + (a_{2k+1} b_{2k} + b_{2k+1}).
-    So: pair up neighbours, solve the half-length problem for the odd positions (recursively), then fill in each
-    even position from its left neighbour, h_2k = a_2k h_{2k-1} + b_2k. Each level is a few elementwise ops on
-    whole (b, l/2^level, ...) tensors: ~log2(l) levels of launches on a GPU instead of l steps, O(l) work in all
-    (Blelloch-style, not Hillis-Steele's O(l log l)). On a CPU the loop in `scan` is still faster (`run.py bench`)."""
+    """sequential_scan by odd-even reduction: steps 2k, 2k+1 compose into one affine map, h -> (a_{2k+1} a_{2k}) h
+    + (a_{2k+1} b_{2k} + b_{2k+1}); solve for the odd positions recursively, then h_2k = a_2k h_{2k-1} + b_2k.
+    Speed: ~log2(l) levels of whole-tensor ops on a GPU instead of l steps, O(l) work."""
     length = a.shape[1]
     if length == 1:
         return b
     if length % 2:  # pad with an identity step (a = 1, b = 0), dropped at the end
         a = torch.cat([a, torch.ones_like(a[:, :1])], dim=1)
         b = torch.cat([b, torch.zeros_like(b[:, :1])], dim=1)
-    a_even, a_odd = a[:, 0::2], a[:, 1::2]                        # steps 0, 2, 4, ... and 1, 3, 5, ...
+    a_even, a_odd = a[:, 0::2], a[:, 1::2]  # steps 0, 2, 4, ... and 1, 3, 5, ...
     b_even, b_odd = b[:, 0::2], b[:, 1::2]
     h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
     h_before_even = torch.cat([torch.zeros_like(h_odd[:, :1]), h_odd[:, :-1]], dim=1)  # h_{-1}=0, h_1, h_3, ...
@@ -1048,7 +991,7 @@ def parallel_scan(a, b):
 
 
 class _ScanFn(torch.autograd.Function):
-    """The scans with a hand-written backward: both save (a, h), both fold a vmap into the batch dim."""
+    """A scan with a hand-written backward: saves (a, h), folds a vmap into the batch dim."""
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -1061,9 +1004,8 @@ class _ScanFn(torch.autograd.Function):
 
 
 class _LoopScanFn(_ScanFn):
-    """sequential_scan with a hand-written backward: no autograd graph of l small ops. Forward: its loop, each
-    step written in place into one preallocated output. Backward: with g = dLoss/dh, the gradient flowing into
-    h_t is c_t = g_t + a_{t+1} * c_{t+1} (a reverse scan), then dLoss/db_t = c_t and dLoss/da_t = c_t h_{t-1}."""
+    """sequential_scan in place, hand-written backward (no graph of l small ops): with g = dL/dh, the gradient
+    into h_t is c_t = g_t + a_{t+1} c_{t+1} (a reverse scan), dL/db_t = c_t, dL/da_t = c_t h_{t-1}."""
 
     @staticmethod
     def forward(a, b):
@@ -1081,7 +1023,7 @@ class _LoopScanFn(_ScanFn):
         grad_b[:, -1] = grad_h[:, -1]
         with _one_thread():
             for t in range(h.shape[1] - 2, -1, -1):
-                torch.addcmul(grad_h[:, t], a[:, t + 1], grad_b[:, t + 1], out=grad_b[:, t])  # c_t = g_t + a_{t+1} c_{t+1}
+                torch.addcmul(grad_h[:, t], a[:, t + 1], grad_b[:, t + 1], out=grad_b[:, t])  # c_t
         grad_a = torch.empty_like(h)
         grad_a[:, 0] = 0
         torch.mul(grad_b[:, 1:], h[:, :-1], out=grad_a[:, 1:])             # dL/da_t = c_t h_{t-1}
@@ -1089,14 +1031,13 @@ class _LoopScanFn(_ScanFn):
 
 
 class _ParallelScanFn(_ScanFn):
-    """parallel_scan with a backward that is one parallel scan run right to left (autograd through its slices
-    keeps ~2.5x more tensors): c_t = g_t + a_{t+1} c_{t+1} (see _LoopScanFn) reversed in time, s = l-1-t, is
-    c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s} (a'_0 unused), i.e. parallel_scan(a', g')."""
+    """parallel_scan whose backward is parallel_scan right to left (autograd keeps ~2.5x more tensors): _LoopScanFn's
+    c_t reversed in time, s = l-1-t, is c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s}."""
 
     @staticmethod
     def forward(a, b):
         h = parallel_scan(a, b)
-        return b.clone() if h is b else h    # l = 1 hands b back as is: saving it needs a fresh tensor
+        return b.clone() if h is b else h    # l = 1 returns b itself
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -1107,13 +1048,12 @@ class _ParallelScanFn(_ScanFn):
         return grad_a, grad_b
 
 
-loop_scan = _LoopScanFn.apply                      # sequential_scan's loop, hand-written backward: fastest on a CPU
-parallel_scan_custom_grad = _ParallelScanFn.apply  # parallel_scan with the reverse-scan backward: `scan` on a GPU
+loop_scan = _LoopScanFn.apply                      # fastest on a CPU
+parallel_scan_custom_grad = _ParallelScanFn.apply  # `scan` on a GPU
 
 
 def scan(a, b, reference=False):
-    """h_t = a_t h_{t-1} + b_t for a mixer: loop_scan on a CPU, else parallel_scan_custom_grad (or
-    kernel_form's); reference=True (a mixer's kernels="reference") runs sequential_scan itself."""
+    """h_t = a_t h_{t-1} + b_t: loop_scan on a CPU, else parallel_scan_custom_grad (or as kernel_form says)."""
     if reference:
         return sequential_scan(a, b)
     if kernel_form.of(a) == "cpu":
@@ -1122,52 +1062,39 @@ def scan(a, b, reference=False):
 
 
 def _selective_states(u, delta, A, B):
-    """decay = exp(Δ A) and the states h (both (b, l, e, n)) of h_t = decay_t h_{t-1} + Δ_t u_t B_t.
-    A is (e, n), or (b, e, n): one A per batch row (an ensemble's members folded into the batch)."""
+    """decay = exp(Δ A) and states h_t = decay_t h_{t-1} + Δ_t u_t B_t, (b, l, e, n); A (e, n) or (b, e, n)."""
     decay = (delta[..., None] * (A if A.dim() == 2 else A[:, None])).exp_()  # (b,l,e,n)
-    states = (delta * u)[..., None] * B[:, :, None, :]                    # drive (b,l,e,n), becomes h
-    h, a = states.unbind(1), decay.unbind(1)                              # views, taken once: no select per step
+    states = (delta * u)[..., None] * B[:, :, None, :]  # drive (b,l,e,n), becomes h
+    h, a = states.unbind(1), decay.unbind(1)  # views, taken once: no select per step
     for t in range(1, u.shape[1]):
-        h[t].addcmul_(a[t], h[t - 1])                                     # h_t = drive_t + decay_t h_{t-1}
+        h[t].addcmul_(a[t], h[t - 1])  # h_t = drive_t + decay_t h_{t-1}
     return decay, states
 
 
 def _selective_readout(states, C):
-    """y_t = sum_n C_t h_t: (b, l, e, n), (b, l, n) -> (b, l, e). A multiply and a sum over the last dim: on a CPU
-    1.5-2.5x faster than the same as a batched matrix-vector product (bmm), which goes through gemv per row."""
+    """y_t = sum_n C_t h_t: (b, l, e, n), (b, l, n) -> (b, l, e). Multiply and sum: 1.5-2.5x faster than bmm (gemv)."""
     return (states * C[:, :, None, :]).sum(-1)
 
 
 def _sum_over_e(x, states):
-    """sum_e x_t h_t: (b, l, e), (b, l, e, n) -> (b, l, n), as one batched vector-matrix product."""
+    """sum_e x_t h_t: (b, l, e), (b, l, e, n) -> (b, l, n), one bmm."""
     b, l, e, n = states.shape
     return torch.bmm(x.reshape(b * l, 1, e), states.view(b * l, e, n)).view(b, l, n)
 
 
 def _row_chunks(shape, floats=1 << 17, most=8):
-    """Slices of the batch whose (rows, l, e, n) tensors hold about `floats` floats (512 KB in float32), at most
-    `most` of them: a few such tensors stay in a core's L2 cache, where a pass over them is several times faster
-    than one over the whole (b, l, e, n) tensor from memory. Each slice costs ~90 more dispatched ops (the loops):
-    the vmap rule asks for most=2, so that an ensemble's folded batch (mechsm.Ensemble) stays ~2 batched ops a step
-    (at 35 members of `run.py bench` size tiny: 24 ops per member-step against 529 alone; 1 slice: 16, slower)."""
+    """At most `most` batch slices whose (rows, l, e, n) tensors hold ~`floats` floats. Speed: they stay in L2 cache,
+    several times faster than passes over memory; each slice costs ~90 ops (the vmap rule takes most=2)."""
     b = shape[0]
     rows = max(1, floats // math.prod(shape[1:]), -(-b // most))
     return [slice(i, min(i + rows, b)) for i in range(0, b, rows)]
 
 
 class _SelectiveScanLoopFn(torch.autograd.Function):
-    """selective_scan_reference with one in-place op per time step and a hand-written backward (the CPU path),
-    a slice of the batch at a time (_row_chunks) so that its (rows, l, e, n) tensors stay in cache. Forward: per
-    slice, decay = exp(Δ A) and drive = Δ u B are built once, the drive overwritten in place by the states,
-    h_t += decay_t h_{t-1}; y = sum_n C h is one bmm. Only the inputs are saved: the backward recomputes each
-    slice's decay and states (4 cheap in-cache passes, against writing and re-reading 2 big tensors), then runs
-    the reverse-time loop on the gradient reaching h_t,
-      g_t = C_t dy_t + decay_{t+1} g_{t+1}          (in place, one op per step)
-    and everything else as batched ops over all steps at once:
-      dL/dC_t = sum_e dy_t h_t    dL/dB_t = sum_e Δ_t u_t g_t    dL/d(Δ_t u_t) = sum_n g_t B_t
-      dL/d(Δ_t A) = g_t * h_{t-1} * decay_t  -> dL/dA = sum_{b,t} (.) Δ_t,  dL/dΔ_t += sum_n (.) A.
-    About 15 in-cache passes over a slice in all (the unsliced form: ~33 over memory, 3.5x slower at the quick
-    AR shape). A: (e, n), or (b, e, n), one per row, under the vmap rule."""
+    """selective_scan_reference, one in-place op per step, a batch slice at a time (_row_chunks: in cache), only
+    the inputs saved (the backward recomputes the states in cache). Backward: g_t = C_t dy_t + decay_{t+1} g_{t+1}
+    in place, then batched: dC_t = sum_e dy_t h_t, dB_t = sum_e Δ_t u_t g_t, d(Δ_t u_t) = sum_n g_t B_t,
+    d(Δ_t A) = g_t h_{t-1} decay_t -> dA, dΔ. ~15 in-cache passes (unsliced: ~33 over memory, 3.5x slower)."""
 
     @staticmethod
     def forward(u, delta, A, B, C, most):
@@ -1192,21 +1119,21 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         grad_A = torch.zeros_like(A)
         with _one_thread():
             for rows in _row_chunks((*u.shape, A.shape[-1]), most=ctx.most):
-                per_row = A.dim() == 3                                    # A (b, e, n): dL/dA per row
+                per_row = A.dim() == 3  # A (b, e, n): dL/dA per row
                 A_rows, grad_A_rows = (A[rows], grad_A[rows]) if per_row else (A, grad_A)
                 dy, du, d_delta = grad_y[rows], u[rows] * delta[rows], delta[rows]
                 decay, states = _selective_states(u[rows], d_delta, A_rows, B[rows])  # (r,l,e,n) each
-                g = dy[..., None] * C[rows][:, :, None, :]                # C_t dy_t (r,l,e,n), becomes g
+                g = dy[..., None] * C[rows][:, :, None, :]  # C_t dy_t (r,l,e,n), becomes g
                 g_t, a = g.unbind(1), decay.unbind(1)
                 for t in range(u.shape[1] - 2, -1, -1):
-                    g_t[t].addcmul_(a[t + 1], g_t[t + 1])                 # g_t += decay_{t+1} g_{t+1}
+                    g_t[t].addcmul_(a[t + 1], g_t[t + 1])  # g_t += decay_{t+1} g_{t+1}
                 grad_C[rows] = _sum_over_e(dy, states)
                 grad_B[rows] = _sum_over_e(du, g)
                 grad_drive = _selective_readout(g, B[rows])               # sum_n g B (r,l,e)
                 g[:, 1:].mul_(states[:, :-1])                             # g becomes dL/d(Δ A):
-                g[:, 0].zero_()                                           #   g_t h_{t-1} decay_t, h_{-1} = 0
+                g[:, 0].zero_()  #   g_t h_{t-1} decay_t, h_{-1} = 0
                 g.mul_(decay)
-                # multiply and sum, not einsum: its bmm/gemv with e as the batch dim ran 3-15x slower here
+                # multiply and sum, not einsum (bmm/gemv over e: 3-15x slower)
                 grad_A_rows += (g * d_delta[..., None]).sum(1 if per_row else (0, 1))
                 grad_delta[rows] = (g * (A_rows[:, None] if per_row else A_rows)).sum(-1).addcmul_(grad_drive, u[rows])
                 grad_u[rows] = grad_drive * d_delta
@@ -1216,21 +1143,20 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
     def vmap(info, in_dims, u, delta, A, B, C, most):
         r = info.batch_size
         u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))  # (r*b, l, .)
-        if in_dims[2] is not None:                                        # one A per member: one per row
+        if in_dims[2] is not None:  # one A per member: one per row
             A = A.movedim(in_dims[2], 0)                                   # (r, e, n)
             A = A[:, None].expand(r, u.shape[0] // r, *A.shape[1:]).reshape(u.shape[0], *A.shape[1:])  # (r*b, e, n)
-        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)               # 2 slices: few ops per member
+        y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)  # 2 slices: few ops per member
         return y.unflatten(0, (r, -1)), 0                                  # (r, b, l, e)
 
 
 def selective_scan_loop(u, delta, A, B, C):
-    """The CPU form of selective_scan: y (b, l, e) from _SelectiveScanLoopFn."""
+    """The CPU form of selective_scan (_SelectiveScanLoopFn)."""
     return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)
 
 
 def selective_scan(u, delta, A, B, C, reference=False):
-    """Mamba's selective scan as the model runs it: selective_scan_loop on a CPU, else the reference's maths through
-    parallel_scan_custom_grad (~2 log2(l) launches, not l); kernel_form forces either. reference=True: the reference."""
+    """selective_scan_loop on a CPU, else the reference through parallel_scan_custom_grad (or as kernel_form says)."""
     if reference:
         return selective_scan_reference(u, delta, A, B, C)
     if kernel_form.of(u) == "cpu":
@@ -1239,8 +1165,7 @@ def selective_scan(u, delta, A, B, C, reference=False):
 
 
 def _powers(A, length):
-    """A^0 .. A^(l-1): (h, m) complex -> (h, m, l), by doubling: P[k:2k] = P[:k] A^k, log2(l) multiplies over
-    growing slices (one pass in all; torch.cumprod on complex numbers ran ~5x slower on a CPU)."""
+    """A^0 .. A^(l-1): (h, m) complex -> (h, m, l) by doubling, P[k:2k] = P[:k] A^k (complex cumprod: ~5x slower)."""
     P = A.new_empty(*A.shape, length)
     P[..., 0] = 1
     k, A_k = 1, A                                                           # A_k = A^k
@@ -1252,14 +1177,9 @@ def _powers(A, length):
 
 
 class _VandermondeFn(torch.autograd.Function):
-    """H3.ssm_kernel's K (l, h) = 2 Re sum_m W_hm A_hm^lag from the modes A, W (h, m) complex, with a hand-written
-    backward. Autograd through the reference's cumprod (or through exp/log/cos/sin of a real-arithmetic form,
-    the previous fast path) keeps and revisits ~10 (h, m, l) tensors; here the powers are one cumprod, built
-    again in the backward (only A and W are saved), and each direction is one complex bmm over them:
-      K^T = 2 Re (W^T P)            with P[h, m, lag] = A^lag
-      dL/dW = 2 conj(P G)           (G (h, l) = dL/dK^T; torch's complex gradient is dL/dRe + i dL/dIm)
-      dL/dA = 2 conj(W P G')        with G'[lag] = (lag+1) G[lag+1] (d A^(lag+1)/dA = (lag+1) A^lag), G'[l-1] = 0.
-    vmap: the members are more heads."""
+    """K (l, h) = 2 Re sum_m W A^lag, hand-written backward: only A, W saved (autograd keeps ~10 (h, m, l) tensors),
+    each direction one complex bmm over the powers P: K^T = 2 Re (W^T P), dW = 2 conj(P G), dA = 2 conj(W P G')
+    with G = dL/dK^T, G'[lag] = (lag+1) G[lag+1]. vmap: the members are more heads."""
 
     @staticmethod
     def forward(A, W, length):
@@ -1276,30 +1196,26 @@ class _VandermondeFn(torch.autograd.Function):
         A, W = ctx.saved_tensors
         G = grad_K.T                                                        # (h, l)
         lags = torch.arange(1, ctx.length, device=G.device, dtype=G.dtype)
-        G_next = F.pad(G[:, 1:] * lags, (0, 1))                              # G'[lag] = (lag+1) G[lag+1]
+        G_next = F.pad(G[:, 1:] * lags, (0, 1))  # G'[lag] = (lag+1) G[lag+1]
         both = torch.stack([G, G_next], -1).to(A.dtype)                     # (h, l, 2)
         S, T = torch.bmm(_powers(A, ctx.length), both).unbind(-1)            # (h, m) each
-        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj(): a lazy bit, later copied slowly
+        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj() is lazy, copied slowly later
 
     @staticmethod
     def vmap(info, in_dims, A, W, length):
         A, W = _fold_into_batch(info, in_dims[:2], (A, W))                  # (r*h, m)
         K = _VandermondeFn.apply(A, W, length)                              # (l, r*h)
-        return K.unflatten(1, (info.batch_size, -1)), 1                     # (l, r, h), members at dim 1
+        return K.unflatten(1, (info.batch_size, -1)), 1  # (l, r, h), members at dim 1
 
 
-def vandermonde_kernel(A, W, length):
-    """K (l, h) = 2 Re sum_m W A^lag for modes A, W (h, m) complex: H3's diagonal-SSM kernel (_VandermondeFn)."""
-    return _VandermondeFn.apply(A, W, length)
+vandermonde_kernel = _VandermondeFn.apply  # H3's diagonal-SSM kernel (l, h) from modes A, W (h, m) complex
 
 
 def fft_conv(u, k):
-    """direct_conv's causal long convolution by real FFT, O(l log l). Both signals are zero-padded to 2l so
-    that the circular convolution the FFT computes has no wrap-around: the first l outputs are exactly the
-    causal linear convolution. The length goes on the last (contiguous) axis, where the FFT runs fastest."""
+    """direct_conv by real FFT, O(l log l), zero-padded to 2l (no wrap-around), length on the contiguous axis."""
     length = u.shape[1]
     n = 2 * length
-    work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU: cast up, then back
+    work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU
     u_f = torch.fft.rfft(u.to(work).transpose(1, 2), n=n)  # (b, d, l+1) complex
     k_f = torch.fft.rfft(k.to(work).t(), n=n)              # (d, l+1) complex
     y = torch.fft.irfft(u_f * k_f, n=n)[..., :length]      # (b, d, l)
@@ -1307,17 +1223,16 @@ def fft_conv(u, k):
 
 
 def long_conv(u, k, reference=False):
-    """Causal long convolution as the mixers use it: fft_conv, or direct_conv when reference=True."""
+    """fft_conv, or direct_conv when reference=True."""
     return direct_conv(u, k) if reference else fft_conv(u, k)
 
 
 def short_conv(x, weight, bias=None):
-    """short_conv_reference's SC_K as K multiply-adds over one zero-padded copy of x (no cat per tap), not
-    F.conv1d: at the tens of tokens of AR the depthwise conv's CPU path, forward+backward, took 1.4 ms at
-    Hyena's (32, 21, 192), this 0.55-0.8 ms (`run.py bench`). x: (b, l, c), weight: (c, 1, K), bias: (c,) or None."""
+    """short_conv_reference as K multiply-adds over one padded copy of x. Speed: F.conv1d's CPU path took 1.4 ms at
+    Hyena's (32, 21, 192) forward+backward, this 0.55-0.8 ms."""
     length, kernel = x.shape[1], weight.shape[-1]
-    padded = F.pad(x, (0, 0, kernel - 1, 0))                        # (b, l+K-1, c): K-1 zeros in front
-    taps = weight[:, 0].t()                                         # (K, c); tap j looks K-1-j steps back
+    padded = F.pad(x, (0, 0, kernel - 1, 0))  # (b, l+K-1, c): K-1 zeros in front
+    taps = weight[:, 0].t()  # (K, c); tap j looks K-1-j steps back
     y = padded[:, :length] * taps[0] if bias is None else torch.addcmul(bias, padded[:, :length], taps[0])
     for j in range(1, kernel):
         y = torch.addcmul(y, padded[:, j:j + length], taps[j])      # y += w_j x_{t-(K-1)+j}
@@ -1325,17 +1240,15 @@ def short_conv(x, weight, bias=None):
 
 
 def delta_rule_parallel(q, k, v, beta):
-    """delta_rule_recurrent's outputs with no loop over tokens. Write S_t = sum_{j<=t} k_j u_j^T. The update
-    says u_t = beta_t (v_t - S_{t-1}^T k_t) = beta_t v_t - beta_t sum_{j<t} (k_t . k_j) u_j, i.e. the unit
-    lower-triangular system (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V, one triangular solve per
-    head. Then o_t = sum_{j<=t} (q_t . k_j) u_j / sqrt(d_k) = tril(Q K^T) U / sqrt(d_k)."""
+    """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
+    u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k)."""
     dk = k.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, k)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
-    gram = k @ k.transpose(-1, -2)                                                 # (b,h,l,k) @ (b,h,k,l) -> (b,h,l,l)
-    system = torch.tril(beta * gram, diagonal=-1)      # the solver reads a unit diagonal, so 0 here is fine
+    gram = k @ k.transpose(-1, -2)  # (b,h,l,k) @ (b,h,k,l) -> (b,h,l,l)
+    system = torch.tril(beta * gram, diagonal=-1)      # the solver assumes a unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
     u = torch.linalg.solve_triangular(system.to(work), (beta * v).to(work), upper=False,
                                       unitriangular=True).to(v.dtype)               # (b, h, l, k)
-    scores = torch.tril(q @ k.transpose(-1, -2))                                   # (b, h, l, l): q_t . k_j, j <= t
-    return (scores @ u / math.sqrt(dk)).transpose(1, 2)                            # (b, h, l, k) -> (b, l, h, k)
+    scores = torch.tril(q @ k.transpose(-1, -2))  # (b, h, l, l): q_t . k_j, j <= t
+    return (scores @ u / math.sqrt(dk)).transpose(1, 2)  # (b, h, l, k) -> (b, l, h, k)
