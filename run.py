@@ -28,6 +28,8 @@ reading every results*.jsonl of --out. <experiment>.md (the table, the timeline,
 """
 
 import argparse
+
+import argparse
 import difflib
 import glob
 import hashlib
@@ -43,9 +45,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 
-# Set before torch's first allocation: PyTorch's CPU allocator then backs tensors of 2 MB and more with
-# transparent huge pages. Filling fresh 4 KB pages cost a Mamba scan's (b, l, e, n) tensors more than
-# the arithmetic. A no-op on a GPU, on macOS or where Linux THP is off; THP_MEM_ALLOC_ENABLE=0 turns it off.
+# Before torch's first allocation: the CPU allocator then backs tensors of 2 MB and more with huge
+# pages (filling fresh 4 KB pages cost a Mamba scan more than its arithmetic). 0 turns it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import numpy as np  # noqa: E402
@@ -58,11 +59,10 @@ from mechsm import Config  # noqa: E402
 
 
 # ==============================================================================================
-# The experiments: one entry per result of the paper, each with a "quick" grid (at most 20 minutes
-# on a 2-core CPU) and a "paper" grid (the paper's widths, learning rates and steps). A grid is
-# {"config": Config fields shared by its runs, "runs": one dict of Config fields per family of runs
-# (each names its arch), "widths", "lrs": {arch: [...]}, "seeds": {arch: [...]}, "steps": {arch: n}},
-# where the arch "*" is the default.
+# The experiments: one per result of the paper, each with a "quick" grid (<= 20 minutes on a 2-core
+# CPU) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
+# fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
+# three {arch: ...} where the arch "*" is the default.
 # ==============================================================================================
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
@@ -70,29 +70,27 @@ PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in
 LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
 LR7 = LR5 + [1e-2, 3e-2]
 
-# quick AR: the paper's recipe (a fixed 100,032-document training set walked in order, batch 32, 10%
-# warmup, cosine decay), but 8 pairs instead of 16 (21 tokens), width 64, one learning rate per
-# architecture, 4k-16k steps instead of 50k, and QUICK_VOCAB keys and values instead of 4,096 (README,
-# difference 19, with the probes `ar-vocab` that chose it). Attention gets the most steps: it sits on
-# the "copy any value in the context" plateau for thousands of steps before induction forms.
+# quick AR: the paper's recipe, but 8 pairs (21 tokens), width 64, one lr per arch, 4k-16k steps
+# and QUICK_VOCAB keys and values (README, difference 19; the probes `ar-vocab`). Attention gets the
+# most steps: it sits on a "copy any value" plateau for thousands of steps before induction forms.
 QUICK_VOCAB = 4096
-QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pairs=8, d_model=64, n_layers=2,
-                train_size=100_032, steps=6000, eval_every=1000)
-QUICK_STEPS = {"attention": 16_000, "mamba": 8000, "based": 8000, "h3": 4000}   # the others: 6,000
-QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3], "hyena": [1e-3],
-             "mamba": [1e-2], "deltanet": [1e-3]}
-# quick ATR: a few sentences of hundreds of terminals make every batch that long (batches are padded
-# to their longest document), so the quick grids reject sentences over 64 terminals (1.5% at L_max 5,
-# 21% at L_max 10: README, difference 14). Step budgets per architecture from the probes `atr-budget`.
+QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pairs=8, d_model=64,
+                n_layers=2, train_size=100_032, steps=6000, eval_every=1000)
+QUICK_STEPS = {"attention": 16_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
+QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
+             "hyena": [1e-3], "mamba": [1e-2], "deltanet": [1e-3]}
+# quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
+# 64 terminals (README, difference 14). Step budgets per arch from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
                  train_size=100_032, steps=4000, eval_every=1000, gap_filter=0.1, max_terminals=64)
-QUICK_ATR_STEPS = {"attention": 30_000, "mamba": 4000, "based": 18_000, "h3": 7500}   # the others: 4,000
-ATR_BUDGETS = {"attention": (10_000, 30_000), "based": (6000, 18_000), "h3": (2500, 7500)}   # probe atr-budget
+QUICK_ATR_STEPS = {"attention": 30_000, "mamba": 4000, "based": 18_000, "h3": 7500}  # others: 4000
+ATR_BUDGETS = {"attention": (10_000, 30_000), "based": (6000, 18_000), "h3": (2500, 7500)}
 PAPER_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=16, n_layers=2, batch_size=32,
                 train_size=100_032, epochs=16, eval_every=200)
-PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2, batch_size=32,
-                 data_seed=125, train_size=100_032, epochs=32, eval_every=200, gap_filter=0.1)
-ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)          # grammar seed 124: lengths near the reference's
+PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2,
+                 batch_size=32, data_seed=125, train_size=100_032, epochs=32, eval_every=200,
+                 gap_filter=0.1)
+ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)   # grammar seed 124: lengths near the reference's
 
 
 def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
@@ -101,21 +99,26 @@ def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
 
 
 def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
-    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs}, seeds={"*": [42]})
+    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs},
+                seeds={"*": [42]})
 
 
 def archs(*names, **fields_):
     return [dict(arch=a, **fields_) for a in names]
 
 
+def convs(arch, sizes, **fields_):
+    return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
+
+
 @dataclass(frozen=True)
 class Experiment:
     name: str
-    section: str        # where the paper reports it
-    claim: str          # the claim, in one line
+    section: str         # where the paper reports it
+    claim: str           # the claim, in one line
     paper_numbers: dict  # table row label (or arch) -> the paper's number / finding for that row
-    quick: dict         # the quick grid
-    paper: dict         # the paper's grid (preset "paper")
+    quick: dict          # the quick grid
+    paper: dict          # the paper's grid (preset "paper")
     probe: bool = False  # a probe that chose a quick setting: its report lists every run
 
 
@@ -125,12 +128,12 @@ EXPERIMENTS = {e.name: e for e in [
                {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
                 "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
                 "h3": "direct retrieval"},
-               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv"),
-                     seeds={"mamba": [0, 1, 2], "*": [0]}),
+               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based",
+                                     "base_conv"), seeds={"mamba": [0, 1, 2], "*": [0]}),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
                {"attention": "100% at every d >= 32", "mamba": "rises with d: 91.25% at d 256"},
-               quick(QUICK_AR, archs("attention"), widths=(16, 32, 64)),   # CPU budget: attention only
+               quick(QUICK_AR, archs("attention"), widths=(16, 32, 64)),   # CPU budget: attention
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
@@ -139,63 +142,75 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment("ar-layers", "App. D.2, D.3", "AR with 1 and 3 layers (1-layer Mamba still learns it)",
                {"mamba (1 layer)": "96.25%"},
                quick(QUICK_AR, archs("mamba", "attention", n_layers=1) + archs("mamba", "attention")),
-               paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3), lrs=LR7)),
+               paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3),
+                     lrs=LR7)),
     Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
-               {"mamba (d_conv 0)": "fails without the conv", "mamba (default conv)": "91.25% (d 256; conv 4)"},
-               quick(QUICK_AR, [dict(arch="mamba", d_conv=k) for k in (0, None)]),   # CPU budget: 0 and 4
-               paper(PAPER_AR, [dict(arch="mamba", d_conv=k) for k in (0, 1, 2, 3, None)], lrs=LR7)),
+               {"mamba (d_conv 0)": "fails without the conv",
+                "mamba (default conv)": "91.25% (d 256; conv 4)"},
+               quick(QUICK_AR, convs("mamba", (0, None))),   # CPU budget: 0 and 4
+               paper(PAPER_AR, convs("mamba", (0, 1, 2, 3, None)), lrs=LR7)),
     Experiment("based-ablation", "Sec. 5.4", "Based with long convs only, and short kernels 1-4",
                {"based (default conv)": "99.06%; induction"},
-               quick(QUICK_AR, archs("based", long_only=True) + [dict(arch="based", d_conv=k) for k in (1, None)]),
+               quick(QUICK_AR, archs("based", long_only=True) + convs("based", (1, None))),
                paper(PAPER_AR, archs("based", "base_conv", long_only=True)
-                     + [dict(arch="based", d_conv=k) for k in (1, 2, None, 4)])),
-    Experiment("atr", "Sec. 5.2", "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
+                     + convs("based", (1, 2, None, 4)))),
+    Experiment("atr", "Sec. 5.2",
+               "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
                {"attention": "induction-like: the parent's token holds the association",
-                "mamba": "direct retrieval at the query", "h3": "direct retrieval", "hyena": "direct retrieval",
-                "based": "induction-like"},
+                "mamba": "direct retrieval at the query", "h3": "direct retrieval",
+                "hyena": "direct retrieval", "based": "induction-like"},
                quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
                      steps=QUICK_ATR_STEPS),
                paper(PAPER_ATR, archs(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
                quick(QUICK_ATR, archs("mamba", "attention"), steps=QUICK_ATR_STEPS, **ATR_MEDIUM),
-               paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"), **ATR_MEDIUM)),
+               paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"),
+                     **ATR_MEDIUM)),
     Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
                quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, num_terminals=8192),
                paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
-    Experiment("atr-generalisation", "Sec. 5.3", "ATR on held-out (parent, child) label pairs: dev against test",
+    Experiment("atr-generalisation", "Sec. 5.3",
+               "ATR on held-out (parent, child) label pairs: dev against test",
                {"attention": "95.62% dev / 68.12% test (d 256)"},
-               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2, gap_filter=0.01),
+               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2,
+                     gap_filter=0.01),
                paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
     Experiment("ar-generalisation", "the paper's notebook (not in its text)",
                "AR on held-out (key, value) pairs: dev against test", {},
                quick(QUICK_AR, archs("attention"), holdout=0.2),
                paper(PAPER_AR, archs("attention"), holdout=0.2, epochs=32)),
-    Experiment("atr-mamba-conv", "arXiv v3", "Mamba without its short conv learns attention-like induction on ATR",
-               {"mamba (d_conv 0)": "induction (high Attrib@Value)", "mamba (default conv)": "direct retrieval"},
-               quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")], steps=QUICK_ATR_STEPS),
-               paper(PAPER_ATR, [dict(arch="mamba", d_conv=k) for k in (0, None)])),
-    # The probes that chose the quick settings (README, difference 19): run before any table was made.
-    Experiment("ar-vocab", "probe", "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
-               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (256, 512, 1024) for a in ALL_ARCHS]
-                          + [dict(arch="attention", num_keys=1024, num_values=1024, lr=5e-4, steps=32_000)],
-                          seeds={"mamba": [0, 1], "*": [0]}),
+    Experiment("atr-mamba-conv", "arXiv v3",
+               "Mamba without its short conv learns attention-like induction on ATR",
+               {"mamba (d_conv 0)": "induction (high Attrib@Value)",
+                "mamba (default conv)": "direct retrieval"},
+               quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")],
+                     steps=QUICK_ATR_STEPS),
+               paper(PAPER_ATR, convs("mamba", (0, None)))),
+    # The probes that chose the quick settings (README, difference 19): run before any table.
+    Experiment("ar-vocab", "probe",
+               "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
+               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (256, 512, 1024)
+                                     for a in ALL_ARCHS]
+                          + [dict(arch="attention", num_keys=1024, num_values=1024, lr=5e-4,
+                                  steps=32_000)], seeds={"mamba": [0, 1], "*": [0]}),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
                paper(PAPER_AR, []), probe=True),
-    Experiment("atr-budget", "probe", "the quick ATR grid's step budgets, the first quick grid's against longer", {},
-               quick(QUICK_ATR, [dict(arch=a, steps=n) for a, steps in ATR_BUDGETS.items() for n in steps]),
+    Experiment("atr-budget", "probe",
+               "the quick ATR grid's step budgets, the first quick grid's against longer", {},
+               quick(QUICK_ATR, [dict(arch=a, steps=n) for a, s in ATR_BUDGETS.items() for n in s]),
                paper(PAPER_ATR, []), probe=True),
 ]}
 PRESETS = ("quick", "paper")
-LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout", "freeze_features",
-                "num_keys", "steps", "lr", "seed")
+LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout",
+                "freeze_features", "num_keys", "steps", "lr", "seed")
 
 
-def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None, **fields_):
-    """The Configs of one experiment's grid, runs -> widths -> lrs -> seeds, with `fields_` (Config
-    fields, e.g. device, steps) set on every run. archs / widths / lrs / seeds narrow or replace the
-    grid's: archs keeps the grid's runs of those archs and adds a plain run for an arch the grid
-    lacks (with the grid's learning rate and steps for it)."""
+def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
+                       **fields_):
+    """The Configs of one experiment's grid (runs -> widths -> lrs -> seeds), with `fields_` set on
+    every run; archs / widths / lrs / seeds narrow or replace the grid's (an arch the grid lacks
+    gets a plain run)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
@@ -220,20 +235,23 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
     words = {"d_model": lambda: f"d {value}", "n_layers": lambda: f"{value} layer{'s' * (value != 1)}",
-             "pos_emb": lambda: "PE" if value else "NoPE", "long_only": lambda: "long convs only" if value else None,
+             "pos_emb": lambda: "PE" if value else "NoPE",
+             "long_only": lambda: "long convs only" if value else None,
              "d_conv": lambda: "default conv" if value is None else f"d_conv {value}",
-             "num_keys": lambda: f"{value} keys", "steps": lambda: f"{value} steps", "lr": lambda: f"lr {value:g}",
-             "seed": lambda: f"seed {value}", "holdout": lambda: f"holdout {value:g}"}
+             "num_keys": lambda: f"{value} keys", "steps": lambda: f"{value} steps",
+             "lr": lambda: f"lr {value:g}", "seed": lambda: f"seed {value}",
+             "holdout": lambda: f"holdout {value:g}"}
     return words.get(name, lambda: f"{name} {value}")()
 
 
 def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
-    """A table label for cfg: its arch, plus every field of `fields_` that differs between the configs
-    of the same arch in `configs`, e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
+    """cfg's arch plus every field of `fields_` that differs between the same arch's `configs`,
+    e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
     parts = [describe(name, getattr(cfg, name)) for name in fields_
-             if len({getattr(c, name) for c in same_arch}) > 1 and not (name == "d_conv" and cfg.long_only)]
+             if len({getattr(c, name) for c in same_arch}) > 1
+             and not (name == "d_conv" and cfg.long_only)]
     parts = [p for p in parts if p]
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
@@ -242,16 +260,15 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 # The planner: expected CPU time of a grid, from measured step rates.
 # ----------------------------------------------------------------------------------------------
 
-# Training steps per second of one CPU thread at the quick AR shape (width 64, 2 layers, batch 32,
-# 21 tokens, 8,195 tokens of vocabulary), from `python run.py bench` (part 3) on an idle 2-core x86-64
-# machine; estimate_seconds scales them by tokens, width, layers and batch: a guide, not a promise.
+# Training steps/s of one CPU thread at the quick AR shape, from `python run.py bench` (part 3) on an
+# idle 2-core x86-64 machine; estimate_seconds scales them: a guide, not a promise.
 CPU_STEPS_PER_S = {"attention": 43.4, "base_conv": 35.7, "based": 39.4, "h3": 8.2, "hyena": 22.0,
                    "mamba": 12.1, "deltanet": 22.8}
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
 def estimate_seconds(configs, jobs=1):
-    """Rough CPU wall time of training `configs` with `jobs` one-thread workers (CPU_STEPS_PER_S)."""
+    """Rough CPU wall time of training `configs` with `jobs` one-thread workers."""
     total = 0.0
     for cfg in configs:
         cfg = cfg.resolved()
@@ -263,7 +280,7 @@ def estimate_seconds(configs, jobs=1):
 
 
 def default_jobs(device, n_runs):
-    """(jobs, why): on a CPU one one-thread worker per core, as many as memory allows; one on a GPU."""
+    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
     if device != "cpu":
         return 1, "one process drives the GPU"
     cores = os.cpu_count() or 1
@@ -272,20 +289,17 @@ def default_jobs(device, n_runs):
     except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
         free_gib = float("inf")
     fit = max(1, int(free_gib // WORKER_GIB))
-    jobs = max(1, min(cores, fit, n_runs))
-    why = f"{cores} CPU cores" + (f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else "") \
-        + (f", {n_runs} runs" if n_runs < min(cores, fit) else "")
-    return jobs, why
+    why = (f"{cores} CPU cores" + (f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores
+                                   else "") + (f", {n_runs} runs" if n_runs < min(cores, fit) else ""))
+    return max(1, min(cores, fit, n_runs)), why
 
 
 def fmt_hours(seconds):
-    """'14 min' or '3.2 h'."""
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def catalogue():
-    """`run.py --list`: every experiment, its claim and the paper's numbers, with the runs of each preset
-    and their expected time on a 2-core CPU (estimate_seconds)."""
+    """`run.py --list`: every experiment, its claim, the paper's numbers, each preset's runs and time."""
     lines = []
     for name, exp in EXPERIMENTS.items():
         times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
