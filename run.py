@@ -315,9 +315,9 @@ def catalogue():
 # ==============================================================================================
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: error() raises ValueError (main prints it), and an unknown option
-    is named as such (argparse alone would hand the value after a typo'd flag, --lrr 1e-3, to the
-    optional positional command). A token that starts with '-' is a value when a digit or '.' follows."""
+    """argparse whose errors raise ValueError (main prints them) and that names an unknown option
+    (argparse would hand the value after a typo'd flag to the optional command); a token starting
+    with '-' is a value when a digit or '.' follows."""
 
     def error(self, message):
         raise ValueError(message)
@@ -336,56 +336,59 @@ class Parser(argparse.ArgumentParser):
 
 
 class Once(argparse.Action):
-    """Store an option's value, refusing a second occurrence (--lr 1e-3 --lr 3e-3 would silently keep
-    the last one: give one comma list instead)."""
+    """Store an option's value, refusing a second occurrence (give one comma list instead)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in getattr(namespace, "_given", {}):
-            raise ValueError(f"{option_string}: given twice; give it once (a comma list for several values)")
+            raise ValueError(f"{option_string}: given twice; give it once (a comma list for several "
+                             "values)")
         namespace._given = {**getattr(namespace, "_given", {}), option_string: values}
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
-def parse_value(kind, flag, text):
-    """One value of a flag: int (at most 2**62), float (finite) or non-empty str; ValueError names the flag."""
+def parse_value(kind, text):
+    """One value of a flag: int (at most 2**62), float (finite) or non-empty str."""
     text = text.strip()
     if not text:
         raise argparse.ArgumentTypeError("empty value")
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
     if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text} is out of range")
     return value
 
 
-def typed(kind, flag, many=False):
-    """An argparse type: one value, or with many a comma list ("1e-3,3e-3"; seeds also "0-4")."""
+def typed(kind, many=False):
+    """An argparse type: one value, or with many a comma list ("1e-3,3e-3"; ints also "0-4")."""
     def parse(text):
         if not many:
-            return parse_value(kind, flag, text)
+            return parse_value(kind, text)
         values = []
         for part in text.split(","):
             lo, dash, hi = part.strip().partition("-")
             if dash and kind is int and lo:           # a range of seeds, e.g. 0-4
-                values += range(parse_value(int, flag, lo), parse_value(int, flag, hi) + 1)
+                values += range(parse_value(int, lo), parse_value(int, hi) + 1)
             else:
-                values.append(parse_value(kind, flag, part))
+                values.append(parse_value(kind, part))
         return values
     return parse
 
 
 def build_parser():
     p = Parser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog="Options left unset take their value from the experiment's preset (README: what each runs).")
+               epilog="Options left unset take their value from the experiment's preset (README: what "
+               "each runs).")
 
     def a(flag, kind=None, many=False, **kw):
         if kind is not None:
-            kw["type"] = typed(kind, flag, many)
+            kw["type"] = typed(kind, many)
         p.add_argument(flag, action=Once, **({"nargs": 0} if kw.pop("switch", False) else {}), **kw)
 
-    p.add_argument("command", nargs="?", default="train", choices=["train", "bench"], help="train (default) or bench")
+    p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
+                   help="train (default) or bench")
     a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a result of the paper (default: ar)")
     a("--list", switch=True, help="print the catalogue of experiments and exit")
     a("--preset", choices=PRESETS, help="quick (default; <= 20 min on 2 CPU cores) or paper")
@@ -405,11 +408,13 @@ def build_parser():
             ("--max-rhs-len", int, "ATR L_max (paper: 5 or 10)"), ("--max-depth", int, "ATR d_max (paper: 10)"),
             ("--holdout", float, "fraction of pairs held out for a test split (paper: 0.2)"),
             ("--data-seed", int, "language seed: grammar, held-out pairs, documents (default 42)"),
-            ("--steps", int, "total optimizer steps (beats --epochs; the training set is walked cyclically)"),
+            ("--steps", int, "total optimizer steps (beats --epochs; the training set is walked "
+             "cyclically)"),
             ("--epochs", int, "passes over the training set (paper: 16 AR, 32 ATR)"),
             ("--train-size", int, "documents in the fixed training set (paper: 100,032)"),
             ("--batch-size", int, "batch size (paper: 32)"),
-            ("--eval-every", int, "steps between evaluations (paper: 200); the last step is always evaluated"),
+            ("--eval-every", int, "steps between evaluations (paper: 200); the last step is always "
+             "evaluated"),
             ("--eval-size", int, "evaluation documents (paper: 320)")]:
         a(flag, kind, help=text)
     a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: the archs that use them)")
@@ -417,25 +422,28 @@ def build_parser():
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup: cosine (paper) or linear")
     # where and how
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
-    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; 1 on cuda)")
-    a("--group-size", int, metavar="K", help="train up to K runs that differ only in lr and seed as one batched "
-      "model (default: 1 on a CPU, where groups do not pay; a whole (arch, width) cell on cuda)")
-    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: SLURM_ARRAY_TASK_ID/"
-      "SLURM_ARRAY_TASK_COUNT when set); every shard of one --out reads all the others' results")
+    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; 1 on "
+      "cuda)")
+    a("--group-size", int, metavar="K", help="train up to K runs that differ only in lr and seed as one "
+      "batched model (default: 1 on a CPU, where groups do not pay; a whole (arch, width) cell on cuda)")
+    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: SLURM_ARRAY_TASK_"
+      "ID/SLURM_ARRAY_TASK_COUNT when set); every shard of one --out reads all the others' results")
     a("--out", str, help="output folder (default: out/)")
     a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
-    a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/ckpt/)")
-    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) and exit")
-    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its records (results/: "
-      "also the README's summary table) and exit")
+    a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/"
+      "ckpt/)")
+    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) "
+      "and exit")
+    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its records "
+      "(results/: also the README's summary table) and exit")
     return p
 
 
 # command-line flag -> Config field, for the flags that set one field of every run they apply to
 FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
-    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth holdout data_seed "
-    "steps epochs train_size batch_size schedule eval_every eval_size").split()}}
+    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
+    "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
 TASK_FIELDS = {"ar": {"num_keys", "num_values", "num_pairs"},
                "atr": {"num_terminals", "max_rhs_len", "max_depth"}}
 # the options each command takes; any other option given with it is refused, never silently ignored
@@ -444,8 +452,8 @@ COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}
 
 
 def applies(field, cfg):
-    """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv, long_only,
-    n_heads only the archs whose mixer takes that option (models.takes_option)."""
+    """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv,
+    long_only, n_heads only the archs whose mixer takes that option."""
     for task, names in TASK_FIELDS.items():
         if field in names:
             return cfg.task == task
@@ -453,21 +461,21 @@ def applies(field, cfg):
 
 
 def grid_runs(args, name, device):
-    """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, and the
-    field flags set on every run they apply to. A flag that applies to no run is an error; one that
-    applies to some runs only is set on those, with a note, and never enters the others' identity."""
-    given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items() if getattr(args, flag) is not None}
+    """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, with
+    each field flag set on the runs it applies to (none: an error; some: a note)."""
+    given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items()
+             if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
     for flag in ("arch", "d_model", "lr", "seeds"):
         values = getattr(args, flag)
         if values is not None and len(set(values)) < len(values):
             raise ValueError(f"--{flag.replace('_', '-')}: a value is repeated in {values}")
-    arch_list = ALL_ARCHS if args.arch == ["all"] else args.arch
-    configs = experiment_configs(name, args.preset or "quick", archs=arch_list, widths=args.d_model, lrs=args.lr,
+    configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
+                                 archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
                                  seeds=args.seeds, device=device)
     if args.epochs is not None and args.steps is None:
-        given["steps"] = None                                       # --epochs beats the grid's step counts
+        given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []
     for field, value in given.items():
         hit = [applies(field, c) for c in configs]
@@ -476,8 +484,8 @@ def grid_runs(args, name, device):
             raise ValueError(f"{flag}: does not apply to any run of this grid "
                              f"({', '.join(sorted({c.arch for c in configs}))} on {configs[0].task})")
         if not all(hit):
-            notes.append(f"note: {flag} ignored for {', '.join(sorted({c.arch for c, h in zip(configs, hit) if not h}))}, "
-                         "which do not have it")
+            missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
+            notes.append(f"note: {flag} ignored for {', '.join(missed)}, which do not have it")
         configs = [replace(c, **{field: value}) if h else c for c, h in zip(configs, hit)]
     return configs, notes
 
