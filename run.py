@@ -506,51 +506,52 @@ def shard_of(text):
 # The sweep: train every run of a grid that is not recorded yet, one JSON line per finished run.
 # ==============================================================================================
 
-# Where and on what a run happens does not change what it is: a rerun that differs only in these finds
-# the run done. Every other field changes the trained model or what its record reports.
+# Where a run happens does not change what it is: a rerun differing only in these finds it done.
 KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
 
 
 def run_key(config_dict):
     """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED}, sort_keys=True)
+    return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED},
+                      sort_keys=True)
 
 
 def file_name(cfg):
-    """cfg.name() plus 8 hex digits of the run's identity, for its checkpoint: runs that differ only in
-    fields name() leaves out (d_conv, pos_emb, ...) must not share a file."""
+    """cfg.name() plus 8 hex digits of the run's identity (runs name() cannot tell apart)."""
     return f"{cfg.name()}_{hashlib.sha1(run_key(asdict(cfg.resolved())).encode()).hexdigest()[:8]}"
 
 
 def config_of(record):
-    """The Config of a record (fields of older versions that Config no longer has are dropped)."""
+    """The Config of a record (fields that Config no longer has are dropped)."""
     known = {f.name for f in fields(Config)}
     return Config(**{k: v for k, v in record["config"].items() if k in known})
 
 
 def is_record(x):
-    """Whether a parsed results line is a run record this code can read: the types of every field the
-    report reads, and a checkpoint path inside its folder (a record never makes us read a file outside)."""
+    """Whether a parsed results line is a run record the report can read (the types of the fields
+    it reads; a checkpoint path inside its folder)."""
     number = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
-    if not (isinstance(x, dict) and isinstance(x.get("config"), dict) and x.get("status") in ("ok", "failed")):
+    if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
+            and x.get("status") in ("ok", "failed")):
         return False
-    c, final = x["config"], x.get("final")
-    ckpt = x.get("checkpoint")
-    return (isinstance(c.get("arch"), str) and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
-            and number(c.get("lr")) and c.get("lr") is not None and isinstance(x.get("n_params"), int)
-            and isinstance(final, dict) and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(x.get("history", []), list) and all(isinstance(h, dict) and number(h.get("step"))
-                                                            and number(h.get("acc")) for h in x.get("history", []))
-            and isinstance(x.get("mechanism") or {}, dict) and isinstance(x.get("mechanism_table") or {}, dict)
-            and all(number(v) for k, v in (x.get("mechanism") or {}).items() if k != "verdict" and k != "low_signal")
-            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt) and ".." not in ckpt.split("/")))
+    c, final, ckpt = x["config"], x.get("final"), x.get("checkpoint")
+    history, mech = x.get("history", []), x.get("mechanism") or {}
+    return (isinstance(c.get("arch"), str) and c.get("lr") is not None and number(c.get("lr"))
+            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
+            and isinstance(x.get("n_params"), int) and isinstance(final, dict)
+            and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
+            and isinstance(history, list)
+            and all(isinstance(h, dict) and number(h.get("step")) and number(h.get("acc"))
+                    for h in history)
+            and isinstance(mech, dict) and isinstance(x.get("mechanism_table") or {}, dict)
+            and all(number(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
+            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
+                 and ".." not in ckpt.split("/")))
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out` (one file per
-    shard), in a fixed order; [] when there are none. A line
-    that is not a whole record (a torn line from a crash mid-write, garbage, a record of another shape
-    or with fields of the wrong type) is skipped with one warning naming the file and the line."""
+    """The run records of one results file, or of every results*.jsonl in the folder `out`, in a
+    fixed order; a line that is not a whole record is skipped with one warning."""
     records = []
     paths = sorted(glob.glob(os.path.join(out, "results*.jsonl"))) if os.path.isdir(out) else glob.glob(out)
     for path in paths:
@@ -565,15 +566,13 @@ def read_results(out, warn=True):
                 if is_record(record):
                     records.append(record)
                 elif warn:
-                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); skipped",
-                          file=sys.stderr)
+                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
+                          "skipped", file=sys.stderr)
     return records
 
 
 def append_result(path, record):
-    """Append one JSON line, then fsync: a crash leaves the whole line or, at worst, a torn last line
-    that read_results skips. The line always starts on a new line (after a torn line, a bare append
-    would glue the new record onto it and lose both)."""
+    """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
     with open(path, "a+b") as f:
         size = f.seek(0, os.SEEK_END)
@@ -584,24 +583,16 @@ def append_result(path, record):
         os.fsync(f.fileno())
 
 
-def is_complete(record, wants, out):
-    """Whether a recorded run has everything asked for now: a finished run carries its patching table
-    when interventions are wanted and a checkpoint file in `out` when one is; a failed run is complete."""
-    if record["status"] != "ok":
-        return True
-    return (not wants["patch"] or record.get("mechanism_table") is not None) and \
-        (not wants["save"] or bool(record.get("checkpoint")) and os.path.isfile(os.path.join(out, record["checkpoint"])))
+def has_checkpoint(record, out):
+    return bool(record.get("checkpoint")) and os.path.isfile(os.path.join(out, record["checkpoint"]))
 
 
-def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1, log=mechsm.stderr_log()):
-    """Train every run of `configs` (this shard's: runs i with i % N == I of the grid's unique runs) not
-    yet complete in `out`; return the records of the whole grid found in `out` afterwards, in grid
-    order. Each finished run is appended to this shard's results file at once, so Ctrl-C or SIGTERM
-    loses only the runs in flight. A run recorded without its patching table is patched from its
-    checkpoint (trained again when it has none); one recorded without the checkpoint now asked for is
-    trained again. With jobs > 1 the runs train in that many worker processes (one thread each);
-    stopping the sweep stops them. Runs that differ only in lr and seed train as one batched model in
-    groups of at most group_size (None: one group per cell)."""
+def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
+          log=mechsm.stderr_log()):
+    """Train the runs of `configs` (this shard's: every N-th unique run from I) not yet complete in
+    `out`, appending each record as it finishes; return the grid's records in `out`, in grid order.
+    A run recorded without its patching table is patched from its checkpoint (retrained without
+    one); `jobs` worker processes; runs differing in lr and seed batched group_size at a time."""
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
@@ -611,13 +602,15 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     mine = [key for j, key in enumerate(unique) if j % n == i]
     wants = dict(patch=patch, save=save)
     done = {run_key(r["config"]): r for r in read_results(out)}
-    todo = [key for key in mine if not (key in done and is_complete(done[key], wants, out))]
+    complete = lambda r: r["status"] != "ok" or (not patch or r.get("mechanism_table") is not None) \
+        and (not save or has_checkpoint(r, out))         # a failed run is complete
+    todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    has_checkpoint = lambda r: bool(r.get("checkpoint")) and os.path.isfile(os.path.join(out, r["checkpoint"]))
-    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and has_checkpoint(done[k])]
-    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + \
-                [("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable], group_size)]
+    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and has_checkpoint(done[k], out)]
+    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + [
+        ("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable],
+                                                  group_size)]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
     for records in run_jobs(jobs_list, out, wants, jobs):
         for record in records:
@@ -627,8 +620,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
 
 
 def check_runs(configs):
-    """Raise ValueError (one line) for the first bad run of `configs` (Config.check, a task that cannot
-    be generated, documents longer than the model takes), before a long sweep starts."""
+    """Raise ValueError (one line) for the first bad run of `configs`, before a long sweep starts."""
     for cfg in configs:
         cfg.check()
     vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
@@ -637,32 +629,28 @@ def check_runs(configs):
     for cfg in configs:
         mechsm.check_length(cfg)
         shape = (mechsm._data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
-            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv", "long_only", "freeze_features")))
-        if shape not in built:                   # a model too large to allocate is bad input, not a crash
+            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv", "long_only",
+            "freeze_features")))
+        if shape not in built:                   # a model too large to allocate is bad input
             mechsm.build(replace(cfg, device="cpu"), vocab[mechsm._data_key(cfg)])
             built.add(shape)
 
 
-def group_key(cfg):
-    return mechsm.group_key(cfg)
-
-
 def make_groups(configs, group_size=None):
-    """configs -> lists of configs that differ only in lr and seed (in order of first appearance), at
-    most group_size each (None: a whole (arch, width, ...) cell per group)."""
+    """configs -> lists of configs that differ only in lr and seed, at most group_size each (None:
+    a whole cell per group)."""
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
     cells = {}
     for cfg in configs:
-        cells.setdefault(group_key(cfg), []).append(cfg)
+        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
     size = lambda cell: group_size or len(cell)
     return [cell[i:i + size(cell)] for cell in cells.values() for i in range(0, len(cell), size(cell))]
 
 
 def run_jobs(jobs_list, out, wants, jobs):
-    """Yield the records of each job (("train", configs) or ("patch", [(config, record)])) as it
-    finishes: here, or in `jobs` worker processes ("spawn", one thread each). Ctrl-C, SIGTERM or a
-    crash stops the workers (no orphans); a worker killed under us is a WorkerLost."""
+    """Yield the records of each job as it finishes: here, or in `jobs` spawned one-thread workers,
+    stopped on Ctrl-C, SIGTERM or a crash; a worker killed under us is a WorkerLost."""
     if jobs <= 1 or len(jobs_list) <= 1:
         for kind, payload in jobs_list:
             yield do_job(kind, payload, out, wants)
@@ -678,8 +666,8 @@ def run_jobs(jobs_list, out, wants, jobs):
             yield future.result()
     except BrokenProcessPool:
         stop_workers(pool)
-        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished runs are "
-                         f"kept in {out}; rerun to continue") from None
+        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished runs "
+                         f"are kept in {out}; rerun to continue") from None
     except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
         stop_workers(pool)
         raise
@@ -687,13 +675,13 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 
 def do_job(kind, payload, out, wants):
-    """Train a group of configs (one: train) or patch a recorded run from its checkpoint; return the
-    records, each with its patching table and checkpoint as `wants` asks. A crash is printed and the
-    job gives no record (a rerun retries it)."""
+    """Train a group of configs, or patch a recorded run from its checkpoint; return the records.
+    A crash is printed and gives no record (a rerun retries it)."""
     try:
         if kind == "patch":
             (cfg, record), = payload
-            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]), device=mechsm.resolve_device(cfg.device))
+            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
+                                       device=mechsm.resolve_device(cfg.device))
             if run_key(asdict(saved.resolved())) != run_key(record["config"]):
                 raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
             pairs = [(dict(record), model)]
@@ -701,11 +689,11 @@ def do_job(kind, payload, out, wants):
             pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
         out_records = []
         for record, model in pairs:
-            cfg = config_of(record)
-            if record["status"] == "ok" and wants["patch"]:
+            cfg, ok = config_of(record), record["status"] == "ok"
+            if ok and wants["patch"]:
                 table = interventions.mechanism(model, mechsm.make_data(cfg).eval, threshold=cfg.gap_filter)
                 record.update(mechanism=mechanism_summary(table), mechanism_table=table)
-            if record["status"] == "ok" and wants["save"] and not record.get("checkpoint"):
+            if ok and wants["save"] and not record.get("checkpoint"):
                 record["checkpoint"] = save_checkpoint(model, cfg, out)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
@@ -714,28 +702,27 @@ def do_job(kind, payload, out, wants):
     except Exception as e:
         import traceback
         traceback.print_exc()
-        print(f"error: {kind} of {payload[0] if kind == 'train' else payload[0][0].name()}: {type(e).__name__}: "
-              f"{e} (not recorded; a rerun retries it)", file=sys.stderr)
+        name = payload[0] if kind == "train" else payload[0][0].name()
+        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries it)",
+              file=sys.stderr)
         return []
 
 
 def save_checkpoint(model, cfg, out):
-    """mechsm.save under out/ckpt/; the path relative to `out`, or None (with a warning) when the
-    write fails (a full disk): the finished run is recorded all the same, without its checkpoint."""
+    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) when it fails."""
     path = os.path.join("ckpt", file_name(cfg) + ".pt")
     try:
         mechsm.save(model, cfg, os.path.join(out, path))
         return path
     except OSError as e:
-        print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the run is recorded "
-              "without it", file=sys.stderr)
+        print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the run is "
+              "recorded without it", file=sys.stderr)
         return None
 
 
 def mechanism_summary(table):
-    """The few numbers the summary table shows: Attrib@Key/Value/Query (the block input of layer 1, the
-    paper's headline site; the layer-0 mixer output for 1-layer models), the verdict and the extra
-    sites' numbers (e.g. Mamba's conv@next_key)."""
+    """What the summary table shows: the headline site's Attrib@Key/Value/Query (the layer-0 mixer
+    output for 1-layer models), the verdict and the extra sites' numbers."""
     head = table.get("headline") or table.get("mixer_out") or {}
     return mechsm.json_safe({"attrib_key": head.get("key"), "attrib_value": head.get("value"),
                              "attrib_query": head.get("query"), "verdict": table.get("verdict"),
@@ -747,16 +734,16 @@ def provenance():
     """Where and with what a record was made: date, machine, torch, the code's git commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "torch": torch.__version__, "commit": commit}
+            "torch": torch.__version__, "commit": commit or None}
 
 
 def worker_init(parent=None):
-    """A sweep worker: one torch thread; SIGINT ignored (Ctrl-C reaches the whole process group, and the
-    parent stops the workers itself); a watchdog ends the worker when its parent is gone (SIGKILL)."""
+    """A sweep worker: one torch thread, SIGINT ignored (the parent stops the workers), and a
+    watchdog that ends it when its parent is gone."""
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -768,8 +755,7 @@ def worker_init(parent=None):
 
 
 def stop_workers(pool):
-    """Stop a sweep's workers now: SIGTERM each, wait, SIGKILL any left. Further SIGINT/SIGTERM are held
-    back meanwhile, so that a second Ctrl-C cannot cut the clean-up short."""
+    """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
     processes = list((getattr(pool, "_processes", None) or {}).values())   # no public API before 3.14
     masking = threading.current_thread() is threading.main_thread()
     if masking:
@@ -789,12 +775,11 @@ def stop_workers(pool):
 
 
 class WorkerLost(RuntimeError):
-    """A sweep worker process died under the sweep (killed by a signal, or by the out-of-memory killer)."""
+    """A sweep worker process died under the sweep (a signal, or the out-of-memory killer)."""
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (what timeout, SLURM and kill send), raised in the main thread as Ctrl-C is: the sweep
-    stops its workers, finished runs stay recorded, and a rerun resumes."""
+    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay recorded."""
 
 
 def raise_terminated(signum, frame):
