@@ -787,19 +787,16 @@ def raise_terminated(signum, frame):
 
 
 # ==============================================================================================
-# The report: the best run per row (the paper reports the best learning rate), its table beside
-# the paper's numbers, the timeline, results/<experiment>.md and the README's summary table.
+# The report: the best run per row (the paper reports the best learning rate) beside the paper's
+# numbers, the timeline, results/<experiment>.md and the README's summary table.
 # ==============================================================================================
 
 def best_by_lr(records, metric="acc"):
-    """Per group of runs that differ only in lr and seed (per (arch, width, ...)), the lr with the best
-    mean final `metric` over seeds. Returns one row per group: arch, d_model, best_lr, mean, std,
-    n_seeds, values (per seed), per_lr {lr: mean}, runs (of best_lr) and best (the best run over every
-    lr and seed; with a held-out split, test_mean too). A failed run (loss NaN/inf) counts with its last
-    metrics but never wins: an lr with fewer failed runs always ranks first."""
-    latest = {run_key(r["config"]): r for r in records}
+    """Per group of runs differing only in lr and seed, the row of the lr with the best mean final
+    `metric` over seeds (a failed run never wins): arch, d_model, best_lr, mean, std, n_seeds,
+    values, per_lr, runs (of best_lr), best (the best run; with a held-out split, test_mean)."""
     groups = {}
-    for r in latest.values():
+    for r in {run_key(r["config"]): r for r in records}.values():
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
     score = lambda r, m=metric: (r.get("final") or {}).get(m) or 0.0
@@ -831,16 +828,21 @@ def fmt_num(x):
     return "-" if x is None else f"{x:.2f}"
 
 
-def markdown(rows, columns):
-    """A markdown table of dicts (one per row), with the given columns (missing cells: '-')."""
+def markdown(cells, columns=None):
+    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
+    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
     return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-                     + ["| " + " | ".join(str(r.get(c, "-")) for c in columns) + " |" for r in rows])
+                     + ["| " + " | ".join(str(r.get(c, "-")) for c in columns) + " |" for r in cells])
+
+
+def attribs(mech):
+    """The Attrib@Key/Value/Query cells of a mechanism summary."""
+    return {f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}")) for k in ("key", "value", "query")}
 
 
 def result_table(rows, paper_numbers=None):
-    """The summary table: per row of best_by_lr (with its "label"), the best run's accuracy and
-    patching summary, the spread over seeds at the best lr (when some row has several), the extra
-    sites' attributions (e.g. Mamba's conv@next_key) and the paper's number for the row."""
+    """Per labelled row of best_by_lr: the best run's accuracy and patching summary, the spread over
+    seeds, the extra sites' attributions and the paper's number."""
     cells = []
     for row in rows:
         best = row["best"]
@@ -852,33 +854,32 @@ def result_table(rows, paper_numbers=None):
         for key, name in (("test_acc", "test accuracy"), ("novel_acc", "novel accuracy")):
             if key in final:
                 c[name] = fmt_pct(final[key])
-        for name in ("key", "value", "query"):
-            c[f"Attrib@{name.capitalize()}"] = fmt_num(mech.get(f"attrib_{name}"))
-        for name, value in mech.items():
+        c.update(attribs(mech))
+        for name in mech:
             if "@" in name:                  # the extra sites of the mixer class, e.g. conv@next_key
                 c[name] = " / ".join(fmt_num((r.get("mechanism") or {}).get(name)) for r in row["runs"])
         c["verdict"] = mech.get("verdict") or "-"
         if paper_numbers is not None:
             c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
         cells.append(c)
-    return markdown(cells, list(dict.fromkeys(k for c in cells for k in c)))
+    return markdown(cells)
 
 
 def runs_table(records):
-    """A probe's table: one line per run (its label names every field that varies, lr and seed too)."""
+    """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
     configs, cells = [config_of(r) for r in records], []
-    for r, cfg in sorted(zip(records, [config_of(r) for r in records]), key=lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)):
+    for r, cfg in sorted(zip(records, configs), key=lambda p: (p[1].num_keys, p[1].arch, p[1].steps,
+                                                                p[1].lr, p[1].seed)):
         mech = r.get("mechanism") or {}
-        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS), "accuracy": fmt_pct((r.get("final") or {}).get("acc")),
-                      **{f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}")) for k in ("key", "value", "query")},
-                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k}, "verdict": mech.get("verdict") or "-",
-                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
-    return markdown(cells, list(dict.fromkeys(k for c in cells for k in c)))
+        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
+                      "accuracy": fmt_pct((r.get("final") or {}).get("acc")), **attribs(mech),
+                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
+                      "verdict": mech.get("verdict") or "-", "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
+    return markdown(cells)
 
 
 def timeline_text(row, max_rows=6):
-    """The best run's history as one line: 'mamba: 0: 0% -/-; 2000: 45% 0.01/0.97; ...' with at most
-    max_rows evaluations (evenly spaced, the last one kept): accuracy, Attrib@Value/Attrib@Query."""
+    """The best run's history in one line: at most max_rows evaluations (the last kept)."""
     history = row["best"].get("history") or []
     keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
     steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {mechsm.fmt_attrib(h, 'attrib_value')}/"
@@ -888,22 +889,20 @@ def timeline_text(row, max_rows=6):
 
 def labelled_rows(records, configs=None):
     """best_by_lr of records, each row labelled by row_label against `configs` (default: the records')."""
-    rows = best_by_lr(records)
-    configs = configs or [config_of(r) for r in records]
+    rows, configs = best_by_lr(records), configs or [config_of(r) for r in records]
     for row in rows:
         row["label"] = row_label(config_of(row["best"]), configs)
     return rows
 
 
 def render(name, preset, records, folder=None):
-    """(rows, markdown text) of an experiment's records: the table beside the paper's numbers, what it
-    shows, the timeline and the provenance of the records (date, machine, commit, wall time)."""
+    """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
     exp, rows = EXPERIMENTS[name], labelled_rows(records)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
-    made = sorted({json.dumps(r.get("provenance"), sort_keys=True) for r in records if r.get("provenance")})
-    made = [json.loads(m) for m in made]
+    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
+                                           for r in records if r.get("provenance")})]
     wall = sum(r.get("wall_s") or 0 for r in records)
     figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")
                if folder is None or os.path.exists(os.path.join(folder, f"{name}_{kind}.png"))]
@@ -920,20 +919,15 @@ def render(name, preset, records, folder=None):
         f"Records: {len(records)} runs, {wall / 60:.1f} CPU-minutes of training, made "
         + "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at commit "
                     f"{m.get('commit')}" for m in made) + "."
-        + (f" The command `{command['command']}` trained {command['trained']} of them in {command['wall_s'] / 60:.1f} "
-           f"minutes of wall time with {command['jobs']} job(s), {command['date']}, {command['machine']}, "
-           f"{command['load']}." if command else ""), "", *figures, ""])
-
-
-def experiment_records(name, preset, records):
-    """The records of `records` that are runs of the experiment's grid (by run identity)."""
-    keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name, preset)}
-    return [r for r in records if run_key(r["config"]) in keys]
+        + (f" The command `{command['command']}` trained {command['trained']} of them in "
+           f"{command['wall_s'] / 60:.1f} minutes of wall time with {command['jobs']} job(s), "
+           f"{command['date']}, {command['machine']}, {command['load']}." if command else ""),
+        "", *figures, ""])
 
 
 def write_report(name, preset, records, folder, command=None):
-    """folder/<name>.jsonl (the experiment's records, as results/ keeps them), the figures, the command
-    that trained them (folder/<name>.command.json, when it trained some) and folder/<name>.md."""
+    """folder/<name>.jsonl (the records), the figures, <name>.command.json (when it trained some) and
+    <name>.md."""
     with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
         f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
     if draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"]) is None:
@@ -948,8 +942,8 @@ def write_report(name, preset, records, folder, command=None):
 
 
 def holds(paper_text, row):
-    """Whether our row agrees with the paper's text for it: the verdict it names (induction, direct
-    retrieval), or "fails"; '-' where the paper gives only a number to compare by eye."""
+    """'yes'/'no': whether the row has the verdict the paper's text names, or fails where it says
+    "fails"; '-' where the paper gives only a number."""
     final, verdict = row["best"].get("final") or {}, (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
@@ -960,24 +954,30 @@ def holds(paper_text, row):
 
 
 def summary_table(folder="results"):
-    """The README's summary: per experiment with records in `folder`, each row the paper quotes: the
-    paper's number, ours (accuracy, verdict) and whether the claim holds."""
+    """The README's summary: each row the paper quotes, its number, ours and whether it holds."""
     lines = []
     for name, exp in EXPERIMENTS.items():
         records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
         for row in labelled_rows(records) if records else []:
             text = exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
             if text:
-                ours = f"{fmt_pct((row['best'].get('final') or {}).get('acc'))}, " + \
-                    ((row["best"].get("mechanism") or {}).get("verdict") or "-")
-                lines.append({"experiment": f"[{name}]({folder}/{name}.md)", "claim": exp.claim, "row": row["label"],
-                              "paper": text, "ours": ours, "holds?": holds(text, row)})
+                best = row["best"]
+                ours = f"{fmt_pct((best.get('final') or {}).get('acc'))}, " + \
+                    ((best.get("mechanism") or {}).get("verdict") or "-")
+                lines.append({"experiment": f"[{name}]({folder}/{name}.md)", "claim": exp.claim,
+                              "row": row["label"], "paper": text, "ours": ours, "holds?": holds(text, row)})
     return markdown(lines, ["experiment", "claim", "row", "paper", "ours", "holds?"])
 
 
+def experiment_records(name, preset, records):
+    """The records of `records` that are runs of the experiment's grid (by run identity)."""
+    keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name, preset)}
+    return [r for r in records if run_key(r["config"]) in keys]
+
+
 def evaluate_checkpoint(args):
-    """--checkpoint: evaluate (and patch) one saved model on its own task; the table with a single row.
-    Outputs go to OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/."""
+    """--checkpoint: evaluate (and patch) one saved model on its own task into
+    OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/."""
     device = mechsm.resolve_device(args.device or "auto")
     model, cfg = mechsm.load(args.checkpoint, device=device)
     cfg = replace(cfg, device=device, eval_size=args.eval_size or cfg.eval_size).check()
@@ -986,8 +986,8 @@ def evaluate_checkpoint(args):
                           os.path.splitext(os.path.basename(args.checkpoint))[0] + "-" + digest)
     os.makedirs(folder, exist_ok=True)
     data = mechsm.make_data(cfg)
-    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "n_params": models.count_parameters(model),
-              "final": mechsm.evaluate_all(model, data), "checkpoint": None}
+    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
+              "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         table = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
         record.update(mechanism=mechanism_summary(table), mechanism_table=table)
@@ -995,36 +995,34 @@ def evaluate_checkpoint(args):
         json.dump(mechsm.json_safe(record), f, indent=1)
     print(result_table([{"arch": cfg.arch, "label": cfg.arch, "best": record, "runs": [record], "n_seeds": 1}]))
     if not args.no_interventions:
-        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n" + interventions.render_heatmap(record["mechanism_table"]))
+        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
+              + interventions.render_heatmap(record["mechanism_table"]))
     print(f"\nresult in {folder}/result.json", file=sys.stderr)
     return 0
 
 
 def run(argv=None):
-    """The command line: bench, --list, --figures or --checkpoint, else the experiment's pipeline: the
-    grid, the plan, the sweep, the table, the timeline, the heatmap, the report and its figures."""
+    """The command line: bench, --list, --figures, --report or --checkpoint, else the experiment's
+    grid, plan, sweep, tables, heatmap and report."""
     t0 = time.time()
     args = build_parser().parse_args(argv)
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
     given = {flag.lstrip("-").replace("-", "_") for flag in getattr(args, "_given", {})}
+    flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
     if command != "train" and given - COMMAND_OPTIONS[command]:
-        raise ValueError(f"{', '.join('--' + g.replace('_', '-') for g in sorted(given - COMMAND_OPTIONS[command]))}: "
-                         f"cannot be used with {'bench' if command == 'bench' else '--' + command} (it takes "
-                         + (", ".join("--" + o.replace("_", "-") for o in sorted(COMMAND_OPTIONS[command] - {command})) or "no options")
-                         + ")")
+        raise ValueError(f"{flags(given - COMMAND_OPTIONS[command])}: cannot be used with "
+                         f"{'bench' if command == 'bench' else '--' + command} (it takes "
+                         f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
     if command == "bench":
         bench(args.device or "auto")
         return 0
     if command == "list":
         print(catalogue())
         return 0
-    if command == "checkpoint":
-        return evaluate_checkpoint(args)
-    if command == "figures":
-        return redraw_figures(args.figures)
-    if command == "report":
-        return report_folder(args.report)
+    if command != "train":
+        return {"checkpoint": evaluate_checkpoint, "figures": redraw_figures, "report": report_folder}[
+            command](args if command == "checkpoint" else getattr(args, command))
     if args.experiment and args.task:
         raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
@@ -1038,45 +1036,46 @@ def run(argv=None):
             raise ValueError(f"{flag}: got {value}, expected a positive integer")
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:                                             # an unwritable --out fails now, not after the training
+    try:                                             # an unwritable --out fails now, not after training
         os.makedirs(out, exist_ok=True)
         open(os.path.join(out, ".write_test"), "w").close()
         os.remove(os.path.join(out, ".write_test"))
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    vocab = mechsm.probe_task(configs[0])
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | {len(configs)} runs"
-          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "") + f" | device {device} | vocabulary {vocab}",
-          file=sys.stderr)
+          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     expected = f" | expected ~{fmt_hours(estimate_seconds(configs, jobs) / shard[1])} on a 2-core CPU" \
         if device == "cpu" else ""
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
     before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions, save=not args.no_save,
-                    group_size=group_size)
+    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
+                    save=not args.no_save, group_size=group_size)
     if not records:
         raise ValueError("no run finished; nothing to report")
     command = {"command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "trained": sum(before.get(run_key(r["config"])) != r for r in records), "jobs": jobs,
                "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-               "machine": provenance()["machine"], "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
+               "machine": provenance()["machine"],
+               "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
     rows, text = write_report(name, preset, records, out, command)
     print(text.split("\n", 2)[2].split("\n![")[0])
     patched = [row for row in rows if row["best"].get("mechanism_table")]
     if patched:
         pick = max(patched, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
                                              (row["best"].get("final") or {}).get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most accurate):\n"
-              + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most "
+              "accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
     missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (f"; {missing} still to train (other "
-          "shards, or runs that crashed)" if missing else "") + f" | total wall time {time.time() - t0:.1f}s",
-          file=sys.stderr)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (f"; {missing} still to train "
+          "(other shards, or runs that crashed)" if missing else "") + f" | total wall time "
+          f"{time.time() - t0:.1f}s", file=sys.stderr)
     return 1 if missing and shard[1] == 1 else 0
 
 
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
-SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->", "<!-- /summary -->")
+SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
+           "<!-- /summary -->")
 
 
 def readme_with_summary(text, folder="results"):
@@ -1086,8 +1085,8 @@ def readme_with_summary(text, folder="results"):
 
 
 def report_folder(folder):
-    """--report FOLDER: FOLDER/<experiment>.md from FOLDER/<experiment>.jsonl for every experiment
-    there, and for the repository's results/ the README's summary table too."""
+    """--report FOLDER: FOLDER/<experiment>.md for every FOLDER/<experiment>.jsonl (results/: also
+    the README's summary table)."""
     written = [name for name in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{name}.jsonl"))]
     for name in written:
         with open(os.path.join(folder, f"{name}.md"), "w") as f:
@@ -1101,8 +1100,8 @@ def report_folder(folder):
 
 
 def redraw_figures(folder):
-    """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (results/:
-    results/<experiment>.jsonl; an --out folder: its results*.jsonl, per experiment they belong to)."""
+    """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (its
+    <experiment>.jsonl, else its results*.jsonl)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -1132,8 +1131,8 @@ def main(argv=None):
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C now cannot cut this short
         sigterm = isinstance(e, Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in the results "
-              "files; rerun to continue", file=sys.stderr)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in the "
+              "results files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
