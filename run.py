@@ -1140,7 +1140,6 @@ def main(argv=None):
 
 # ==============================================================================================
 # Figures: the paper's plots of a sweep as PNGs. matplotlib is optional: imported only to draw.
-# ----------------------------------------------------------------------------------------------
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
 FIG_ARCHS = ("attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet")
@@ -1193,8 +1192,7 @@ def _grid(fig, n, cols, height):
 
 def plot_scatter(fig, records):
     """Attrib@Value against Attrib@Query, every patched run; hollow: too little signal."""
-    import interventions as iv
-    runs = patched_runs(records)
+    iv, runs = interventions, patched_runs(records)
     arch = [r["config"]["arch"] for r in runs]
     x, y = (np.array([r["mechanism"][k] for r in runs], float) for k in ("attrib_value",
                                                                           "attrib_query"))
@@ -1300,9 +1298,8 @@ def plot_box(fig, records):
 
 
 def draw_figures(records, rows, name, folder, task="ar"):
-    """Write folder/<name>_<kind>.png: scatter, timeline, heatmaps, width (an arch has several
-    widths), box (ATR); a kind with nothing to plot is left out. Returns {kind: plotted data},
-    or None (nothing written) without matplotlib."""
+    """Write folder/<name>_<kind>.png for each kind with something to plot; return {kind: plotted
+    data}, or None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1326,17 +1323,14 @@ def draw_figures(records, rows, name, folder, task="ar"):
 
 
 # ==============================================================================================
-# `python run.py bench`: each fast path against its slow reference, timed in the same run and printed
-# as ratios. Our models are tiny, so the cost lies in the scan, the long convolutions and framework
-# overhead. Each time is the median of interleaved repeats (candidate and reference alternate, so a
-# burst of load from another process hits both). With OpenMP's default (spinning) wait policy a busy
-# second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
+# `python run.py bench`: each fast path against its slow reference, timed in the same run (medians of
+# interleaved repeats). With OpenMP's spinning wait policy a busy second process made the loop kernels
+# 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 # ==============================================================================================
 
 def make_step(model, tokens, queries, answers, lr, forward=None):
-    """A closure doing one training step of `model` (or of an Ensemble) on one batch as train() steps:
-    answer_loss, backward, AdamW; it returns the loss. forward(tokens, readout=), if given, stands in
-    for model in the loss (the benchmark times a naive full-vocabulary head that way)."""
+    """A closure: one training step of `model` (or an Ensemble) as train() steps; returns the loss.
+    forward(tokens, readout=), if given, stands in for model in the loss."""
     optimizer = model.optimizer if isinstance(model, mechsm.Ensemble) else mechsm.adamw(model, lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -1359,16 +1353,15 @@ SIZES = {
 
 
 def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
-    """Run the benchmark's parts, print a table each, return every number as a JSON-serialisable dict.
-    device: "auto" (cuda if available), "cpu", "cuda", ...; size: a key of SIZES. On a CPU it runs on
-    one thread, as run.py's training workers do (the caller's thread count is restored after)."""
+    """Run the benchmark's parts (one thread on a CPU, as the workers), print a table each, return
+    every number as a JSON-serialisable dict; size: a key of SIZES."""
     device, sizes, threads = torch.device(mechsm.resolve_device(str(device))), SIZES[size], torch.get_num_threads()
     env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size,
                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     print_fn("mechsm bench | " + " | ".join(f"{k} {v}" for k, v in env.items() if v is not None) + "\n")
-    result = dict(env=env, scan=[], selective_scan=[], conv=[], short_conv=[], ssm_kernel=[], train=[], mechanism=[],
-                  ensemble=[])
+    result = dict(env=env, **{k: [] for k in "scan selective_scan conv short_conv ssm_kernel train "
+                                   "mechanism ensemble".split()})
     torch.set_num_threads(env["threads"])
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -1406,10 +1399,8 @@ def bench_scan(device, sizes, print_fn):
 
 
 def scan_inputs(b, l, e, n, device, seed=0):
-    """Selective-scan inputs distributed like a freshly initialised Mamba layer's (models.Mamba): Δ
-    log-uniform in [1e-3, 1e-1], A = -(1..n) (S4D-real), u, B, C standard normal; dict(u, delta
-    (b, l, e), A (e, n), B, C (b, l, n), and the plain scan's a = exp(Δ A), b = Δ B u (b, l, e, n)).
-    Small Δ puts a near 1 (long memory), where a float32 scan accumulates the most error."""
+    """Selective-scan inputs as a fresh Mamba layer's (Δ log-uniform in [1e-3, 1e-1], A = -(1..n),
+    u, B, C normal), with the plain scan's a = exp(Δ A), b = Δ B u."""
     g = torch.Generator().manual_seed(seed)
     delta = torch.exp(torch.empty(b, l, e).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
     A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
@@ -1419,9 +1410,8 @@ def scan_inputs(b, l, e, n, device, seed=0):
 
 
 def compare(kernels, inputs, grad_out, sizes, device):
-    """Forward+backward of each kernel(*inputs) in float32: milliseconds, speed-up over the first kernel
-    (the reference), and errors against the reference run in float64: max abs error of the output, max
-    over inputs of max|grad - grad64| / max|grad64| (gradients of <output, grad_out>)."""
+    """Forward+backward of each kernel(*inputs): ms, speed-up over the first (the reference) and the
+    errors of output and gradients against the reference in float64."""
     def forward_backward(kernel, xs):
         xs = [x.detach().requires_grad_() for x in xs]
         out = kernel(*xs)
@@ -1479,9 +1469,8 @@ def bench_conv(device, sizes, print_fn):
 
 
 def bench_train(device, sizes, print_fn):
-    """3: training steps/s at the quick AR shape (8 pairs, 21 tokens) and the paper's (16 pairs, 37 tokens),
-    width 64, 2 layers, V = 8195: fast kernels and readout-only head (make_step) against kernels="reference"
-    and the head on every position. Each timed call ends reading the loss on the host, as a loop logging it."""
+    """3: training steps/s at the quick AR shape and the paper's: fast kernels and readout-only head
+    against kernels="reference" and the head on every position."""
     rows = []
     for shape, pairs in (("quick", 8), ("paper", 16)):
         data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
@@ -1502,7 +1491,6 @@ def bench_train(device, sizes, print_fn):
 
 def bench_mechanism(device, sizes, print_fn):
     """4: the time of one full interventions.mechanism table per architecture (untrained models)."""
-    import interventions
     data, rows = mechsm.tasks.make_ar(sizes["docs"], seed=1).to(device), []
     for arch in sizes["archs"] or models.ARCHS:
         model, result = models.build_model(arch, data.vocab_size, 64, 2, seed=0).to(device).eval(), {}
@@ -1513,8 +1501,7 @@ def bench_mechanism(device, sizes, print_fn):
 
 
 def bench_ensemble(device, sizes, print_fn):
-    """5: K runs of one (arch, width) cell as one batched model (mechsm.Ensemble) against the same K
-    models stepped one after another (mechsm.make_step): model-steps/s and operators per model-step."""
+    """5: K runs as one batched model (mechsm.Ensemble) against K models stepped one after another."""
     data = mechsm.tasks.make_ar(sizes["batch"], seed=0)
     x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
     rows = []
@@ -1533,7 +1520,7 @@ def bench_ensemble(device, sizes, print_fn):
     return dict(ensemble=rows)
 
 
-# Operators that only make a view or read metadata: no kernel on any device, so not counted as work.
+# Operators that only make a view or read metadata: no kernel on any device, not counted as work.
 VIEW_OPS = frozenset("aten::" + name for name in (
     "view as_strided _reshape_alias reshape t transpose permute expand squeeze unsqueeze select slice detach "
     "alias empty empty_strided empty_like movedim unflatten flatten split split_with_sizes chunk unbind narrow "
@@ -1541,9 +1528,7 @@ VIEW_OPS = frozenset("aten::" + name for name in (
 
 
 def ops_per_call(fn):
-    """Operators that do work dispatched by fn() (its second call; the first warms up), counted by
-    torch.profiler on the CPU side of any device: the aten:: events with no aten:: event inside them,
-    less VIEW_OPS. On a GPU each is about one kernel launch, the cost that dominates runs this small."""
+    """Operators doing work dispatched by fn()'s second call: innermost aten:: events less VIEW_OPS."""
     fn()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
@@ -1553,8 +1538,7 @@ def ops_per_call(fn):
 
 
 def medians(fns, repeats, device):
-    """Median seconds of each zero-argument callable over `repeats` rounds, each round calling every one
-    in turn, after an untimed warm-up call each; the device is drained around every timed call."""
+    """Median seconds of each callable over `repeats` interleaved rounds, after a warm-up call each."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for fn in fns.values():
         fn()
