@@ -28,6 +28,8 @@ reading every results*.jsonl of --out. <experiment>.md (the table, the timeline,
 """
 
 import argparse
+
+import argparse
 import difflib
 import glob
 import hashlib
@@ -43,9 +45,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 
-# Set before torch's first allocation: PyTorch's CPU allocator then backs tensors of 2 MB and more with
-# transparent huge pages. Filling fresh 4 KB pages cost a Mamba scan's (b, l, e, n) tensors more than
-# the arithmetic. A no-op on a GPU, on macOS or where Linux THP is off; THP_MEM_ALLOC_ENABLE=0 turns it off.
+# Before torch's first allocation: the CPU allocator then backs tensors of 2 MB and more with huge
+# pages (filling fresh 4 KB pages cost a Mamba scan more than its arithmetic). 0 turns it off.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import numpy as np  # noqa: E402
@@ -58,11 +59,10 @@ from mechsm import Config  # noqa: E402
 
 
 # ==============================================================================================
-# The experiments: one entry per result of the paper, each with a "quick" grid (at most 20 minutes
-# on a 2-core CPU) and a "paper" grid (the paper's widths, learning rates and steps). A grid is
-# {"config": Config fields shared by its runs, "runs": one dict of Config fields per family of runs
-# (each names its arch), "widths", "lrs": {arch: [...]}, "seeds": {arch: [...]}, "steps": {arch: n}},
-# where the arch "*" is the default.
+# The experiments: one per result of the paper, each with a "quick" grid (<= 20 minutes on a 2-core
+# CPU) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
+# fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
+# three {arch: ...} where the arch "*" is the default.
 # ==============================================================================================
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
@@ -70,29 +70,28 @@ PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in
 LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
 LR7 = LR5 + [1e-2, 3e-2]
 
-# quick AR: the paper's recipe (a fixed 100,032-document training set walked in order, batch 32, 10%
-# warmup, cosine decay), but 8 pairs instead of 16 (21 tokens), width 64, one learning rate per
-# architecture, 4k-16k steps instead of 50k, and QUICK_VOCAB keys and values instead of 4,096 (README,
-# difference 19, with the probes `ar-vocab` that chose it). Attention gets the most steps: it sits on
-# the "copy any value in the context" plateau for thousands of steps before induction forms.
+# quick AR: the paper's recipe, but 8 pairs (21 tokens), width 64, one lr per arch, 4k-32k steps
+# and QUICK_VOCAB keys and values (README, difference 19; the probes `ar-vocab`). Attention gets the
+# most steps: it sits on a "copy any value" plateau for thousands of steps before induction forms.
 QUICK_VOCAB = 1024
-QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pairs=8, d_model=64, n_layers=2,
-                train_size=100_032, steps=6000, eval_every=1000)
-QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # the others: 6,000
-QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3], "hyena": [3e-3],
-             "mamba": [1e-2], "deltanet": [1e-3]}
-# quick ATR: a few sentences of hundreds of terminals make every batch that long (batches are padded
-# to their longest document), so the quick grids reject sentences over 64 terminals (1.5% at L_max 5,
-# 21% at L_max 10: README, difference 14). Step budgets per architecture from the probes `atr-budget`.
+QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pairs=8, d_model=64,
+                n_layers=2, train_size=100_032, steps=6000, eval_every=1000)
+QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
+PROBE_STEPS = {**QUICK_STEPS, "attention": 16_000}                            # ar-vocab's budgets
+QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
+             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3]}
+# quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
+# 64 terminals (README, difference 14). Step budgets per arch from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
                  train_size=100_032, steps=4000, eval_every=1000, gap_filter=0.1, max_terminals=64)
-QUICK_ATR_STEPS = {"attention": 30_000, "mamba": 4000, "based": 18_000, "h3": 7500}   # the others: 4,000
-ATR_BUDGETS = {"attention": (10_000, 30_000), "based": (6000, 18_000), "h3": (2500, 7500)}   # probe atr-budget
+QUICK_ATR_STEPS = {"attention": 30_000, "mamba": 4000, "based": 18_000, "h3": 7500}  # others: 4000
+ATR_BUDGETS = {"attention": (10_000, 30_000), "based": (6000, 18_000), "h3": (2500, 7500)}
 PAPER_AR = dict(task="ar", num_keys=4096, num_values=4096, num_pairs=16, n_layers=2, batch_size=32,
                 train_size=100_032, epochs=16, eval_every=200)
-PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2, batch_size=32,
-                 data_seed=125, train_size=100_032, epochs=32, eval_every=200, gap_filter=0.1)
-ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)          # grammar seed 124: lengths near the reference's
+PAPER_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, max_depth=10, n_layers=2,
+                 batch_size=32, data_seed=125, train_size=100_032, epochs=32, eval_every=200,
+                 gap_filter=0.1)
+ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)   # grammar seed 124: lengths near the reference's
 
 
 def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
@@ -101,21 +100,26 @@ def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
 
 
 def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
-    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs}, seeds={"*": [42]})
+    return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs},
+                seeds={"*": [42]})
 
 
 def archs(*names, **fields_):
     return [dict(arch=a, **fields_) for a in names]
 
 
+def convs(arch, sizes, **fields_):
+    return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
+
+
 @dataclass(frozen=True)
 class Experiment:
     name: str
-    section: str        # where the paper reports it
-    claim: str          # the claim, in one line
+    section: str         # where the paper reports it
+    claim: str           # the claim, in one line
     paper_numbers: dict  # table row label (or arch) -> the paper's number / finding for that row
-    quick: dict         # the quick grid
-    paper: dict         # the paper's grid (preset "paper"; None for a probe: its quick grid)
+    quick: dict          # the quick grid
+    paper: dict          # the paper's grid (preset "paper"; None for a probe: its quick grid)
     probe: bool = False  # a probe that chose a quick setting: its report lists every run
 
 
@@ -126,12 +130,12 @@ EXPERIMENTS = {e.name: e for e in [
                 "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
                 "h3": "direct retrieval"},
                quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv")
-                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),   # README, difference 19
+                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),   # difference 19
                      seeds={"mamba": [0, 1, 2], "*": [0]}),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
                {"attention": "100% at every d >= 32", "mamba": "rises with d: 91.25% at d 256"},
-               quick(QUICK_AR, archs("attention"), widths=(16, 32, 64)),   # CPU budget: attention only
+               quick(QUICK_AR, archs("attention"), widths=(16, 32, 64)),   # CPU budget: attention
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
@@ -140,64 +144,77 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment("ar-layers", "App. D.2, D.3", "AR with 1 and 3 layers (1-layer Mamba still learns it)",
                {"mamba (1 layer)": "96.25%"},
                quick(QUICK_AR, archs("mamba", "attention", n_layers=1) + archs("mamba", "attention")),
-               paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3), lrs=LR7)),
+               paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3),
+                     lrs=LR7)),
     Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
-               {"mamba (d_conv 0)": "fails without the conv", "mamba (default conv)": "91.25% (d 256; conv 4)"},
-               quick(QUICK_AR, [dict(arch="mamba", d_conv=k) for k in (0, None)]),   # CPU budget: 0 and 4
-               paper(PAPER_AR, [dict(arch="mamba", d_conv=k) for k in (0, 1, 2, 3, None)], lrs=LR7)),
+               {"mamba (d_conv 0)": "fails without the conv",
+                "mamba (default conv)": "91.25% (d 256; conv 4)"},
+               quick(QUICK_AR, convs("mamba", (0, None))),   # CPU budget: 0 and 4
+               paper(PAPER_AR, convs("mamba", (0, 1, 2, 3, None)), lrs=LR7)),
     Experiment("based-ablation", "Sec. 5.4", "Based with long convs only, and short kernels 1-4",
                {"based (default conv)": "99.06%; induction"},
-               quick(QUICK_AR, archs("based", long_only=True) + [dict(arch="based", d_conv=k) for k in (1, None)]),
+               quick(QUICK_AR, archs("based", long_only=True) + convs("based", (1, None))),
                paper(PAPER_AR, archs("based", "base_conv", long_only=True)
-                     + [dict(arch="based", d_conv=k) for k in (1, 2, None, 4)])),
-    Experiment("atr", "Sec. 5.2", "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
+                     + convs("based", (1, 2, None, 4)))),
+    Experiment("atr", "Sec. 5.2",
+               "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
                {"attention": "induction-like: the parent's token holds the association",
-                "mamba": "direct retrieval at the query", "h3": "direct retrieval", "hyena": "direct retrieval",
-                "based": "induction-like"},
+                "mamba": "direct retrieval at the query", "h3": "direct retrieval",
+                "hyena": "direct retrieval", "based": "induction-like"},
                quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
                      steps=QUICK_ATR_STEPS),
                paper(PAPER_ATR, archs(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
                quick(QUICK_ATR, archs("mamba", "attention"), steps=QUICK_ATR_STEPS, **ATR_MEDIUM),
-               paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"), **ATR_MEDIUM)),
+               paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"),
+                     **ATR_MEDIUM)),
     Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
                quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, num_terminals=8192),
                paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
-    Experiment("atr-generalisation", "Sec. 5.3", "ATR on held-out (parent, child) label pairs: dev against test",
+    Experiment("atr-generalisation", "Sec. 5.3",
+               "ATR on held-out (parent, child) label pairs: dev against test",
                {"attention": "95.62% dev / 68.12% test (d 256)"},
-               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2, gap_filter=0.01),
+               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2,
+                     gap_filter=0.01),
                paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
     Experiment("ar-generalisation", "the paper's notebook (not in its text)",
                "AR on held-out (key, value) pairs: dev against test", {},
                quick(QUICK_AR, archs("attention"), holdout=0.2),
                paper(PAPER_AR, archs("attention"), holdout=0.2, epochs=32)),
-    Experiment("atr-mamba-conv", "arXiv v3", "Mamba without its short conv learns attention-like induction on ATR",
-               {"mamba (d_conv 0)": "induction (high Attrib@Value)", "mamba (default conv)": "direct retrieval"},
-               quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")], steps=QUICK_ATR_STEPS),
-               paper(PAPER_ATR, [dict(arch="mamba", d_conv=k) for k in (0, None)])),
-    # The probes that chose the quick settings (README, difference 19): run before any table was made.
-    Experiment("ar-vocab", "probe", "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
-               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (256, 512, 1024) for a in ALL_ARCHS]
-                          + [dict(arch="attention", num_keys=v, num_values=v, lr=5e-4, steps=32_000) for v in (256, 1024)]
-                          + [dict(arch="based", num_keys=256, num_values=256, lr=3e-3, steps=16_000)],
-                          seeds={"mamba": [0, 1], "*": [0]}),
+    Experiment("atr-mamba-conv", "arXiv v3",
+               "Mamba without its short conv learns attention-like induction on ATR",
+               {"mamba (d_conv 0)": "induction (high Attrib@Value)",
+                "mamba (default conv)": "direct retrieval"},
+               quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")],
+                     steps=QUICK_ATR_STEPS),
+               paper(PAPER_ATR, convs("mamba", (0, None)))),
+    # The probes that chose the quick settings (README, difference 19): run before any table.
+    Experiment("ar-vocab", "probe",
+               "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
+               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (256, 512, 1024)
+                                     for a in ALL_ARCHS]
+                          + archs("attention", lr=5e-4, steps=32_000, num_keys=256, num_values=256)
+                          + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
+                          + archs("based", lr=3e-3, steps=16_000, num_keys=256, num_values=256),
+                          seeds={"mamba": [0, 1], "*": [0]}, steps=PROBE_STEPS),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
                None, probe=True),
-    Experiment("atr-budget", "probe", "the quick ATR grid's step budgets, the first quick grid's against longer", {},
-               quick(QUICK_ATR, [dict(arch=a, steps=n) for a, steps in ATR_BUDGETS.items() for n in steps]),
+    Experiment("atr-budget", "probe",
+               "the quick ATR grid's step budgets, the first quick grid's against longer", {},
+               quick(QUICK_ATR, [dict(arch=a, steps=n) for a, s in ATR_BUDGETS.items() for n in s]),
                None, probe=True),
 ]}
 PRESETS = ("quick", "paper")
-LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout", "freeze_features",
-                "num_keys", "steps", "lr", "seed")
+LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout",
+                "freeze_features", "num_keys", "steps", "lr", "seed")
 
 
-def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None, **fields_):
-    """The Configs of one experiment's grid, runs -> widths -> lrs -> seeds, with `fields_` (Config
-    fields, e.g. device, steps) set on every run. archs / widths / lrs / seeds narrow or replace the
-    grid's: archs keeps the grid's runs of those archs and adds a plain run for an arch the grid
-    lacks (with the grid's learning rate and steps for it)."""
+def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
+                       **fields_):
+    """The Configs of one experiment's grid (runs -> widths -> lrs -> seeds), with `fields_` set on
+    every run; archs / widths / lrs / seeds narrow or replace the grid's (an arch the grid lacks
+    gets a plain run)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
@@ -222,20 +239,23 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
     words = {"d_model": lambda: f"d {value}", "n_layers": lambda: f"{value} layer{'s' * (value != 1)}",
-             "pos_emb": lambda: "PE" if value else "NoPE", "long_only": lambda: "long convs only" if value else None,
+             "pos_emb": lambda: "PE" if value else "NoPE",
+             "long_only": lambda: "long convs only" if value else None,
              "d_conv": lambda: "default conv" if value is None else f"d_conv {value}",
-             "num_keys": lambda: f"{value} keys", "steps": lambda: f"{value} steps", "lr": lambda: f"lr {value:g}",
-             "seed": lambda: f"seed {value}", "holdout": lambda: f"holdout {value:g}"}
+             "num_keys": lambda: f"{value} keys", "steps": lambda: f"{value} steps",
+             "lr": lambda: f"lr {value:g}", "seed": lambda: f"seed {value}",
+             "holdout": lambda: f"holdout {value:g}"}
     return words.get(name, lambda: f"{name} {value}")()
 
 
 def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
-    """A table label for cfg: its arch, plus every field of `fields_` that differs between the configs
-    of the same arch in `configs`, e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
+    """cfg's arch plus every field of `fields_` that differs between the same arch's `configs`,
+    e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
     parts = [describe(name, getattr(cfg, name)) for name in fields_
-             if len({getattr(c, name) for c in same_arch}) > 1 and not (name == "d_conv" and cfg.long_only)]
+             if len({getattr(c, name) for c in same_arch}) > 1
+             and not (name == "d_conv" and cfg.long_only)]
     parts = [p for p in parts if p]
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
@@ -244,16 +264,15 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 # The planner: expected CPU time of a grid, from measured step rates.
 # ----------------------------------------------------------------------------------------------
 
-# Training steps per second of one CPU thread at the quick AR shape (width 64, 2 layers, batch 32,
-# 21 tokens, 8,195 tokens of vocabulary), from `python run.py bench` (part 3) on an idle 2-core x86-64
-# machine; estimate_seconds scales them by tokens, width, layers and batch: a guide, not a promise.
+# Training steps/s of one CPU thread at the quick AR shape, from `python run.py bench` (part 3) on an
+# idle 2-core x86-64 machine; estimate_seconds scales them: a guide, not a promise.
 CPU_STEPS_PER_S = {"attention": 43.4, "base_conv": 35.7, "based": 39.4, "h3": 8.2, "hyena": 22.0,
                    "mamba": 12.1, "deltanet": 22.8}
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
 def estimate_seconds(configs, jobs=1):
-    """Rough CPU wall time of training `configs` with `jobs` one-thread workers (CPU_STEPS_PER_S)."""
+    """Rough CPU wall time of training `configs` with `jobs` one-thread workers."""
     total = 0.0
     for cfg in configs:
         cfg = cfg.resolved()
@@ -265,7 +284,7 @@ def estimate_seconds(configs, jobs=1):
 
 
 def default_jobs(device, n_runs):
-    """(jobs, why): on a CPU one one-thread worker per core, as many as memory allows; one on a GPU."""
+    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
     if device != "cpu":
         return 1, "one process drives the GPU"
     cores = os.cpu_count() or 1
@@ -274,20 +293,17 @@ def default_jobs(device, n_runs):
     except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
         free_gib = float("inf")
     fit = max(1, int(free_gib // WORKER_GIB))
-    jobs = max(1, min(cores, fit, n_runs))
-    why = f"{cores} CPU cores" + (f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else "") \
-        + (f", {n_runs} runs" if n_runs < min(cores, fit) else "")
-    return jobs, why
+    why = (f"{cores} CPU cores" + (f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores
+                                   else "") + (f", {n_runs} runs" if n_runs < min(cores, fit) else ""))
+    return max(1, min(cores, fit, n_runs)), why
 
 
 def fmt_hours(seconds):
-    """'14 min' or '3.2 h'."""
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def catalogue():
-    """`run.py --list`: every experiment, its claim and the paper's numbers, with the runs of each preset
-    and their expected time on a 2-core CPU (estimate_seconds)."""
+    """`run.py --list`: every experiment, its claim, the paper's numbers, each preset's runs and time."""
     lines = []
     for name, exp in EXPERIMENTS.items():
         times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
@@ -303,9 +319,9 @@ def catalogue():
 # ==============================================================================================
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: error() raises ValueError (main prints it), and an unknown option
-    is named as such (argparse alone would hand the value after a typo'd flag, --lrr 1e-3, to the
-    optional positional command). A token that starts with '-' is a value when a digit or '.' follows."""
+    """argparse whose errors raise ValueError (main prints them) and that names an unknown option
+    (argparse would hand the value after a typo'd flag to the optional command); a token starting
+    with '-' is a value when a digit or '.' follows."""
 
     def error(self, message):
         raise ValueError(message)
@@ -324,56 +340,59 @@ class Parser(argparse.ArgumentParser):
 
 
 class Once(argparse.Action):
-    """Store an option's value, refusing a second occurrence (--lr 1e-3 --lr 3e-3 would silently keep
-    the last one: give one comma list instead)."""
+    """Store an option's value, refusing a second occurrence (give one comma list instead)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in getattr(namespace, "_given", {}):
-            raise ValueError(f"{option_string}: given twice; give it once (a comma list for several values)")
+            raise ValueError(f"{option_string}: given twice; give it once (a comma list for several "
+                             "values)")
         namespace._given = {**getattr(namespace, "_given", {}), option_string: values}
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
-def parse_value(kind, flag, text):
-    """One value of a flag: int (at most 2**62), float (finite) or non-empty str; ValueError names the flag."""
+def parse_value(kind, text):
+    """One value of a flag: int (at most 2**62), float (finite) or non-empty str."""
     text = text.strip()
     if not text:
         raise argparse.ArgumentTypeError("empty value")
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
     if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text} is out of range")
     return value
 
 
-def typed(kind, flag, many=False):
-    """An argparse type: one value, or with many a comma list ("1e-3,3e-3"; seeds also "0-4")."""
+def typed(kind, many=False):
+    """An argparse type: one value, or with many a comma list ("1e-3,3e-3"; ints also "0-4")."""
     def parse(text):
         if not many:
-            return parse_value(kind, flag, text)
+            return parse_value(kind, text)
         values = []
         for part in text.split(","):
             lo, dash, hi = part.strip().partition("-")
             if dash and kind is int and lo:           # a range of seeds, e.g. 0-4
-                values += range(parse_value(int, flag, lo), parse_value(int, flag, hi) + 1)
+                values += range(parse_value(int, lo), parse_value(int, hi) + 1)
             else:
-                values.append(parse_value(kind, flag, part))
+                values.append(parse_value(kind, part))
         return values
     return parse
 
 
 def build_parser():
     p = Parser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog="Options left unset take their value from the experiment's preset (README: what each runs).")
+               epilog="Options left unset take their value from the experiment's preset (README: what "
+               "each runs).")
 
     def a(flag, kind=None, many=False, **kw):
         if kind is not None:
-            kw["type"] = typed(kind, flag, many)
+            kw["type"] = typed(kind, many)
         p.add_argument(flag, action=Once, **({"nargs": 0} if kw.pop("switch", False) else {}), **kw)
 
-    p.add_argument("command", nargs="?", default="train", choices=["train", "bench"], help="train (default) or bench")
+    p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
+                   help="train (default) or bench")
     a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a result of the paper (default: ar)")
     a("--list", switch=True, help="print the catalogue of experiments and exit")
     a("--preset", choices=PRESETS, help="quick (default; <= 20 min on 2 CPU cores) or paper")
@@ -393,11 +412,13 @@ def build_parser():
             ("--max-rhs-len", int, "ATR L_max (paper: 5 or 10)"), ("--max-depth", int, "ATR d_max (paper: 10)"),
             ("--holdout", float, "fraction of pairs held out for a test split (paper: 0.2)"),
             ("--data-seed", int, "language seed: grammar, held-out pairs, documents (default 42)"),
-            ("--steps", int, "total optimizer steps (beats --epochs; the training set is walked cyclically)"),
+            ("--steps", int, "total optimizer steps (beats --epochs; the training set is walked "
+             "cyclically)"),
             ("--epochs", int, "passes over the training set (paper: 16 AR, 32 ATR)"),
             ("--train-size", int, "documents in the fixed training set (paper: 100,032)"),
             ("--batch-size", int, "batch size (paper: 32)"),
-            ("--eval-every", int, "steps between evaluations (paper: 200); the last step is always evaluated"),
+            ("--eval-every", int, "steps between evaluations (paper: 200); the last step is always "
+             "evaluated"),
             ("--eval-size", int, "evaluation documents (paper: 320)")]:
         a(flag, kind, help=text)
     a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: the archs that use them)")
@@ -405,25 +426,28 @@ def build_parser():
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup: cosine (paper) or linear")
     # where and how
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
-    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; 1 on cuda)")
-    a("--group-size", int, metavar="K", help="train up to K runs that differ only in lr and seed as one batched "
-      "model (default: 1 on a CPU, where groups do not pay; a whole (arch, width) cell on cuda)")
-    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: SLURM_ARRAY_TASK_ID/"
-      "SLURM_ARRAY_TASK_COUNT when set); every shard of one --out reads all the others' results")
+    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; 1 on "
+      "cuda)")
+    a("--group-size", int, metavar="K", help="train up to K runs that differ only in lr and seed as one "
+      "batched model (default: 1 on a CPU, where groups do not pay; a whole (arch, width) cell on cuda)")
+    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: SLURM_ARRAY_TASK_"
+      "ID/SLURM_ARRAY_TASK_COUNT when set); every shard of one --out reads all the others' results")
     a("--out", str, help="output folder (default: out/)")
     a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
-    a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/ckpt/)")
-    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) and exit")
-    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its records (results/: "
-      "also the README's summary table) and exit")
+    a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/"
+      "ckpt/)")
+    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) "
+      "and exit")
+    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its records "
+      "(results/: also the README's summary table) and exit")
     return p
 
 
 # command-line flag -> Config field, for the flags that set one field of every run they apply to
 FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
-    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth holdout data_seed "
-    "steps epochs train_size batch_size schedule eval_every eval_size").split()}}
+    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
+    "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
 TASK_FIELDS = {"ar": {"num_keys", "num_values", "num_pairs"},
                "atr": {"num_terminals", "max_rhs_len", "max_depth"}}
 # the options each command takes; any other option given with it is refused, never silently ignored
@@ -432,8 +456,8 @@ COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}
 
 
 def applies(field, cfg):
-    """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv, long_only,
-    n_heads only the archs whose mixer takes that option (models.takes_option)."""
+    """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv,
+    long_only, n_heads only the archs whose mixer takes that option."""
     for task, names in TASK_FIELDS.items():
         if field in names:
             return cfg.task == task
@@ -441,21 +465,21 @@ def applies(field, cfg):
 
 
 def grid_runs(args, name, device):
-    """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, and the
-    field flags set on every run they apply to. A flag that applies to no run is an error; one that
-    applies to some runs only is set on those, with a note, and never enters the others' identity."""
-    given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items() if getattr(args, flag) is not None}
+    """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, with
+    each field flag set on the runs it applies to (none: an error; some: a note)."""
+    given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items()
+             if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
     for flag in ("arch", "d_model", "lr", "seeds"):
         values = getattr(args, flag)
         if values is not None and len(set(values)) < len(values):
             raise ValueError(f"--{flag.replace('_', '-')}: a value is repeated in {values}")
-    arch_list = ALL_ARCHS if args.arch == ["all"] else args.arch
-    configs = experiment_configs(name, args.preset or "quick", archs=arch_list, widths=args.d_model, lrs=args.lr,
+    configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
+                                 archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
                                  seeds=args.seeds, device=device)
     if args.epochs is not None and args.steps is None:
-        given["steps"] = None                                       # --epochs beats the grid's step counts
+        given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []
     for field, value in given.items():
         hit = [applies(field, c) for c in configs]
@@ -464,8 +488,8 @@ def grid_runs(args, name, device):
             raise ValueError(f"{flag}: does not apply to any run of this grid "
                              f"({', '.join(sorted({c.arch for c in configs}))} on {configs[0].task})")
         if not all(hit):
-            notes.append(f"note: {flag} ignored for {', '.join(sorted({c.arch for c, h in zip(configs, hit) if not h}))}, "
-                         "which do not have it")
+            missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
+            notes.append(f"note: {flag} ignored for {', '.join(missed)}, which do not have it")
         configs = [replace(c, **{field: value}) if h else c for c, h in zip(configs, hit)]
     return configs, notes
 
@@ -486,51 +510,52 @@ def shard_of(text):
 # The sweep: train every run of a grid that is not recorded yet, one JSON line per finished run.
 # ==============================================================================================
 
-# Where and on what a run happens does not change what it is: a rerun that differs only in these finds
-# the run done. Every other field changes the trained model or what its record reports.
+# Where a run happens does not change what it is: a rerun differing only in these finds it done.
 KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
 
 
 def run_key(config_dict):
     """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED}, sort_keys=True)
+    return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED},
+                      sort_keys=True)
 
 
 def file_name(cfg):
-    """cfg.name() plus 8 hex digits of the run's identity, for its checkpoint: runs that differ only in
-    fields name() leaves out (d_conv, pos_emb, ...) must not share a file."""
+    """cfg.name() plus 8 hex digits of the run's identity (runs name() cannot tell apart)."""
     return f"{cfg.name()}_{hashlib.sha1(run_key(asdict(cfg.resolved())).encode()).hexdigest()[:8]}"
 
 
 def config_of(record):
-    """The Config of a record (fields of older versions that Config no longer has are dropped)."""
+    """The Config of a record (fields that Config no longer has are dropped)."""
     known = {f.name for f in fields(Config)}
     return Config(**{k: v for k, v in record["config"].items() if k in known})
 
 
 def is_record(x):
-    """Whether a parsed results line is a run record this code can read: the types of every field the
-    report reads, and a checkpoint path inside its folder (a record never makes us read a file outside)."""
+    """Whether a parsed results line is a run record the report can read (the types of the fields
+    it reads; a checkpoint path inside its folder)."""
     number = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
-    if not (isinstance(x, dict) and isinstance(x.get("config"), dict) and x.get("status") in ("ok", "failed")):
+    if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
+            and x.get("status") in ("ok", "failed")):
         return False
-    c, final = x["config"], x.get("final")
-    ckpt = x.get("checkpoint")
-    return (isinstance(c.get("arch"), str) and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
-            and number(c.get("lr")) and c.get("lr") is not None and isinstance(x.get("n_params"), int)
-            and isinstance(final, dict) and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(x.get("history", []), list) and all(isinstance(h, dict) and number(h.get("step"))
-                                                            and number(h.get("acc")) for h in x.get("history", []))
-            and isinstance(x.get("mechanism") or {}, dict) and isinstance(x.get("mechanism_table") or {}, dict)
-            and all(number(v) for k, v in (x.get("mechanism") or {}).items() if k != "verdict" and k != "low_signal")
-            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt) and ".." not in ckpt.split("/")))
+    c, final, ckpt = x["config"], x.get("final"), x.get("checkpoint")
+    history, mech = x.get("history", []), x.get("mechanism") or {}
+    return (isinstance(c.get("arch"), str) and c.get("lr") is not None and number(c.get("lr"))
+            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
+            and isinstance(x.get("n_params"), int) and isinstance(final, dict)
+            and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
+            and isinstance(history, list)
+            and all(isinstance(h, dict) and number(h.get("step")) and number(h.get("acc"))
+                    for h in history)
+            and isinstance(mech, dict) and isinstance(x.get("mechanism_table") or {}, dict)
+            and all(number(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
+            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
+                 and ".." not in ckpt.split("/")))
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out` (one file per
-    shard), in a fixed order; [] when there are none. A line
-    that is not a whole record (a torn line from a crash mid-write, garbage, a record of another shape
-    or with fields of the wrong type) is skipped with one warning naming the file and the line."""
+    """The run records of one results file, or of every results*.jsonl in the folder `out`, in a
+    fixed order; a line that is not a whole record is skipped with one warning."""
     records = []
     paths = sorted(glob.glob(os.path.join(out, "results*.jsonl"))) if os.path.isdir(out) else glob.glob(out)
     for path in paths:
@@ -545,15 +570,13 @@ def read_results(out, warn=True):
                 if is_record(record):
                     records.append(record)
                 elif warn:
-                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); skipped",
-                          file=sys.stderr)
+                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
+                          "skipped", file=sys.stderr)
     return records
 
 
 def append_result(path, record):
-    """Append one JSON line, then fsync: a crash leaves the whole line or, at worst, a torn last line
-    that read_results skips. The line always starts on a new line (after a torn line, a bare append
-    would glue the new record onto it and lose both)."""
+    """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
     with open(path, "a+b") as f:
         size = f.seek(0, os.SEEK_END)
@@ -564,24 +587,16 @@ def append_result(path, record):
         os.fsync(f.fileno())
 
 
-def is_complete(record, wants, out):
-    """Whether a recorded run has everything asked for now: a finished run carries its patching table
-    when interventions are wanted and a checkpoint file in `out` when one is; a failed run is complete."""
-    if record["status"] != "ok":
-        return True
-    return (not wants["patch"] or record.get("mechanism_table") is not None) and \
-        (not wants["save"] or bool(record.get("checkpoint")) and os.path.isfile(os.path.join(out, record["checkpoint"])))
+def has_checkpoint(record, out):
+    return bool(record.get("checkpoint")) and os.path.isfile(os.path.join(out, record["checkpoint"]))
 
 
-def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1, log=mechsm.stderr_log()):
-    """Train every run of `configs` (this shard's: runs i with i % N == I of the grid's unique runs) not
-    yet complete in `out`; return the records of the whole grid found in `out` afterwards, in grid
-    order. Each finished run is appended to this shard's results file at once, so Ctrl-C or SIGTERM
-    loses only the runs in flight. A run recorded without its patching table is patched from its
-    checkpoint (trained again when it has none); one recorded without the checkpoint now asked for is
-    trained again. With jobs > 1 the runs train in that many worker processes (one thread each);
-    stopping the sweep stops them. Runs that differ only in lr and seed train as one batched model in
-    groups of at most group_size (None: one group per cell)."""
+def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
+          log=mechsm.stderr_log()):
+    """Train the runs of `configs` (this shard's: every N-th unique run from I) not yet complete in
+    `out`, appending each record as it finishes; return the grid's records in `out`, in grid order.
+    A run recorded without its patching table is patched from its checkpoint (retrained without
+    one); `jobs` worker processes; runs differing in lr and seed batched group_size at a time."""
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
@@ -591,13 +606,15 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     mine = [key for j, key in enumerate(unique) if j % n == i]
     wants = dict(patch=patch, save=save)
     done = {run_key(r["config"]): r for r in read_results(out)}
-    todo = [key for key in mine if not (key in done and is_complete(done[key], wants, out))]
+    complete = lambda r: r["status"] != "ok" or (not patch or r.get("mechanism_table") is not None) \
+        and (not save or has_checkpoint(r, out))         # a failed run is complete
+    todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    has_checkpoint = lambda r: bool(r.get("checkpoint")) and os.path.isfile(os.path.join(out, r["checkpoint"]))
-    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and has_checkpoint(done[k])]
-    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + \
-                [("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable], group_size)]
+    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and has_checkpoint(done[k], out)]
+    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + [
+        ("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable],
+                                                  group_size)]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
     for records in run_jobs(jobs_list, out, wants, jobs):
         for record in records:
@@ -607,8 +624,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
 
 
 def check_runs(configs):
-    """Raise ValueError (one line) for the first bad run of `configs` (Config.check, a task that cannot
-    be generated, documents longer than the model takes), before a long sweep starts."""
+    """Raise ValueError (one line) for the first bad run of `configs`, before a long sweep starts."""
     for cfg in configs:
         cfg.check()
     vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
@@ -617,32 +633,28 @@ def check_runs(configs):
     for cfg in configs:
         mechsm.check_length(cfg)
         shape = (mechsm._data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
-            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv", "long_only", "freeze_features")))
-        if shape not in built:                   # a model too large to allocate is bad input, not a crash
+            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv", "long_only",
+            "freeze_features")))
+        if shape not in built:                   # a model too large to allocate is bad input
             mechsm.build(replace(cfg, device="cpu"), vocab[mechsm._data_key(cfg)])
             built.add(shape)
 
 
-def group_key(cfg):
-    return mechsm.group_key(cfg)
-
-
 def make_groups(configs, group_size=None):
-    """configs -> lists of configs that differ only in lr and seed (in order of first appearance), at
-    most group_size each (None: a whole (arch, width, ...) cell per group)."""
+    """configs -> lists of configs that differ only in lr and seed, at most group_size each (None:
+    a whole cell per group)."""
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
     cells = {}
     for cfg in configs:
-        cells.setdefault(group_key(cfg), []).append(cfg)
+        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
     size = lambda cell: group_size or len(cell)
     return [cell[i:i + size(cell)] for cell in cells.values() for i in range(0, len(cell), size(cell))]
 
 
 def run_jobs(jobs_list, out, wants, jobs):
-    """Yield the records of each job (("train", configs) or ("patch", [(config, record)])) as it
-    finishes: here, or in `jobs` worker processes ("spawn", one thread each). Ctrl-C, SIGTERM or a
-    crash stops the workers (no orphans); a worker killed under us is a WorkerLost."""
+    """Yield the records of each job as it finishes: here, or in `jobs` spawned one-thread workers,
+    stopped on Ctrl-C, SIGTERM or a crash; a worker killed under us is a WorkerLost."""
     if jobs <= 1 or len(jobs_list) <= 1:
         for kind, payload in jobs_list:
             yield do_job(kind, payload, out, wants)
@@ -658,8 +670,8 @@ def run_jobs(jobs_list, out, wants, jobs):
             yield future.result()
     except BrokenProcessPool:
         stop_workers(pool)
-        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished runs are "
-                         f"kept in {out}; rerun to continue") from None
+        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished runs "
+                         f"are kept in {out}; rerun to continue") from None
     except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
         stop_workers(pool)
         raise
@@ -667,13 +679,13 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 
 def do_job(kind, payload, out, wants):
-    """Train a group of configs (one: train) or patch a recorded run from its checkpoint; return the
-    records, each with its patching table and checkpoint as `wants` asks. A crash is printed and the
-    job gives no record (a rerun retries it)."""
+    """Train a group of configs, or patch a recorded run from its checkpoint; return the records.
+    A crash is printed and gives no record (a rerun retries it)."""
     try:
         if kind == "patch":
             (cfg, record), = payload
-            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]), device=mechsm.resolve_device(cfg.device))
+            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
+                                       device=mechsm.resolve_device(cfg.device))
             if run_key(asdict(saved.resolved())) != run_key(record["config"]):
                 raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
             pairs = [(dict(record), model)]
@@ -681,11 +693,11 @@ def do_job(kind, payload, out, wants):
             pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
         out_records = []
         for record, model in pairs:
-            cfg = config_of(record)
-            if record["status"] == "ok" and wants["patch"]:
+            cfg, ok = config_of(record), record["status"] == "ok"
+            if ok and wants["patch"]:
                 table = interventions.mechanism(model, mechsm.make_data(cfg).eval, threshold=cfg.gap_filter)
                 record.update(mechanism=mechanism_summary(table), mechanism_table=table)
-            if record["status"] == "ok" and wants["save"] and not record.get("checkpoint"):
+            if ok and wants["save"] and not record.get("checkpoint"):
                 record["checkpoint"] = save_checkpoint(model, cfg, out)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
@@ -694,28 +706,27 @@ def do_job(kind, payload, out, wants):
     except Exception as e:
         import traceback
         traceback.print_exc()
-        print(f"error: {kind} of {payload[0] if kind == 'train' else payload[0][0].name()}: {type(e).__name__}: "
-              f"{e} (not recorded; a rerun retries it)", file=sys.stderr)
+        name = payload[0] if kind == "train" else payload[0][0].name()
+        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries it)",
+              file=sys.stderr)
         return []
 
 
 def save_checkpoint(model, cfg, out):
-    """mechsm.save under out/ckpt/; the path relative to `out`, or None (with a warning) when the
-    write fails (a full disk): the finished run is recorded all the same, without its checkpoint."""
+    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) when it fails."""
     path = os.path.join("ckpt", file_name(cfg) + ".pt")
     try:
         mechsm.save(model, cfg, os.path.join(out, path))
         return path
     except OSError as e:
-        print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the run is recorded "
-              "without it", file=sys.stderr)
+        print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the run is "
+              "recorded without it", file=sys.stderr)
         return None
 
 
 def mechanism_summary(table):
-    """The few numbers the summary table shows: Attrib@Key/Value/Query (the block input of layer 1, the
-    paper's headline site; the layer-0 mixer output for 1-layer models), the verdict and the extra
-    sites' numbers (e.g. Mamba's conv@next_key)."""
+    """What the summary table shows: the headline site's Attrib@Key/Value/Query (the layer-0 mixer
+    output for 1-layer models), the verdict and the extra sites' numbers."""
     head = table.get("headline") or table.get("mixer_out") or {}
     return mechsm.json_safe({"attrib_key": head.get("key"), "attrib_value": head.get("value"),
                              "attrib_query": head.get("query"), "verdict": table.get("verdict"),
@@ -727,16 +738,16 @@ def provenance():
     """Where and with what a record was made: date, machine, torch, the code's git commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip() or None
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "torch": torch.__version__, "commit": commit}
+            "torch": torch.__version__, "commit": commit or None}
 
 
 def worker_init(parent=None):
-    """A sweep worker: one torch thread; SIGINT ignored (Ctrl-C reaches the whole process group, and the
-    parent stops the workers itself); a watchdog ends the worker when its parent is gone (SIGKILL)."""
+    """A sweep worker: one torch thread, SIGINT ignored (the parent stops the workers), and a
+    watchdog that ends it when its parent is gone."""
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -748,8 +759,7 @@ def worker_init(parent=None):
 
 
 def stop_workers(pool):
-    """Stop a sweep's workers now: SIGTERM each, wait, SIGKILL any left. Further SIGINT/SIGTERM are held
-    back meanwhile, so that a second Ctrl-C cannot cut the clean-up short."""
+    """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
     processes = list((getattr(pool, "_processes", None) or {}).values())   # no public API before 3.14
     masking = threading.current_thread() is threading.main_thread()
     if masking:
@@ -769,12 +779,11 @@ def stop_workers(pool):
 
 
 class WorkerLost(RuntimeError):
-    """A sweep worker process died under the sweep (killed by a signal, or by the out-of-memory killer)."""
+    """A sweep worker process died under the sweep (a signal, or the out-of-memory killer)."""
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (what timeout, SLURM and kill send), raised in the main thread as Ctrl-C is: the sweep
-    stops its workers, finished runs stay recorded, and a rerun resumes."""
+    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay recorded."""
 
 
 def raise_terminated(signum, frame):
@@ -782,19 +791,16 @@ def raise_terminated(signum, frame):
 
 
 # ==============================================================================================
-# The report: the best run per row (the paper reports the best learning rate), its table beside
-# the paper's numbers, the timeline, results/<experiment>.md and the README's summary table.
+# The report: the best run per row (the paper reports the best learning rate) beside the paper's
+# numbers, the timeline, results/<experiment>.md and the README's summary table.
 # ==============================================================================================
 
 def best_by_lr(records, metric="acc"):
-    """Per group of runs that differ only in lr and seed (per (arch, width, ...)), the lr with the best
-    mean final `metric` over seeds. Returns one row per group: arch, d_model, best_lr, mean, std,
-    n_seeds, values (per seed), per_lr {lr: mean}, runs (of best_lr) and best (the best run over every
-    lr and seed; with a held-out split, test_mean too). A failed run (loss NaN/inf) counts with its last
-    metrics but never wins: an lr with fewer failed runs always ranks first."""
-    latest = {run_key(r["config"]): r for r in records}
+    """Per group of runs differing only in lr and seed, the row of the lr with the best mean final
+    `metric` over seeds (a failed run never wins): arch, d_model, best_lr, mean, std, n_seeds,
+    values, per_lr, runs (of best_lr), best (the best run; with a held-out split, test_mean)."""
     groups = {}
-    for r in latest.values():
+    for r in {run_key(r["config"]): r for r in records}.values():
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
     score = lambda r, m=metric: (r.get("final") or {}).get(m) or 0.0
@@ -826,16 +832,21 @@ def fmt_num(x):
     return "-" if x is None else f"{x:.2f}"
 
 
-def markdown(rows, columns):
-    """A markdown table of dicts (one per row), with the given columns (missing cells: '-')."""
+def markdown(cells, columns=None):
+    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
+    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
     return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-                     + ["| " + " | ".join(str(r.get(c, "-")) for c in columns) + " |" for r in rows])
+                     + ["| " + " | ".join(str(r.get(c, "-")) for c in columns) + " |" for r in cells])
+
+
+def attribs(mech):
+    """The Attrib@Key/Value/Query cells of a mechanism summary."""
+    return {f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}")) for k in ("key", "value", "query")}
 
 
 def result_table(rows, paper_numbers=None):
-    """The summary table: per row of best_by_lr (with its "label"), the best run's accuracy and
-    patching summary, the spread over seeds at the best lr (when some row has several), the extra
-    sites' attributions (e.g. Mamba's conv@next_key) and the paper's number for the row."""
+    """Per labelled row of best_by_lr: the best run's accuracy and patching summary, the spread over
+    seeds, the extra sites' attributions and the paper's number."""
     cells = []
     for row in rows:
         best = row["best"]
@@ -847,33 +858,32 @@ def result_table(rows, paper_numbers=None):
         for key, name in (("test_acc", "test accuracy"), ("novel_acc", "novel accuracy")):
             if key in final:
                 c[name] = fmt_pct(final[key])
-        for name in ("key", "value", "query"):
-            c[f"Attrib@{name.capitalize()}"] = fmt_num(mech.get(f"attrib_{name}"))
-        for name, value in mech.items():
+        c.update(attribs(mech))
+        for name in mech:
             if "@" in name:                  # the extra sites of the mixer class, e.g. conv@next_key
                 c[name] = " / ".join(fmt_num((r.get("mechanism") or {}).get(name)) for r in row["runs"])
         c["verdict"] = mech.get("verdict") or "-"
         if paper_numbers is not None:
             c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
         cells.append(c)
-    return markdown(cells, list(dict.fromkeys(k for c in cells for k in c)))
+    return markdown(cells)
 
 
 def runs_table(records):
-    """A probe's table: one line per run (its label names every field that varies, lr and seed too)."""
+    """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
     configs, cells = [config_of(r) for r in records], []
-    for r, cfg in sorted(zip(records, [config_of(r) for r in records]), key=lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)):
+    for r, cfg in sorted(zip(records, configs), key=lambda p: (p[1].num_keys, p[1].arch, p[1].steps,
+                                                                p[1].lr, p[1].seed)):
         mech = r.get("mechanism") or {}
-        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS), "accuracy": fmt_pct((r.get("final") or {}).get("acc")),
-                      **{f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}")) for k in ("key", "value", "query")},
-                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k}, "verdict": mech.get("verdict") or "-",
-                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
-    return markdown(cells, list(dict.fromkeys(k for c in cells for k in c)))
+        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
+                      "accuracy": fmt_pct((r.get("final") or {}).get("acc")), **attribs(mech),
+                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
+                      "verdict": mech.get("verdict") or "-", "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
+    return markdown(cells)
 
 
 def timeline_text(row, max_rows=6):
-    """The best run's history as one line: 'mamba: 0: 0% -/-; 2000: 45% 0.01/0.97; ...' with at most
-    max_rows evaluations (evenly spaced, the last one kept): accuracy, Attrib@Value/Attrib@Query."""
+    """The best run's history in one line: at most max_rows evaluations (the last kept)."""
     history = row["best"].get("history") or []
     keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
     steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {mechsm.fmt_attrib(h, 'attrib_value')}/"
@@ -883,22 +893,20 @@ def timeline_text(row, max_rows=6):
 
 def labelled_rows(records, configs=None):
     """best_by_lr of records, each row labelled by row_label against `configs` (default: the records')."""
-    rows = best_by_lr(records)
-    configs = configs or [config_of(r) for r in records]
+    rows, configs = best_by_lr(records), configs or [config_of(r) for r in records]
     for row in rows:
         row["label"] = row_label(config_of(row["best"]), configs)
     return rows
 
 
 def render(name, preset, records, folder=None):
-    """(rows, markdown text) of an experiment's records: the table beside the paper's numbers, what it
-    shows, the timeline and the provenance of the records (date, machine, commit, wall time)."""
+    """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
     exp, rows = EXPERIMENTS[name], labelled_rows(records)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
-    made = sorted({json.dumps(r.get("provenance"), sort_keys=True) for r in records if r.get("provenance")})
-    made = [json.loads(m) for m in made]
+    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
+                                           for r in records if r.get("provenance")})]
     wall = sum(r.get("wall_s") or 0 for r in records)
     figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")
                if folder is None or os.path.exists(os.path.join(folder, f"{name}_{kind}.png"))]
@@ -915,20 +923,15 @@ def render(name, preset, records, folder=None):
         f"Records: {len(records)} runs, {wall / 60:.1f} CPU-minutes of training, made "
         + "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at commit "
                     f"{m.get('commit')}" for m in made) + "."
-        + (f" The command `{command['command']}` trained {command['trained']} of them in {command['wall_s'] / 60:.1f} "
-           f"minutes of wall time with {command['jobs']} job(s), {command['date']}, {command['machine']}, "
-           f"{command['load']}." if command else ""), "", *figures, ""])
-
-
-def experiment_records(name, preset, records):
-    """The records of `records` that are runs of the experiment's grid (by run identity)."""
-    keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name, preset)}
-    return [r for r in records if run_key(r["config"]) in keys]
+        + (f" The command `{command['command']}` trained {command['trained']} of them in "
+           f"{command['wall_s'] / 60:.1f} minutes of wall time with {command['jobs']} job(s), "
+           f"{command['date']}, {command['machine']}, {command['load']}." if command else ""),
+        "", *figures, ""])
 
 
 def write_report(name, preset, records, folder, command=None):
-    """folder/<name>.jsonl (the experiment's records, as results/ keeps them), the figures, the command
-    that trained them (folder/<name>.command.json, when it trained some) and folder/<name>.md."""
+    """folder/<name>.jsonl (the records), the figures, <name>.command.json (when it trained some) and
+    <name>.md."""
     with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
         f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
     if draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"]) is None:
@@ -943,8 +946,8 @@ def write_report(name, preset, records, folder, command=None):
 
 
 def holds(paper_text, row):
-    """Whether our row agrees with the paper's text for it: the verdict it names (induction, direct
-    retrieval), or "fails"; '-' where the paper gives only a number to compare by eye."""
+    """'yes'/'no': whether the row has the verdict the paper's text names, or fails where it says
+    "fails"; '-' where the paper gives only a number."""
     final, verdict = row["best"].get("final") or {}, (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
@@ -995,9 +998,15 @@ def pivot(records, across):
     return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
 
 
+def experiment_records(name, preset, records):
+    """The records of `records` that are runs of the experiment's grid (by run identity)."""
+    keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name, preset)}
+    return [r for r in records if run_key(r["config"]) in keys]
+
+
 def evaluate_checkpoint(args):
-    """--checkpoint: evaluate (and patch) one saved model on its own task; the table with a single row.
-    Outputs go to OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/."""
+    """--checkpoint: evaluate (and patch) one saved model on its own task into
+    OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/."""
     device = mechsm.resolve_device(args.device or "auto")
     model, cfg = mechsm.load(args.checkpoint, device=device)
     cfg = replace(cfg, device=device, eval_size=args.eval_size or cfg.eval_size).check()
@@ -1006,8 +1015,8 @@ def evaluate_checkpoint(args):
                           os.path.splitext(os.path.basename(args.checkpoint))[0] + "-" + digest)
     os.makedirs(folder, exist_ok=True)
     data = mechsm.make_data(cfg)
-    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "n_params": models.count_parameters(model),
-              "final": mechsm.evaluate_all(model, data), "checkpoint": None}
+    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
+              "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         table = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
         record.update(mechanism=mechanism_summary(table), mechanism_table=table)
@@ -1015,36 +1024,34 @@ def evaluate_checkpoint(args):
         json.dump(mechsm.json_safe(record), f, indent=1)
     print(result_table([{"arch": cfg.arch, "label": cfg.arch, "best": record, "runs": [record], "n_seeds": 1}]))
     if not args.no_interventions:
-        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n" + interventions.render_heatmap(record["mechanism_table"]))
+        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
+              + interventions.render_heatmap(record["mechanism_table"]))
     print(f"\nresult in {folder}/result.json", file=sys.stderr)
     return 0
 
 
 def run(argv=None):
-    """The command line: bench, --list, --figures or --checkpoint, else the experiment's pipeline: the
-    grid, the plan, the sweep, the table, the timeline, the heatmap, the report and its figures."""
+    """The command line: bench, --list, --figures, --report or --checkpoint, else the experiment's
+    grid, plan, sweep, tables, heatmap and report."""
     t0 = time.time()
     args = build_parser().parse_args(argv)
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
     given = {flag.lstrip("-").replace("-", "_") for flag in getattr(args, "_given", {})}
+    flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
     if command != "train" and given - COMMAND_OPTIONS[command]:
-        raise ValueError(f"{', '.join('--' + g.replace('_', '-') for g in sorted(given - COMMAND_OPTIONS[command]))}: "
-                         f"cannot be used with {'bench' if command == 'bench' else '--' + command} (it takes "
-                         + (", ".join("--" + o.replace("_", "-") for o in sorted(COMMAND_OPTIONS[command] - {command})) or "no options")
-                         + ")")
+        raise ValueError(f"{flags(given - COMMAND_OPTIONS[command])}: cannot be used with "
+                         f"{'bench' if command == 'bench' else '--' + command} (it takes "
+                         f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
     if command == "bench":
         bench(args.device or "auto")
         return 0
     if command == "list":
         print(catalogue())
         return 0
-    if command == "checkpoint":
-        return evaluate_checkpoint(args)
-    if command == "figures":
-        return redraw_figures(args.figures)
-    if command == "report":
-        return report_folder(args.report)
+    if command != "train":
+        return {"checkpoint": evaluate_checkpoint, "figures": redraw_figures, "report": report_folder}[
+            command](args if command == "checkpoint" else getattr(args, command))
     if args.experiment and args.task:
         raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
@@ -1058,45 +1065,46 @@ def run(argv=None):
             raise ValueError(f"{flag}: got {value}, expected a positive integer")
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:                                             # an unwritable --out fails now, not after the training
+    try:                                             # an unwritable --out fails now, not after training
         os.makedirs(out, exist_ok=True)
         open(os.path.join(out, ".write_test"), "w").close()
         os.remove(os.path.join(out, ".write_test"))
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    vocab = mechsm.probe_task(configs[0])
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | {len(configs)} runs"
-          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "") + f" | device {device} | vocabulary {vocab}",
-          file=sys.stderr)
+          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     expected = f" | expected ~{fmt_hours(estimate_seconds(configs, jobs) / shard[1])} on a 2-core CPU" \
         if device == "cpu" else ""
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
     before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions, save=not args.no_save,
-                    group_size=group_size)
+    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
+                    save=not args.no_save, group_size=group_size)
     if not records:
         raise ValueError("no run finished; nothing to report")
     command = {"command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "trained": sum(before.get(run_key(r["config"])) != r for r in records), "jobs": jobs,
                "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-               "machine": provenance()["machine"], "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
+               "machine": provenance()["machine"],
+               "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
     rows, text = write_report(name, preset, records, out, command)
     print(text.split("\n", 2)[2].split("\n![")[0])
     patched = [row for row in rows if row["best"].get("mechanism_table")]
     if patched:
         pick = max(patched, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
                                              (row["best"].get("final") or {}).get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most accurate):\n"
-              + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most "
+              "accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
     missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (f"; {missing} still to train (other "
-          "shards, or runs that crashed)" if missing else "") + f" | total wall time {time.time() - t0:.1f}s",
-          file=sys.stderr)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (f"; {missing} still to train "
+          "(other shards, or runs that crashed)" if missing else "") + f" | total wall time "
+          f"{time.time() - t0:.1f}s", file=sys.stderr)
     return 1 if missing and shard[1] == 1 else 0
 
 
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
-SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->", "<!-- /summary -->")
+SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
+           "<!-- /summary -->")
 
 
 def readme_with_summary(text, folder="results"):
@@ -1106,8 +1114,8 @@ def readme_with_summary(text, folder="results"):
 
 
 def report_folder(folder):
-    """--report FOLDER: FOLDER/<experiment>.md from FOLDER/<experiment>.jsonl for every experiment
-    there, and for the repository's results/ the README's summary table too."""
+    """--report FOLDER: FOLDER/<experiment>.md for every FOLDER/<experiment>.jsonl (results/: also
+    the README's summary table)."""
     written = [name for name in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{name}.jsonl"))]
     for name in written:
         with open(os.path.join(folder, f"{name}.md"), "w") as f:
@@ -1121,8 +1129,8 @@ def report_folder(folder):
 
 
 def redraw_figures(folder):
-    """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (results/:
-    results/<experiment>.jsonl; an --out folder: its results*.jsonl, per experiment they belong to)."""
+    """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (its
+    <experiment>.jsonl, else its results*.jsonl)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -1152,8 +1160,8 @@ def main(argv=None):
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C now cannot cut this short
         sigterm = isinstance(e, Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in the results "
-              "files; rerun to continue", file=sys.stderr)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in the "
+              "results files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -1161,7 +1169,6 @@ def main(argv=None):
 
 # ==============================================================================================
 # Figures: the paper's plots of a sweep as PNGs. matplotlib is optional: imported only to draw.
-# ----------------------------------------------------------------------------------------------
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
 FIG_ARCHS = ("attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet")
@@ -1214,8 +1221,7 @@ def _grid(fig, n, cols, height):
 
 def plot_scatter(fig, records):
     """Attrib@Value against Attrib@Query, every patched run; hollow: too little signal."""
-    import interventions as iv
-    runs = patched_runs(records)
+    iv, runs = interventions, patched_runs(records)
     arch = [r["config"]["arch"] for r in runs]
     x, y = (np.array([r["mechanism"][k] for r in runs], float) for k in ("attrib_value",
                                                                           "attrib_query"))
@@ -1321,9 +1327,8 @@ def plot_box(fig, records):
 
 
 def draw_figures(records, rows, name, folder, task="ar"):
-    """Write folder/<name>_<kind>.png: scatter, timeline, heatmaps, width (an arch has several
-    widths), box (ATR); a kind with nothing to plot is left out. Returns {kind: plotted data},
-    or None (nothing written) without matplotlib."""
+    """Write folder/<name>_<kind>.png for each kind with something to plot; return {kind: plotted
+    data}, or None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1347,17 +1352,14 @@ def draw_figures(records, rows, name, folder, task="ar"):
 
 
 # ==============================================================================================
-# `python run.py bench`: each fast path against its slow reference, timed in the same run and printed
-# as ratios. Our models are tiny, so the cost lies in the scan, the long convolutions and framework
-# overhead. Each time is the median of interleaved repeats (candidate and reference alternate, so a
-# burst of load from another process hits both). With OpenMP's default (spinning) wait policy a busy
-# second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
+# `python run.py bench`: each fast path against its slow reference, timed in the same run (medians of
+# interleaved repeats). With OpenMP's spinning wait policy a busy second process made the loop kernels
+# 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 # ==============================================================================================
 
 def make_step(model, tokens, queries, answers, lr, forward=None):
-    """A closure doing one training step of `model` (or of an Ensemble) on one batch as train() steps:
-    answer_loss, backward, AdamW; it returns the loss. forward(tokens, readout=), if given, stands in
-    for model in the loss (the benchmark times a naive full-vocabulary head that way)."""
+    """A closure: one training step of `model` (or an Ensemble) as train() steps; returns the loss.
+    forward(tokens, readout=), if given, stands in for model in the loss."""
     optimizer = model.optimizer if isinstance(model, mechsm.Ensemble) else mechsm.adamw(model, lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -1380,16 +1382,15 @@ SIZES = {
 
 
 def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
-    """Run the benchmark's parts, print a table each, return every number as a JSON-serialisable dict.
-    device: "auto" (cuda if available), "cpu", "cuda", ...; size: a key of SIZES. On a CPU it runs on
-    one thread, as run.py's training workers do (the caller's thread count is restored after)."""
+    """Run the benchmark's parts (one thread on a CPU, as the workers), print a table each, return
+    every number as a JSON-serialisable dict; size: a key of SIZES."""
     device, sizes, threads = torch.device(mechsm.resolve_device(str(device))), SIZES[size], torch.get_num_threads()
     env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size,
                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     print_fn("mechsm bench | " + " | ".join(f"{k} {v}" for k, v in env.items() if v is not None) + "\n")
-    result = dict(env=env, scan=[], selective_scan=[], conv=[], short_conv=[], ssm_kernel=[], train=[], mechanism=[],
-                  ensemble=[])
+    result = dict(env=env, **{k: [] for k in "scan selective_scan conv short_conv ssm_kernel train "
+                                   "mechanism ensemble".split()})
     torch.set_num_threads(env["threads"])
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -1427,10 +1428,8 @@ def bench_scan(device, sizes, print_fn):
 
 
 def scan_inputs(b, l, e, n, device, seed=0):
-    """Selective-scan inputs distributed like a freshly initialised Mamba layer's (models.Mamba): Δ
-    log-uniform in [1e-3, 1e-1], A = -(1..n) (S4D-real), u, B, C standard normal; dict(u, delta
-    (b, l, e), A (e, n), B, C (b, l, n), and the plain scan's a = exp(Δ A), b = Δ B u (b, l, e, n)).
-    Small Δ puts a near 1 (long memory), where a float32 scan accumulates the most error."""
+    """Selective-scan inputs as a fresh Mamba layer's (Δ log-uniform in [1e-3, 1e-1], A = -(1..n),
+    u, B, C normal), with the plain scan's a = exp(Δ A), b = Δ B u."""
     g = torch.Generator().manual_seed(seed)
     delta = torch.exp(torch.empty(b, l, e).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
     A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
@@ -1440,9 +1439,8 @@ def scan_inputs(b, l, e, n, device, seed=0):
 
 
 def compare(kernels, inputs, grad_out, sizes, device):
-    """Forward+backward of each kernel(*inputs) in float32: milliseconds, speed-up over the first kernel
-    (the reference), and errors against the reference run in float64: max abs error of the output, max
-    over inputs of max|grad - grad64| / max|grad64| (gradients of <output, grad_out>)."""
+    """Forward+backward of each kernel(*inputs): ms, speed-up over the first (the reference) and the
+    errors of output and gradients against the reference in float64."""
     def forward_backward(kernel, xs):
         xs = [x.detach().requires_grad_() for x in xs]
         out = kernel(*xs)
@@ -1500,9 +1498,8 @@ def bench_conv(device, sizes, print_fn):
 
 
 def bench_train(device, sizes, print_fn):
-    """3: training steps/s at the quick AR shape (8 pairs, 21 tokens) and the paper's (16 pairs, 37 tokens),
-    width 64, 2 layers, V = 8195: fast kernels and readout-only head (make_step) against kernels="reference"
-    and the head on every position. Each timed call ends reading the loss on the host, as a loop logging it."""
+    """3: training steps/s at the quick AR shape and the paper's: fast kernels and readout-only head
+    against kernels="reference" and the head on every position."""
     rows = []
     for shape, pairs in (("quick", 8), ("paper", 16)):
         data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
@@ -1523,7 +1520,6 @@ def bench_train(device, sizes, print_fn):
 
 def bench_mechanism(device, sizes, print_fn):
     """4: the time of one full interventions.mechanism table per architecture (untrained models)."""
-    import interventions
     data, rows = mechsm.tasks.make_ar(sizes["docs"], seed=1).to(device), []
     for arch in sizes["archs"] or models.ARCHS:
         model, result = models.build_model(arch, data.vocab_size, 64, 2, seed=0).to(device).eval(), {}
@@ -1534,8 +1530,7 @@ def bench_mechanism(device, sizes, print_fn):
 
 
 def bench_ensemble(device, sizes, print_fn):
-    """5: K runs of one (arch, width) cell as one batched model (mechsm.Ensemble) against the same K
-    models stepped one after another (mechsm.make_step): model-steps/s and operators per model-step."""
+    """5: K runs as one batched model (mechsm.Ensemble) against K models stepped one after another."""
     data = mechsm.tasks.make_ar(sizes["batch"], seed=0)
     x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
     rows = []
@@ -1554,7 +1549,7 @@ def bench_ensemble(device, sizes, print_fn):
     return dict(ensemble=rows)
 
 
-# Operators that only make a view or read metadata: no kernel on any device, so not counted as work.
+# Operators that only make a view or read metadata: no kernel on any device, not counted as work.
 VIEW_OPS = frozenset("aten::" + name for name in (
     "view as_strided _reshape_alias reshape t transpose permute expand squeeze unsqueeze select slice detach "
     "alias empty empty_strided empty_like movedim unflatten flatten split split_with_sizes chunk unbind narrow "
@@ -1562,9 +1557,7 @@ VIEW_OPS = frozenset("aten::" + name for name in (
 
 
 def ops_per_call(fn):
-    """Operators that do work dispatched by fn() (its second call; the first warms up), counted by
-    torch.profiler on the CPU side of any device: the aten:: events with no aten:: event inside them,
-    less VIEW_OPS. On a GPU each is about one kernel launch, the cost that dominates runs this small."""
+    """Operators doing work dispatched by fn()'s second call: innermost aten:: events less VIEW_OPS."""
     fn()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
@@ -1574,8 +1567,7 @@ def ops_per_call(fn):
 
 
 def medians(fns, repeats, device):
-    """Median seconds of each zero-argument callable over `repeats` rounds, each round calling every one
-    in turn, after an untimed warm-up call each; the device is drained around every timed call."""
+    """Median seconds of each callable over `repeats` interleaved rounds, after a warm-up call each."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for fn in fns.values():
         fn()
