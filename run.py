@@ -192,11 +192,12 @@ EXPERIMENTS = {e.name: e for e in [
     # The probes that chose the quick settings (README, difference 19): run before any table.
     Experiment("ar-vocab", "probe",
                "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
-               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (256, 512, 1024)
-                                     for a in ALL_ARCHS]
-                          + archs("attention", lr=5e-4, steps=32_000, num_keys=256, num_values=256)
+               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
                           + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
-                          + archs("based", lr=3e-3, steps=16_000, num_keys=256, num_values=256),
+                          + [dict(arch=a, num_keys=256, num_values=256, **f) for a, f in [
+                              ("attention", dict(lr=5e-4)), ("attention", dict(lr=1e-3)),
+                              ("attention", dict(lr=5e-4, steps=32_000)), ("based", dict(steps=16_000)),
+                              ("mamba", {})]],
                           seeds={"mamba": [0, 1], "*": [0]}, steps=PROBE_STEPS),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
                None, probe=True),
@@ -1168,94 +1169,77 @@ def main(argv=None):
 
 
 # ==============================================================================================
-# Figures: the paper's plots of a sweep as PNGs. matplotlib is optional: imported only to draw.
+# Figures: the paper's plots of an experiment, from its records alone. matplotlib is optional.
+# ==============================================================================================
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
-FIG_ARCHS = ("attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet")
-FIG_ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
-               "query": ("Attrib@Query", "tab:blue")}
-FIG_LINES = (("acc", "accuracy", "black"), ("attrib_value", *FIG_ATTRIBS["value"]),
-             ("attrib_query", *FIG_ATTRIBS["query"]))                  # the timeline's lines
-FIG_WIDTH, FIG_DPI, FIG_FRAME = 8.0, 100, (-0.25, 1.25)   # 800-pixel-wide PNGs; scatter's frame
+ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
+           "query": ("Attrib@Query", "tab:blue")}
+FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
 
 
-def fig_archs(archs):
-    """The distinct archs in FIG_ARCHS order, others after them (alphabetically)."""
-    return sorted(set(archs), key=lambda a: (FIG_ARCHS.index(a) if a in FIG_ARCHS else 99, a))
-
-
-def fig_colour(arch):
-    """A fixed tab10 colour per arch: FIG_ARCHS in order, any other arch one of the last three."""
+def colour(arch):
+    """A fixed tab10 colour per architecture (ALL_ARCHS order; another arch: one of the last three)."""
     import matplotlib
-    i = FIG_ARCHS.index(arch) if arch in FIG_ARCHS else 7 + sum(map(ord, arch)) % 3
-    return matplotlib.colormaps["tab10"](i)
+    return matplotlib.colormaps["tab10"](ALL_ARCHS.index(arch) if arch in ALL_ARCHS else 7 + len(arch) % 3)
 
 
 def patched_runs(records, signal=False):
-    """Records with a mechanism summary (each run once: its last), with signal only if `signal`."""
-    runs = {json.dumps(r["config"], sort_keys=True): r for r in records
-            if (r.get("mechanism") or {}).get("attrib_value") is not None}
+    """The records with a patching summary (each run once: its last), with signal only if `signal`."""
+    runs = {run_key(r["config"]): r for r in records if (r.get("mechanism") or {}).get("attrib_value") is not None}
     return [r for r in runs.values() if not (signal and r["mechanism"].get("low_signal"))]
 
 
-def series_label(row):
-    """A row's label without its width: 'attention (d 16, NoPE)' -> 'attention (NoPE)'."""
-    d = row["d_model"]
-    return row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
-
-
 def widest_rows(rows):
-    """Per series_label, the row of its largest width (the paper reports its largest width)."""
+    """Per label without its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'), its widest row."""
     keep = {}
     for row in rows:
-        label = series_label(row)
+        d = row["d_model"]
+        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
         keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
-    return list(keep.values())
+    return keep
 
 
-def _grid(fig, n, cols, height):
-    """n axes in `cols` columns, each line of them `height` inches tall."""
-    fig.set_size_inches(FIG_WIDTH, height * math.ceil(n / cols) + 0.6)
+def grid(fig, n, cols, height):
+    fig.set_size_inches(8.0, height * math.ceil(n / cols) + 0.6)
     return [fig.add_subplot(math.ceil(n / cols), cols, i + 1) for i in range(n)]
 
 
 def plot_scatter(fig, records):
-    """Attrib@Value against Attrib@Query, every patched run; hollow: too little signal."""
-    iv, runs = interventions, patched_runs(records)
+    """Attrib@Value against Attrib@Query, every patched run (hollow: too little signal), with the
+    verdict's induction and direct-retrieval regions shaded (the paper's Fig. 3 plane)."""
+    runs = patched_runs(records)
     arch = [r["config"]["arch"] for r in runs]
-    x, y = (np.array([r["mechanism"][k] for r in runs], float) for k in ("attrib_value",
-                                                                          "attrib_query"))
+    x, y = (np.array([r["mechanism"][k] for r in runs], float) for k in ("attrib_value", "attrib_query"))
     low = np.array([bool(r["mechanism"].get("low_signal")) for r in runs], bool)
-    (lo, hi), v = FIG_FRAME, iv.INDUCTION_MIN_VALUE            # the verdict regions, shaded:
-    ax = fig.subplots()
+    (lo, hi), v, ax = FRAME, interventions.INDUCTION_MIN_VALUE, fig.subplots()
     ax.fill_between([v, hi], [lo, lo], [v, hi], color="tab:green", alpha=0.12, lw=0)
-    ax.fill_between([lo, iv.DIRECT_MAX_VALUE], iv.DIRECT_MIN_QUERY, hi, color="tab:purple",
-                    alpha=0.12, lw=0)
+    ax.fill_between([lo, interventions.DIRECT_MAX_VALUE], interventions.DIRECT_MIN_QUERY, hi,
+                    color="tab:purple", alpha=0.12, lw=0)
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
-    for a in fig_archs(arch):
-        for hollow in (False, True):              # points off the frame are drawn on its edge
-            m, c = np.array([b == a for b in arch]) & (low == hollow), fig_colour(a)
-            ax.scatter(np.clip(x[m], lo, hi), np.clip(y[m], lo, hi), s=40, edgecolors=c,
-                       facecolors="none" if hollow else c, clip_on=False, label=[a, None][hollow])
+    for i, a in enumerate(dict.fromkeys(arch)):            # each arch nudged a little, so that runs
+        for hollow in (False, True):                     # with the same reading stay visible
+            m, c, dx = (np.array(arch) == a) & (low == hollow), colour(a), 0.012 * (i - 3)
+            ax.scatter(np.clip(x[m] + dx, lo, hi), np.clip(y[m] + dx, lo, hi), s=40, edgecolors=c,
+                       facecolors="none" if hollow else c, clip_on=False, label=None if hollow else a)
     ax.scatter([], [], s=40, facecolors="none", edgecolors="grey", label="too little signal")
-    ax.set(xlim=(lo, hi), ylim=(lo, hi), aspect="equal", xlabel="Attrib@Value",
-           ylabel="Attrib@Query", title="Attribution at the value and at the query, every run")
+    ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
+           title="Attribution at the value and at the query, every run")
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
     return {"arch": arch, "value": x, "query": y, "low_signal": low}
 
 
 def plot_width(fig, rows):
-    """Accuracy against width (log2 axis), one line per series_label: its best run at each width."""
-    lines, out, seen, ax = {}, {}, [], fig.subplots()
+    """Accuracy against width (log2 axis), one line per label: its best run at each width."""
+    lines, ax = {}, fig.subplots()
     for row in sorted(rows, key=lambda r: r["d_model"]):
-        lines.setdefault(series_label(row), []).append(row)
-    for label, line in lines.items():
-        out[label] = (np.array([r["d_model"] for r in line]),
-                      np.array([(r["best"].get("final") or {}).get("acc") for r in line], float))
-        seen.append(line[0]["arch"])
-        ax.plot(*out[label], ("-", "--", ":", "-.")[(seen.count(seen[-1]) - 1) % 4], marker="o",
-                color=fig_colour(seen[-1]), label=label)
+        lines.setdefault(next(k for k, w in widest_rows([row]).items()), []).append(row)
+    out = {label: (np.array([r["d_model"] for r in line]),
+                   np.array([(r["best"].get("final") or {}).get("acc") for r in line], float))
+           for label, line in lines.items()}
+    for i, (label, xy) in enumerate(out.items()):
+        ax.plot(*xy, "-:"[i % 2], marker="o", color=colour(lines[label][0]["arch"]), label=label)
     widths = sorted({r["d_model"] for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
@@ -1266,10 +1250,10 @@ def plot_width(fig, rows):
 
 
 def plot_heatmaps(fig, rows):
-    """Per series_label (largest width), the best run's table: site x layer by position."""
-    rows, panels = [r for r in widest_rows(rows) if r["best"].get("mechanism_table")], []
-    n_sites = max(len(row["best"]["mechanism_table"]["rows"]) for row in rows)
-    for ax, row in zip(_grid(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
+    """Per label (its widest row), the best run's table: site x layer by position, values printed."""
+    rows = [(label, r) for label, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
+    n_sites, panels = max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows), []
+    for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
@@ -1279,9 +1263,9 @@ def plot_heatmaps(fig, rows):
         ax.set_yticks(range(len(sites)), sites, fontsize=7)
         for (i, j), c in np.ndenumerate(cells):
             if np.isfinite(c):
-                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center",
-                        fontsize=6, color="white" if abs(c) > 0.6 else "black")
-        ax.set_title(f"{series_label(row)} (d {row['d_model']}): {table['verdict']}", fontsize=9)
+                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=6,
+                        color="white" if abs(c) > 0.6 else "black")
+        ax.set_title(f"{label} (d {row['d_model']}): {table['verdict']}", fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "sites": sites, "cells": cells,
                        "positions": list(positions)})
     fig.colorbar(image, ax=fig.axes, shrink=0.5, label="attribution")
@@ -1289,18 +1273,18 @@ def plot_heatmaps(fig, rows):
 
 
 def plot_timeline(fig, rows):
-    """Per series_label (largest width), its best run's accuracy and attributions by step."""
+    """Per label (its widest row), the best run's accuracy and attributions against the step."""
     rows, out = widest_rows(rows), {}
-    axes = _grid(fig, len(rows), min(3, len(rows)), 2.2)
-    for ax, row in zip(axes, rows):
+    axes = grid(fig, len(rows), min(3, len(rows)), 2.2)
+    for ax, (label, row) in zip(axes, rows.items()):
         history = row["best"].get("history") or []
-        s = {k: np.array([h.get(k) for h in history], float)
-             for k in ("step", "acc", "attrib_value", "attrib_query")}
+        s = {k: np.array([h.get(k) for h in history], float) for k in ("step", "acc", "attrib_value", "attrib_query")}
         low = np.array([bool(h.get("attrib_low_signal")) for h in history], bool)
         s["attrib_value"][low] = s["attrib_query"][low] = np.nan    # too little signal: a gap
-        for k, name, colour in FIG_LINES:
-            ax.plot(s["step"], s[k], color=colour, label=name, marker=".", ms=3)
-        ax.set(ylim=(-0.1, 1.1), title=f"{series_label(row)} (d {row['d_model']})")
+        for k, name, c in (("acc", "accuracy", "black"), ("attrib_value", *ATTRIBS["value"]),
+                           ("attrib_query", *ATTRIBS["query"])):
+            ax.plot(s["step"], np.clip(s[k], *FRAME), color=c, label=name, marker=".", ms=3)
+        ax.set(ylim=FRAME, title=f"{label} (d {row['d_model']})")
         ax.tick_params(labelsize=7)
         out[row.get("label", row["arch"])] = s
     fig.supxlabel("training step")
@@ -1311,43 +1295,39 @@ def plot_timeline(fig, rows):
 def plot_box(fig, records):
     """ATR: per arch, boxes of Attrib@Key, Attrib@Value, Attrib@Query over its runs with signal."""
     runs, ax, handles = patched_runs(records, signal=True), fig.subplots(), []
-    archs = fig_archs(r["config"]["arch"] for r in runs)
-    out = {a: {k: np.array([r["mechanism"][f"attrib_{k}"] for r in runs
-                            if r["config"]["arch"] == a], float) for k in FIG_ATTRIBS}
-           for a in archs}
-    for j, (k, (name, colour)) in enumerate(FIG_ATTRIBS.items()):
+    archs = sorted({r["config"]["arch"] for r in runs}, key=lambda a: (a not in ALL_ARCHS, ALL_ARCHS.index(a)
+                                                                     if a in ALL_ARCHS else a))
+    out = {a: {k: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"]["arch"] == a], float)
+               for k in ATTRIBS} for a in archs}
+    for j, (k, (name, c)) in enumerate(ATTRIBS.items()):
         handles.append(ax.boxplot([out[a][k][np.isfinite(out[a][k])] for a in archs], widths=0.8,
                                   positions=4 * np.arange(len(archs)) + j, patch_artist=True,
-                                  boxprops={"facecolor": colour, "alpha": 0.7},
-                                  medianprops={"color": "k"})["boxes"][0])
+                                  boxprops={"facecolor": c, "alpha": 0.7}, medianprops={"color": "k"})["boxes"][0])
     ax.set_xticks(4 * np.arange(len(archs)) + 1, archs)
     ax.set(ylabel="attribution", title="ATR: attribution at the key, value and query")
-    fig.legend(handles, [n for n, _ in FIG_ATTRIBS.values()], loc="outside upper center", ncols=3)
+    fig.legend(handles, [n for n, _ in ATTRIBS.values()], loc="outside upper center", ncols=3)
     return out
 
 
 def draw_figures(records, rows, name, folder, task="ar"):
-    """Write folder/<name>_<kind>.png for each kind with something to plot; return {kind: plotted
-    data}, or None without matplotlib."""
+    """folder/<name>_<kind>.png for each kind with something to draw: scatter, timeline, heatmaps,
+    width (a label with several widths), box (ATR). {kind: plotted data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    widths = [len({r["d_model"] for r in rows if r["arch"] == row["arch"]}) for row in rows]
-    tables = any(r["best"].get("mechanism_table") for r in rows)
-    kinds = {"scatter": (plot_scatter, records, patched_runs(records), 6),
-             "timeline": (plot_timeline, rows, rows, 0),
-             "heatmaps": (plot_heatmaps, rows, tables, 0),
-             "width": (plot_width, rows, max(widths, default=0) > 1, 4.5),
+    several = any(len({r["d_model"] for r in rows if r["arch"] == row["arch"]}) > 1 for row in rows)
+    kinds = {"scatter": (plot_scatter, records, patched_runs(records), 6), "timeline": (plot_timeline, rows, rows, 0),
+             "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows), 0),
+             "width": (plot_width, rows, several, 4.5),
              "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True), 4.5)}
     os.makedirs(folder, exist_ok=True)
     out = {}
     for kind, (draw, data, wanted, height) in kinds.items():
         if wanted:
-            fig = Figure(figsize=(FIG_WIDTH, height or 4.5), layout="constrained")
+            fig = Figure(figsize=(8.0, height or 4.5), layout="constrained")
             out[kind] = draw(fig, data)
-            fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=FIG_DPI,
-                        metadata={"Software": None})
+            fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
     return out
 
 
