@@ -1,14 +1,13 @@
-"""tasks.py: the two synthetic retrieval tasks, Associative Recall (AR) and Associative Treecall (ATR).
+"""tasks.py: the two retrieval tasks, Associative Recall (AR) and Associative Treecall (ATR).
 
 Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 3 (the tasks) and Sec. 5.3 (held-out pairs), and the reference generators
-of tinylang (github.com/aryamanarora/tinylang: tinylang/language/ar.py for AR and
-tinylang/language/pcfg.py for the PCFG), whose conventions are kept: PAD 0, BOS 1, EOS 2, content
-ids from 3, one query per document. Two of the reference's bugs are fixed here (README, differences
-2 and 3).
+arXiv 2505.15105), Sec. 3 (the tasks) and Sec. 5.3 (held-out pairs), and tinylang's generators
+(github.com/aryamanarora/tinylang: language/ar.py, language/pcfg.py), keeping their conventions:
+PAD 0, BOS 1, EOS 2, content ids from 3, one query per document. Two of their bugs are fixed
+(README, differences 2 and 3).
 
-Every document is  BOS <context> EOS <query> <answer> EOS , right-padded with PAD. The model reads its
-prediction at positions["query"] (= answer position - 1) and is scored against `answers`.
+Every document is BOS <context> EOS <query> <answer> EOS, right-padded with PAD. The model's
+prediction at positions["query"] (= answer position - 1) is scored against `answers`.
 
 AR worked example (2 pairs instead of 16; k = key ids, v = value ids):
     BOS k5 v9 k2 v7 EOS k2 v7 EOS
@@ -49,8 +48,7 @@ def _check(ok, name, allowed):
 
 
 def _check_ints(**values):
-    """Each value must be an int (not a bool): "8" or 8.0 would otherwise fail later as a TypeError in a
-    comparison, or silently build a float-sized task."""
+    """Each must be an int, not a bool: "8" or 8.0 would fail later, or make a float-sized task."""
     for name, value in values.items():
         _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
                f"an int, got {value!r}")
@@ -65,9 +63,7 @@ def _check_common(n, split, holdout, seed):
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Dataset: one container for both tasks.
-# ----------------------------------------------------------------------------------------------
+# --- Dataset: one container for both tasks.
 
 ROLES = ("key", "value", "next_key", "divider", "query", "answer")
 
@@ -79,7 +75,7 @@ class Dataset:
     answers: torch.Tensor            # (n,) the token the model must predict at positions["query"]
     positions: dict                  # role -> (n,) long; roles in ROLES
     vocab_size: int
-    classes: dict                    # role -> [lo, hi) id range a corruption of that role draws from
+    classes: dict                    # role -> [lo, hi) ids a corruption of that role draws from
     lengths: torch.Tensor            # (n,) true length before padding
     meta: dict = field(default_factory=dict)   # settings; meta["per_doc"] holds per-document lists
 
@@ -113,10 +109,8 @@ class Dataset:
         return f"t{tok - klo}" if tok < khi else f"q{tok - khi}"   # q*: the unused query-type ids
 
     def describe(self, i):
-        """Document i as text: the queried key in [brackets], its value in {braces}, then the query.
-
-        e.g. '<bos> k5 v9 [k2] {v7} <eos> | k2 -> v7'
-        """
+        """Document i as text, the queried key in [brackets], its value in {braces}, then the query:
+        e.g. '<bos> k5 v9 [k2] {v7} <eos> | k2 -> v7'."""
         toks = self.tokens[i, : int(self.lengths[i])].tolist()
         key, value = int(self.positions["key"][i]), int(self.positions["value"][i])
         words = [self.token_name(t) for t in toks[: int(self.positions["divider"][i]) + 1]]
@@ -125,9 +119,7 @@ class Dataset:
         return " ".join(words) + f" | {self.token_name(q)} -> {self.token_name(a)}"
 
 
-# ----------------------------------------------------------------------------------------------
-# AR: fully vectorised over documents.
-# ----------------------------------------------------------------------------------------------
+# --- AR: vectorised over documents.
 
 def sample_distinct_slow(n, m, size, gen):
     """Reference: each row is the first m entries of a fresh random permutation of range(size)."""
@@ -138,10 +130,9 @@ def sample_distinct_slow(n, m, size, gen):
 def sample_distinct(n, m, size, gen):
     """(n, m) long: per row, m distinct ints from range(size) in uniformly random order.
 
-    Floyd's algorithm run on all rows at once: at step j (j = size-m .. size-1) draw t in [0, j];
-    take t unless this row already has it, then take j. That gives a uniform m-subset in m vectorised
-    steps, O(n m^2) work and no (n, size) tensor; a random argsort of the m columns then gives a
-    uniform order. Equal in distribution to sample_distinct_slow (test_all.py checks it).
+    Floyd's algorithm on all rows at once: at step j = size-m .. size-1 draw t in [0, j], take t,
+    or j if the row has t already: a uniform m-subset, O(n m^2) work, no (n, size) tensor. A random
+    argsort of the columns gives a uniform order. Equal in distribution to sample_distinct_slow.
     """
     out = torch.empty(n, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
@@ -155,22 +146,18 @@ def sample_distinct(n, m, size, gen):
 def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=None, holdout=0.0):
     """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each).
 
-    Keys are ids 3 .. 3+K-1 and values the next V ids; inside a document keys are distinct and so are
-    values, and pair i is (keys[i], values[i]). The query is a uniformly chosen pair.
-    Splits: the split name is mixed into the document seed, so split='train'/'dev'/'test' with the same
-    seed give different documents. Use the SAME seed for the three splits: the held-out matrix depends
-    only on (seed, K, V, holdout), never on the split (one uniform matrix thresholded at holdout, so a
-    larger holdout holds out a superset). With holdout > 0, each (key, value) pair is held
-    out with probability `holdout`; train/dev query only pairs not held out and test only held-out
-    ones, resampling documents that have no eligible pair. (The reference ignores the split and
-    excludes held-out pairs everywhere, so its "test" tests nothing new: README, difference 2.)
+    Keys are ids 3 .. 3+K-1, values the next V ids; a document's keys are distinct, and so are its
+    values; the query is a uniformly chosen pair. The split name is mixed into the document seed:
+    use the SAME seed for all splits. With holdout > 0 each (key, value) pair is held out with that
+    probability (one matrix per (seed, K, V), never per split; a larger holdout holds out more);
+    train/dev query only pairs not held out, test only held-out ones, redrawing documents with none
+    (the reference excludes held-out pairs everywhere, so its "test" tests nothing new: README,
+    difference 2).
     """
     _check_common(n, split, holdout, seed)
     _check_ints(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs)
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     for name, size in (("num_keys", num_keys), ("num_values", num_values)):
-        # distinct keys and values per document; a second key for the corruption of interventions,
-        # and a second value so that the answer is not always the same token
         _check(size >= max(2, num_pairs), name, f">= max(2, num_pairs) = {max(2, num_pairs)} (a document's "
                f"{name[4:]} are distinct, and one token leaves nothing to retrieve or corrupt), got {name}={size} "
                f"with num_pairs={num_pairs}")
@@ -217,12 +204,10 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
                                                      num_values=V, num_pairs=m, heldout=heldout))
 
 
-# ----------------------------------------------------------------------------------------------
-# ATR: the grammar, one sentence, one query, then the dataset.
-# ----------------------------------------------------------------------------------------------
+# --- ATR: the grammar, one sentence, one query, then the dataset.
 
 class Uniforms:
-    """A stream of U[0,1) floats from a numpy Generator, drawn in blocks because per-call rng is slow."""
+    """A stream of U[0,1) floats from a numpy Generator, drawn in blocks (per-call rng is slow)."""
 
     def __init__(self, rng, block=1 << 16):
         self.rng, self.block, self.buf, self.i = rng, block, [], 0
@@ -240,9 +225,9 @@ def _pick(cum, u):
 
 
 class PCFG:
-    """A random PCFG with heads on the right, drawn in the reference's RNG order (tinylang's
-    pcfg.py). Symbols: nonterminal A is int A in [0, N); terminal t is
-    int N + t. `rules[A]` lists RHS tuples of non-head symbols; the head is drawn at generation time."""
+    """A random right-headed PCFG, drawn in the reference's RNG order (tinylang's pcfg.py).
+    Nonterminal A is int A in [0, N), terminal t is N + t; rules[A] lists RHS tuples of non-head
+    symbols."""
 
     def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5, max_depth=10,
                  terminal_weight=20, head="right", seed=0):
@@ -262,7 +247,7 @@ class PCFG:
         self.num_terminals, self.num_nonterminals, self.seed = num_terminals, num_nonterminals, seed
         N, S, slot = num_nonterminals, num_terminals, -1   # slot: TERMINAL placeholder
         rng = np.random.default_rng(seed)
-        # 1. depth scores in {1..d_max}; children must score strictly higher -> acyclic, depth <= d_max
+        # 1. depth scores in {1..d_max}; children score strictly higher: acyclic, depth <= d_max
         self.depth = rng.integers(1, max_depth + 1, size=N).tolist()
         # 2. rules: 1..R_max per nonterminal, each with 1..L_max-1 non-head symbols (so 2..L_max
         #    children with the head: README, difference 4), drawn from the deeper nonterminals
@@ -286,12 +271,12 @@ class PCFG:
         self.start_cum = cum(np.full(N, 1.0 / N))
 
     def sentence_lengths(self):
-        """(shortest, longest) number of terminals a sentence of this grammar can have, exactly: every rule
-        and every start symbol has a positive probability, and children are strictly deeper (acyclic)."""
+        """Exact (shortest, longest) number of terminals of a sentence: every rule and start symbol
+        has positive probability, and children are strictly deeper (acyclic)."""
         N, low, high = self.num_nonterminals, {}, {}
         for a in sorted(range(N), key=lambda a: -self.depth[a]):       # the deepest first
-            sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in rhs] for rhs in self.rules[a]]
-            low[a] = 1 + min(sum(lo for lo, _ in rhs) for rhs in sizes)   # + 1: the head
+            sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in r] for r in self.rules[a]]
+            low[a] = 1 + min(sum(lo for lo, _ in rhs) for rhs in sizes)  # + 1: the head
             high[a] = 1 + max(sum(hi for _, hi in rhs) for rhs in sizes)
         return min(low.values()), max(high.values())
 
@@ -299,15 +284,14 @@ class PCFG:
         return "PCFG(" + ", ".join(f"{k}={v!r}" for k, v in self.params.items()) + ")"
 
     def _open(self, a, draw):
-        """A stack frame for one expansion of nonterminal a: [rhs, next index, head terminal, dependents]."""
+        """Stack frame of one expansion of a: [rhs, next index, head terminal, dependents]."""
         rhs = self.rules[a][_pick(self.rule_cum[a], draw())]
         return [rhs, 0, _pick(self.head_cum[a], draw()), []]
 
     def sample_sentence(self, draw, max_terminals=MAX_TERMINALS):
-        """One right-headed sentence -> (labels, parents, depth), or None if it grew past
-        max_terminals. labels: terminal indices; parents: position of each terminal's parent (-1 for the
-        root head); depth: dependency-tree depth (= deepest stack). Iterative, emits depth-first,
-        left to right, each constituent's head after its dependents so parents stand to the right."""
+        """One sentence -> (labels, parents, depth), or None past max_terminals. labels: terminal
+        indices; parents: each terminal's parent position (-1: the root head); depth: tree depth
+        (the deepest stack). Emits depth-first, left to right, each head after its dependents."""
         N = self.num_nonterminals
         labels, parents = [], []
         stack = [self._open(_pick(self.start_cum, draw()), draw)]
@@ -359,8 +343,9 @@ class PCFG:
 
 
 def eligible_queries(labels, parents, allowed=None):
-    """The queries a sentence allows: {parent position: [child positions]} over children that are the
-    rightmost instance of their label, have a parent, and (if given) pass allowed[parent label][child label]."""
+    """{parent position: [child positions]}, the queries a sentence allows: children that are the
+    rightmost of their label, have a parent and (if given) pass allowed[parent label][child label].
+    """
     rightmost = {lab: pos for pos, lab in enumerate(labels)}
     groups = {}
     for c in sorted(rightmost.values()):
@@ -388,11 +373,11 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`.
 
     Rejects sentences over max_terminals or under 3 terminals, and those without an eligible query.
-    Split: the (parent label, child label) matrix of held-out pairs (P = holdout) comes from its own
-    RNG stream seeded by grammar.seed alone, so it is a property of the language (the same for every
-    split and document seed), and the grammar is the same with or without a split. (The reference
-    draws it before the grammar, so its split language is a different PCFG: README, difference 3.) train/dev query only allowed pairs, test only held-out ones; contexts may contain anything.
-    As in make_ar the split name is mixed into the document seed, so use the same seed for all splits.
+    The (parent label, child label) matrix of held-out pairs (P = holdout) is seeded by grammar.seed
+    alone: a property of the language, the same for every split (the reference draws it before the
+    grammar, so its split language is another PCFG: README, difference 3). train/dev query only
+    allowed pairs, test only held-out ones; contexts may contain anything. As in make_ar, use the
+    same seed for all splits.
     """
     _check_common(n, split, holdout, seed)
     _check(max_terminals >= 3, "max_terminals",
@@ -409,12 +394,12 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     heldout, allowed = None, None
     if holdout > 0:
         hrng = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S))
-        heldout = hrng.random((S, S)) < holdout                  # (S, S): [parent label, child label]
+        heldout = hrng.random((S, S)) < holdout             # (S, S): [parent label, child label]
         allowed = (heldout if split == "test" else ~heldout).tolist()
         heldout = torch.from_numpy(heldout)
     draw = Uniforms(np.random.default_rng(_seed(seed, _DOCS, SPLITS[split])))
     docs, per_doc = [], dict(parents=[], depth=[], eligible=[])
-    misses = collections.Counter()                # why the sentences of the current streak were rejected
+    misses = collections.Counter()                # why the current streak's sentences were rejected
     while len(docs) < n:
         sent = grammar.sample_sentence(draw, max_terminals)
         groups = eligible_queries(*sent[:2], allowed) if sent is not None and len(sent[0]) >= 3 else None
@@ -454,9 +439,7 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
                                     grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
 
 
-# ----------------------------------------------------------------------------------------------
-# Summary statistics (the README's task section quotes them).
-# ----------------------------------------------------------------------------------------------
+# --- Summary statistics (the README's task section quotes them).
 
 def _summary(x):
     x = np.asarray(x, dtype=np.float64)
@@ -464,8 +447,8 @@ def _summary(x):
 
 
 def stats(dataset):
-    """Length, key-value distance and (ATR) tree shape of a dataset, as nested dicts of
-    mean/median/min/max. ATR lengths are also given in terminals (tokens - 5), the unit of max_terminals."""
+    """Length, key-value distance and (ATR) tree shape of a dataset: dicts of mean/median/min/max.
+    ATR lengths also in terminals (tokens - 5), the unit of max_terminals."""
     lengths = dataset.lengths.cpu().numpy()
     dist = (dataset.positions["value"] - dataset.positions["key"]).cpu().numpy()
     out = dict(n=len(dataset), length_tokens=_summary(lengths), kv_distance=_summary(dist),
