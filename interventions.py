@@ -1,7 +1,7 @@
-"""interventions.py: interchange interventions (activation patching) that show HOW a model solves recall.
+"""interventions.py: interchange interventions (activation patching): HOW a model solves recall.
 
-Follows "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105), Sec. 3-4:
-the clean / corrupted / patched runs and the attribution score of Sec. 3-4, the headline pair of
+Follows "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105): the
+clean / corrupted / patched runs and the attribution score of Sec. 3-4, the headline pair of
 Sec. 5 (the block input of layer 1 at the value and at the query), and the later version's Mamba
 follow-up (arXiv v3: layer 0's short-conv output at the token after the value). The reference runs
 them with pyvene (tinylang: experiment.py); here they are forward hooks on models.HookPoint sites.
@@ -11,8 +11,9 @@ One interchange intervention: the base run is the corrupted document (one token,
 queried key in context, replaced by another token of its class), the source is the clean document.
 At one (site, position) the whole activation vector is overwritten with the clean one, the rest of
 the forward pass is recomputed from the corrupted input, and the readout is the softmax probability
-of the clean answer at the query position. Attribution = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt):
-1 means the site restores the clean answer on its own, 0 means it carries nothing the answer needs.
+of the clean answer at the query position. Attribution = (P̄_patched − P̄_corrupt) /
+(P̄_clean − P̄_corrupt): 1 means the site restores the clean answer on its own, 0 that it
+carries nothing the answer needs.
 
 Verdict (thresholds below, as constants). The paper's pair is the block input of layer 1, i.e. the
 residual stream after layer 0, at `value` (induction: layer 0 wrote the association into the value
@@ -23,12 +24,10 @@ token) against at `query` (direct retrieval: the association is already computed
   * 1 layer: there is no layer-1 block input; both paths would end inside the same block, so the
     verdict is "n/a (1 layer)" and the mixer output of layer 0 at value/query is reported instead.
 
-Batching: for one site, the corrupted batch is stacked once per patched position (P copies along
-the batch dim); copy p patches position p. One forward per site, in chunks of CHUNK_ROWS rows. Two
-exact shortcuts: rows whose clean and corrupted vectors are bitwise equal are not run (the patch
-would change nothing), and the forward starts at the site's layer from the cached corrupted
-residual stream. The result equals one-position-at-a-time patching with a full forward
-(`interchange_reference`; test_all.py checks this for every arch and site).
+Batching: for one site, the corrupted batch is stacked once per patched position (copy p patches
+position p), one forward per site in chunks of CHUNK_ROWS rows, with two exact shortcuts (see
+interchange). It equals patching one position at a time with a full forward (interchange_reference;
+test_all.py checks this for every arch and site).
 
 Shape glossary: b batch, l sequence length, d d_model, e Mamba inner width, n state size,
 h heads, k head width, v vocab; here also P patched positions, N documents.
@@ -52,36 +51,31 @@ BLOCK_SITES = {  # name inside blocks.{i} -> table label, in forward order
     "hook_resid_post": "block_out",
 }
 
-# Verdict thresholds on the headline pair (block input of layer 1). The paper reads its scatter
-# plots qualitatively; these cut-offs turn that reading into a rule. Induction needs most of the
-# effect at the value token and more there than at the query; direct retrieval needs most of the
-# effect at the query and little at the value.
+# Verdict thresholds on the headline pair (block input of layer 1): the paper reads its scatter
+# plots qualitatively; these cut-offs turn that reading into a rule.
 INDUCTION_MIN_VALUE = 0.5    # Attrib@Value >= this, and > Attrib@Query -> "induction"
 DIRECT_MIN_QUERY = 0.5       # Attrib@Query >= this ...
 DIRECT_MAX_VALUE = 0.25      # ... and Attrib@Value < this -> "direct retrieval"
-LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt at or below this -> "no signal" (the paper's 0.01 filter)
+LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" (the paper's filter)
 CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l, e, n) scan tensors
                              # near the cache: 2x faster on CPU than one 1920-row batch (measured)
 
 
 def _check_threshold(threshold):
-    """threshold is a gap of probabilities: a number in [0, 1), else a one-line ValueError (a NaN would
-    silently make every verdict "mixed")."""
+    """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 <= threshold < 1:
         raise ValueError(f"threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt gap at or below which "
                          f"there is no signal); got {threshold!r}.")
 
 
 def _check_roles(name, roles, allowed):
-    """Each of roles must be in allowed, else a one-line ValueError naming the parameter and the choices."""
+    """Each of roles must be in allowed, else a ValueError naming the parameter and the choices."""
     for role in roles:
         if not isinstance(role, str) or role not in allowed:
             raise ValueError(f"{name} must be among {', '.join(allowed)}; got {role!r}.")
 
 
-# ----------------------------------------------------------------------------------------------
-# Sites: every HookPoint with a seq_dim, named as in model.named_modules()
-# ----------------------------------------------------------------------------------------------
+# --- Sites: every HookPoint with a seq_dim, named as in model.named_modules().
 
 def hook_points(model):
     """{name: HookPoint} for every patchable site (HookPoint with a seq_dim), in module order."""
@@ -104,8 +98,7 @@ def site_label(site):
 
 
 def default_sites(model):
-    """Block-level sites then the mixer's INTERNAL_SITES, layer by layer, skipping absent ones
-    (Mamba blocks have no MLP)."""
+    """Block-level sites then the mixer's INTERNAL_SITES, layer by layer, skipping absent ones."""
     available = hook_points(model)
     sites = []
     for i, block in enumerate(model.blocks):
@@ -116,17 +109,12 @@ def default_sites(model):
     return sites
 
 
-# ----------------------------------------------------------------------------------------------
-# Hooks as a context manager (hooks are global state: always remove them)
-# ----------------------------------------------------------------------------------------------
+# --- Hooks as a context manager (hooks are global state: always remove them).
 
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation) instead of its activation.
-
-    A forward hook that returns a tensor replaces the module's output. The hooks are removed in
-    `finally`, so an exception inside the patched forward leaves the model clean.
-    """
+    """Within the block, site s outputs edits[s](activation) instead of its activation (a forward
+    hook's returned tensor); the hooks are removed in `finally`, even after an exception."""
     modules = dict(model.named_modules())
     handles = []
     try:
@@ -142,8 +130,7 @@ def patch(model, edits):
 
 
 def _patched(site, out):
-    """What a patch function returned: it must be a tensor (a hook returning None would silently leave
-    the activation unchanged)."""
+    """A patch function's result: a tensor (a hook's None would leave the activation unchanged)."""
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"edits[{site!r}] must return the activation tensor to use; got {type(out).__name__}.")
     return out
@@ -166,8 +153,7 @@ def record(model, tokens, sites):
 
 
 def _answer_prob(logits, answers):
-    """Softmax probability of answers (b,) under logits (b, v), as float64: exp(z_y - logsumexp z),
-    without materialising the (b, v) softmax."""
+    """Softmax probability (float64) of answers (b,) under logits (b, v): exp(z_y - logsumexp z)."""
     log_norm = torch.logsumexp(logits, dim=-1)                                # (b,)
     return (logits.gather(1, answers[:, None])[:, 0] - log_norm).double().exp()
 
@@ -180,18 +166,15 @@ def answer_prob(model, tokens, answers, query, chunk_rows=CHUNK_ROWS):
                       for a in range(0, len(tokens), chunk_rows)])
 
 
-# ----------------------------------------------------------------------------------------------
-# Corruption: one token of each document replaced by another of its class
-# ----------------------------------------------------------------------------------------------
+# --- Corruption: one token of each document replaced by another of its class.
 
 def corrupt(dataset, role="key", seed=0, strict=False):
     """A corrupted copy of dataset.tokens (N, l): the token at positions[role] of each document is
     replaced by a uniformly drawn other token of the same class (dataset.classes[role], [lo, hi)).
 
     Same class: an AR value is replaced by a value (README, difference 1). strict=True also excludes
-    every token already in the document, so the corrupted key cannot point to another answer.
-    One draw per document; mechanism() reuses it for every site (README, difference 6: the paper re-drew
-    per site, so its sites compared different corrupted documents).
+    every token already in the document, so the corrupted key cannot point to another answer. One
+    draw per document, reused for every site (README, difference 6: the paper re-drew per site).
     """
     _check_roles("role", [role], tuple(dataset.classes))
     lo, hi = dataset.classes[role]
@@ -213,10 +196,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     return tokens
 
 
-# ----------------------------------------------------------------------------------------------
-# One interchange intervention, by definition: one site, one position, a plain loop.
-# Then its score (attribution) and what the headline pair of scores says (verdict).
-# ----------------------------------------------------------------------------------------------
+# --- One interchange intervention by definition, its score (attribution), the pair's verdict.
 
 @torch.no_grad()
 def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
@@ -238,10 +218,9 @@ def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answer
 
 
 def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
-    """Ratio of means over documents (as the paper's code computes it), not a mean of per-document ratios:
-        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt).
-    Inputs are per-document probabilities (N,). low_signal when the gap is <= threshold;
-    score is nan when the gap is exactly 0."""
+    """Ratio of means over documents (as the paper's code), not a mean of per-document ratios:
+        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt), on probabilities (N,).
+    low_signal when the gap is <= threshold; score is nan when the gap is exactly 0."""
     _check_threshold(threshold)
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
@@ -266,10 +245,7 @@ def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
     return "mixed", f"{pair}: neither rule applies"
 
 
-# ----------------------------------------------------------------------------------------------
-# The same, batched: every position of a site in one forward, from cached activations.
-# interchange() equals interchange_reference() for every site and position (test_all.py).
-# ----------------------------------------------------------------------------------------------
+# --- The same, batched: every position of a site in one forward, from cached activations.
 
 def _positions_view(act, seq_dim):
     """View of act with the position dim moved to dim 1: (b, ..., l, ...) -> (b, l, ...)."""
@@ -299,9 +275,9 @@ def gather_positions(model, tokens, sites, positions):
 
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
-    """Everything interchange() reuses across sites, from four forward passes: p_corrupt, the clean
-    and corrupted activations of every site at every patched position, and the corrupted run's
-    residual stream between blocks (resid[i] = input of block i, resid[L] = the last block's output)."""
+    """What interchange() reuses across sites, from four forwards: p_corrupt, the clean and
+    corrupted activations of every site at every patched position, and the corrupted residual stream
+    (resid[i] = input of block i, resid[L] = the last block's output)."""
     n_layers = len(model.blocks)
     stream = [f"blocks.{i}.hook_resid_pre" for i in range(n_layers)] + [f"blocks.{n_layers - 1}.hook_resid_post"]
     resid = record(model, corrupt_tokens, stream)
@@ -316,9 +292,8 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 def _start(site):
     """(layer to start the forward at, whether the site IS that layer's input residual).
 
-    The layers before the patched site see only the corrupted input, so the forward can start from
-    the cached corrupted residual stream. Block input i and block output i-1 are the same tensor
-    (the residual stream between them), so both are patched directly on the start tensor of layer i."""
+    The layers before the site see only the corrupted input, so the forward starts from the cached
+    corrupted residual stream; block input i and block output i-1 are both patched on its tensor."""
     layer = site_layer(site)
     if layer is None:
         return 0, False
@@ -330,8 +305,7 @@ def _start(site):
 
 
 def _forward_from(model, layer, resid, readout):
-    """Logits (b, v) at `readout` from the residual stream entering block `layer` (b, l, d); layer
-    may be L (only ln_f and the head left)."""
+    """Logits (b, v) at `readout` from the residual stream (b, l, d) entering block `layer`."""
     for block in model.blocks[layer:]:
         resid = block(resid)                                                 # (b, l, d)
     return model.logits(resid, readout)                                      # (b, v)
@@ -344,11 +318,9 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     clean run into the corrupted run. Returns {name: p_patched (N,)}, the probability of `answers`
     at `query`. cache: prepare(...) output covering this site (built here when None).
 
-    Stacking: row p*N + r is copy p of document r; its hook writes row r's clean vector at
-    positions[p][r]. Two shortcuts, both exact:
-      * rows whose clean vector equals the corrupted one bit for bit (e.g. layer-0 block input at
-        any position but the corrupted one) would patch nothing: they get p_corrupt, no forward;
-      * the forward starts at the site's layer from the cached corrupted residual stream (_start).
+    Row p*N + r is copy p of document r; its hook writes row r's clean vector at positions[p][r].
+    Two exact shortcuts: rows whose clean vector equals the corrupted one bit for bit would patch
+    nothing (p_corrupt, no forward), and the forward starts at the site's layer (_start).
     """
     model.eval()
     names = list(positions)
@@ -384,9 +356,7 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     return {name: probs[p] for p, name in enumerate(names)}
 
 
-# ----------------------------------------------------------------------------------------------
-# The whole table and the headline pair
-# ----------------------------------------------------------------------------------------------
+# --- The whole table and the headline pair.
 
 def _float(x):
     """JSON-safe float (nan -> None)."""
@@ -394,16 +364,14 @@ def _float(x):
 
 
 def headline_site(n_layers):
-    """The site of the paper's headline pair: the block input of layer 1 (= the residual stream after
-    layer 0); a one-layer model has none, so its layer-0 mixer output stands in."""
+    """The headline pair's site: the block input of layer 1 (the residual stream after layer 0); a
+    one-layer model has none, so its layer-0 mixer output stands in."""
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
 def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
     """The first n_docs documents on the model's device: (data, clean tokens, corrupted tokens,
-    answers, query positions). One corruption per document, drawn once (reused by every site).
-    No documents to patch (n_docs=0, an empty dataset) is a ValueError naming n_docs, not a failure
-    deep inside the batching."""
+    answers, query positions), one corruption per document (reused by every site)."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
     check_dataset(model, dataset)
@@ -419,9 +387,8 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
 @torch.no_grad()
 def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold=LOW_SIGNAL_GAP):
     """Only the headline pair, cheaply: Attrib@Key/Value/Query at headline_site on the first n_docs
-    documents, {"key", "value", "query", "gap", "low_signal"}. The same numbers mechanism() reports
-    for the same documents (same corruption, same batched patching); mechsm.train calls this at
-    every evaluation to show when the circuit forms."""
+    documents, {"key", "value", "query", "gap", "low_signal"}, as mechanism() reports them;
+    mechsm.train calls this at every evaluation to show when the circuit forms."""
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
@@ -504,8 +471,8 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
 
 
 def _summary(score, n_layers, low_signal, threshold):
-    """The headline pair and the verdict from the table's scores {(site, position): attribution}:
-    headline (2+ layers) or mixer_out (1 layer), verdict, verdict_reason, later_layers (3+ layers)."""
+    """From the scores {(site, position): attribution}: headline (2+ layers) or mixer_out (1 layer),
+    verdict, verdict_reason, later_layers (3+ layers)."""
     head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
     out = {}
     if n_layers > 1:
@@ -526,9 +493,7 @@ def _summary(score, n_layers, low_signal, threshold):
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Output: the terminal heatmap (the PNG figures are run.py's)
-# ----------------------------------------------------------------------------------------------
+# --- Output: the terminal heatmap (the PNG figures are run.py's).
 
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour
 
