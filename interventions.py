@@ -63,9 +63,9 @@ CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l
 
 def _check_threshold(threshold):
     """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 <= threshold < 1:
-        raise ValueError(f"threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt gap at or below which "
-                         f"there is no signal); got {threshold!r}.")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
+                         f"gap at or below which there is no signal); got {threshold!r}.")
 
 
 def _check_roles(name, roles, allowed):
@@ -102,10 +102,8 @@ def default_sites(model):
     available = hook_points(model)
     sites = []
     for i, block in enumerate(model.blocks):
-        internal = ["mixer." + name for name in type(block.mixer).INTERNAL_SITES]
-        for inner in list(BLOCK_SITES) + internal:
-            if f"blocks.{i}.{inner}" in available:
-                sites.append(f"blocks.{i}.{inner}")
+        inner = [*BLOCK_SITES, *("mixer." + name for name in type(block.mixer).INTERNAL_SITES)]
+        sites += [f"blocks.{i}.{s}" for s in inner if f"blocks.{i}.{s}" in available]
     return sites
 
 
@@ -278,8 +276,8 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
     """What interchange() reuses across sites, from four forwards: p_corrupt, the clean and
     corrupted activations of every site at every patched position, and the corrupted residual stream
     (resid[i] = input of block i, resid[L] = the last block's output)."""
-    n_layers = len(model.blocks)
-    stream = [f"blocks.{i}.hook_resid_pre" for i in range(n_layers)] + [f"blocks.{n_layers - 1}.hook_resid_post"]
+    L = len(model.blocks)
+    stream = [f"blocks.{i}.hook_resid_pre" for i in range(L)] + [f"blocks.{L - 1}.hook_resid_post"]
     resid = record(model, corrupt_tokens, stream)
     return {
         "p_corrupt": answer_prob(model, corrupt_tokens, answers, query),
@@ -335,23 +333,21 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     doc = todo % N                                                           # their documents
     todo_pos = torch.cat([positions[name] for name in names])[todo]          # (K,)
     todo_clean = clean.flatten(0, 1)[todo]                                   # (K, ...)
-    chunk = {}  # the rows of the current chunk, read by restore
+    chunk = {}  # "k": the current chunk, a slice of todo, read by restore
 
     def restore(act):
         out = act.clone()  # never write into a tensor the model may reuse elsewhere
-        rows = torch.arange(out.shape[0], device=out.device)
-        a, b = chunk["a"], chunk["b"]
-        _positions_view(out, seq_dim)[rows, todo_pos[a:b]] = todo_clean[a:b].to(out.dtype)
+        rows, k = torch.arange(out.shape[0], device=out.device), chunk["k"]
+        _positions_view(out, seq_dim)[rows, todo_pos[k]] = todo_clean[k].to(out.dtype)
         return out
 
     probs = cache["p_corrupt"].repeat(P)                                     # (P*N,)
     with patch(model, {} if on_residual else {site: restore}):
         for a in range(0, len(todo), chunk_rows):
-            chunk["a"], chunk["b"] = a, min(a + chunk_rows, len(todo))
-            rows = doc[a:a + chunk_rows]
-            start = cache["resid"][layer][rows]                              # (b, l, d)
-            logits = _forward_from(model, layer, restore(start) if on_residual else start, query[rows])
-            probs[todo[a:a + chunk_rows]] = _answer_prob(logits, answers[rows])
+            k = chunk["k"] = slice(a, a + chunk_rows)
+            start = cache["resid"][layer][doc[k]]                            # (b, l, d)
+            logits = _forward_from(model, layer, restore(start) if on_residual else start, query[doc[k]])
+            probs[todo[k]] = _answer_prob(logits, answers[doc[k]])
     probs = probs.view(P, N)
     return {name: probs[p] for p, name in enumerate(names)}
 
@@ -379,9 +375,8 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
         raise ValueError("dataset has no documents to patch (n_docs needs at least one).")
     device = next(model.parameters()).device
     data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
-    clean_tokens = data.tokens.to(device)
-    corrupt_tokens = corrupt(data, corrupt_role, seed, strict).to(device)
-    return data, clean_tokens, corrupt_tokens, data.answers.to(device), data.positions["query"].to(device)
+    clean, corrupted = data.tokens.to(device), corrupt(data, corrupt_role, seed, strict).to(device)
+    return data, clean, corrupted, data.answers.to(device), data.positions["query"].to(device)
 
 
 @torch.no_grad()
@@ -392,17 +387,16 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,
-                                                                    seed, False)
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, False)
     site = headline_site(len(model.blocks))
-    pos = {name: data.positions[name].to(clean_tokens.device) for name in ("key", "value", "query")}
-    p_clean = answer_prob(model, clean_tokens, answers, query)
-    cache = prepare(model, clean_tokens, corrupt_tokens, [site], pos, answers, query)
-    p_patched = interchange(model, clean_tokens, corrupt_tokens, site, pos, answers, query, cache=cache)
+    pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
+    p_clean = answer_prob(model, clean, answers, query)
+    cache = prepare(model, clean, corrupted, [site], pos, answers, query)
+    patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
     model.train(was_training)
-    scores = {name: attribution(p_clean, cache["p_corrupt"], p, threshold) for name, p in p_patched.items()}
+    scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
     gap = scores["key"]["gap"]
-    return {**{name: _float(a["score"]) for name, a in scores.items()}, "gap": gap, "low_signal": gap <= threshold}
+    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": gap, "low_signal": gap <= threshold}
 
 
 @torch.no_grad()
@@ -425,29 +419,28 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
                          f"{', '.join(default_sites(model)[:3])}, ...); got {unknown[0]!r}.")
     model.eval()
     device = next(model.parameters()).device
-    data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,
-                                                                    seed, strict)
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
     pos = {name: data.positions[name].to(device) for name in positions}
     n_layers = len(model.blocks)
 
     # Sites the summary needs are always measured, even when the caller asked for fewer.
-    head_site = headline_site(n_layers)
-    reads = {name: (f"blocks.0.mixer.{hook}", p) for name, (hook, p) in getattr(model.blocks[0].mixer, "READS", {}).items()}
-    extra = [head_site] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)] + [s for s, _ in reads.values()]
+    reads = getattr(model.blocks[0].mixer, "READS", {})   # {name: (hook, position)}
+    reads = {name: (f"blocks.0.mixer.{hook}", p) for name, (hook, p) in reads.items()}
+    extra = [headline_site(n_layers)] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
     sites = list(sites if sites is not None else default_sites(model))
-    sites += [s for s in extra if s not in sites]
+    sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
     for name in ("key", "value", "query", *(p for _, p in reads.values())):
         pos.setdefault(name, data.positions[name].to(device))
 
-    p_clean = answer_prob(model, clean_tokens, answers, query, chunk_rows)
-    cache = prepare(model, clean_tokens, corrupt_tokens, sites, pos, answers, query)
+    p_clean = answer_prob(model, clean, answers, query, chunk_rows)
+    cache = prepare(model, clean, corrupted, sites, pos, answers, query)
     p_corrupt = cache["p_corrupt"]
     base = attribution(p_clean, p_corrupt, p_clean, threshold)
 
     rows, score = [], {}
     for site in sites:
-        p_patched = interchange(model, clean_tokens, corrupt_tokens, site, pos, answers, query,
-                                cache=cache, chunk_rows=chunk_rows)
+        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache,
+                                chunk_rows=chunk_rows)
         row = {"site": site, "label": site_label(site), "layer": site_layer(site),
                "scores": {}, "p_patched": {}}
         for name, p in p_patched.items():
@@ -477,13 +470,10 @@ def _summary(score, n_layers, low_signal, threshold):
     out = {}
     if n_layers > 1:
         out["headline"] = head
-        out["verdict"], out["verdict_reason"] = verdict(
-            head["value"] if head["value"] is not None else float("nan"),
-            head["query"] if head["query"] is not None else float("nan"), low_signal, threshold)
-        out["later_layers"] = {
-            f"blocks.{i}.hook_resid_pre": {n: score[f"blocks.{i}.hook_resid_pre", n]
-                                           for n in ("value", "query")}
-            for i in range(2, n_layers)}
+        value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
+        out["verdict"], out["verdict_reason"] = verdict(value, query, low_signal, threshold)
+        later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
+        out["later_layers"] = {s: {k: score[s, k] for k in ("value", "query")} for s in later}
     else:
         out["headline"] = None
         out["mixer_out"] = head
@@ -516,16 +506,14 @@ def render_heatmap(result, *, sites=None):
              f"{result['p_corrupt']:.3f}  gap {result['gap']:.3f}"
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
+    pct = lambda x: "--" if x is None else round(100 * x)
     for name, r in zip(names, rows):
-        cells = []
-        for p in positions:
-            x = r["scores"].get(p)
-            cells.append(f"{'--' if x is None else round(100 * x):>7} {_shade(x)}")
-        lines.append(f"{name:<{width}}" + "".join(cells))
+        xs = [r["scores"].get(p) for p in positions]
+        lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {_shade(x)}" for x in xs))
     if result.get("headline"):
         lines.append("headline, L1 block_in: " + "  ".join(
-            f"{k} {'--' if v is None else round(100 * v)}" for k, v in result["headline"].items()))
+            f"{k} {pct(v)}" for k, v in result["headline"].items()))
     lines.append(f"verdict: {result['verdict']} ({result['verdict_reason']})")
     for name, x in (result.get("extra") or {}).items():
-        lines.append(f"{name} (layer 0): {'--' if x is None else round(100 * x)}")          # as the cells
+        lines.append(f"{name} (layer 0): {pct(x)}")
     return "\n".join(lines)
