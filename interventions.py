@@ -303,7 +303,7 @@ def _start(site):
 
 
 def _forward_from(model, layer, resid, readout):
-    """Logits (b, v) at `readout` from the residual stream (b, l, d) entering block `layer`."""
+    """Logits (b, v) at `readout` from the residual stream (b, l, d) into block `layer` (<= L)."""
     for block in model.blocks[layer:]:
         resid = block(resid)                                                 # (b, l, d)
     return model.logits(resid, readout)                                      # (b, v)
