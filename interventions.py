@@ -1,7 +1,7 @@
-"""interventions.py: interchange interventions (activation patching) that show HOW a model solves recall.
+"""interventions.py: interchange interventions (activation patching): HOW a model solves recall.
 
-Follows "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105), Sec. 3-4:
-the clean / corrupted / patched runs and the attribution score of Sec. 3-4, the headline pair of
+Follows "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105): the
+clean / corrupted / patched runs and the attribution score of Sec. 3-4, the headline pair of
 Sec. 5 (the block input of layer 1 at the value and at the query), and the later version's Mamba
 follow-up (arXiv v3: layer 0's short-conv output at the token after the value). The reference runs
 them with pyvene (tinylang: experiment.py); here they are forward hooks on models.HookPoint sites.
@@ -11,8 +11,9 @@ One interchange intervention: the base run is the corrupted document (one token,
 queried key in context, replaced by another token of its class), the source is the clean document.
 At one (site, position) the whole activation vector is overwritten with the clean one, the rest of
 the forward pass is recomputed from the corrupted input, and the readout is the softmax probability
-of the clean answer at the query position. Attribution = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt):
-1 means the site restores the clean answer on its own, 0 means it carries nothing the answer needs.
+of the clean answer at the query position. Attribution = (P̄_patched − P̄_corrupt) /
+(P̄_clean − P̄_corrupt): 1 means the site restores the clean answer on its own, 0 that it
+carries nothing the answer needs.
 
 Verdict (thresholds below, as constants). The paper's pair is the block input of layer 1, i.e. the
 residual stream after layer 0, at `value` (induction: layer 0 wrote the association into the value
@@ -23,12 +24,10 @@ token) against at `query` (direct retrieval: the association is already computed
   * 1 layer: there is no layer-1 block input; both paths would end inside the same block, so the
     verdict is "n/a (1 layer)" and the mixer output of layer 0 at value/query is reported instead.
 
-Batching: for one site, the corrupted batch is stacked once per patched position (P copies along
-the batch dim); copy p patches position p. One forward per site, in chunks of CHUNK_ROWS rows. Two
-exact shortcuts: rows whose clean and corrupted vectors are bitwise equal are not run (the patch
-would change nothing), and the forward starts at the site's layer from the cached corrupted
-residual stream. The result equals one-position-at-a-time patching with a full forward
-(`interchange_reference`; test_all.py checks this for every arch and site).
+Batching: for one site, the corrupted batch is stacked once per patched position (copy p patches
+position p), one forward per site in chunks of CHUNK_ROWS rows, with two exact shortcuts (see
+interchange). It equals patching one position at a time with a full forward (interchange_reference;
+test_all.py checks this for every arch and site).
 
 Shape glossary: b batch, l sequence length, d d_model, e Mamba inner width, n state size,
 h heads, k head width, v vocab; here also P patched positions, N documents.
@@ -52,36 +51,31 @@ BLOCK_SITES = {  # name inside blocks.{i} -> table label, in forward order
     "hook_resid_post": "block_out",
 }
 
-# Verdict thresholds on the headline pair (block input of layer 1). The paper reads its scatter
-# plots qualitatively; these cut-offs turn that reading into a rule. Induction needs most of the
-# effect at the value token and more there than at the query; direct retrieval needs most of the
-# effect at the query and little at the value.
+# Verdict thresholds on the headline pair (block input of layer 1): the paper reads its scatter
+# plots qualitatively; these cut-offs turn that reading into a rule.
 INDUCTION_MIN_VALUE = 0.5    # Attrib@Value >= this, and > Attrib@Query -> "induction"
 DIRECT_MIN_QUERY = 0.5       # Attrib@Query >= this ...
 DIRECT_MAX_VALUE = 0.25      # ... and Attrib@Value < this -> "direct retrieval"
-LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt at or below this -> "no signal" (the paper's 0.01 filter)
+LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" (the paper's filter)
 CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l, e, n) scan tensors
                              # near the cache: 2x faster on CPU than one 1920-row batch (measured)
 
 
 def _check_threshold(threshold):
-    """threshold is a gap of probabilities: a number in [0, 1), else a one-line ValueError (a NaN would
-    silently make every verdict "mixed")."""
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not 0 <= threshold < 1:
-        raise ValueError(f"threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt gap at or below which "
-                         f"there is no signal); got {threshold!r}.")
+    """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+        raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
+                         f"gap at or below which there is no signal); got {threshold!r}.")
 
 
 def _check_roles(name, roles, allowed):
-    """Each of roles must be in allowed, else a one-line ValueError naming the parameter and the choices."""
+    """Each of roles must be in allowed, else a ValueError naming the parameter and the choices."""
     for role in roles:
         if not isinstance(role, str) or role not in allowed:
             raise ValueError(f"{name} must be among {', '.join(allowed)}; got {role!r}.")
 
 
-# ----------------------------------------------------------------------------------------------
-# Sites: every HookPoint with a seq_dim, named as in model.named_modules()
-# ----------------------------------------------------------------------------------------------
+# --- Sites: every HookPoint with a seq_dim, named as in model.named_modules().
 
 def hook_points(model):
     """{name: HookPoint} for every patchable site (HookPoint with a seq_dim), in module order."""
@@ -104,29 +98,21 @@ def site_label(site):
 
 
 def default_sites(model):
-    """Block-level sites then the mixer's INTERNAL_SITES, layer by layer, skipping absent ones
-    (Mamba blocks have no MLP)."""
+    """Block-level sites then the mixer's INTERNAL_SITES, layer by layer, skipping absent ones."""
     available = hook_points(model)
     sites = []
     for i, block in enumerate(model.blocks):
-        internal = ["mixer." + name for name in type(block.mixer).INTERNAL_SITES]
-        for inner in list(BLOCK_SITES) + internal:
-            if f"blocks.{i}.{inner}" in available:
-                sites.append(f"blocks.{i}.{inner}")
+        inner = [*BLOCK_SITES, *("mixer." + name for name in type(block.mixer).INTERNAL_SITES)]
+        sites += [f"blocks.{i}.{s}" for s in inner if f"blocks.{i}.{s}" in available]
     return sites
 
 
-# ----------------------------------------------------------------------------------------------
-# Hooks as a context manager (hooks are global state: always remove them)
-# ----------------------------------------------------------------------------------------------
+# --- Hooks as a context manager (hooks are global state: always remove them).
 
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation) instead of its activation.
-
-    A forward hook that returns a tensor replaces the module's output. The hooks are removed in
-    `finally`, so an exception inside the patched forward leaves the model clean.
-    """
+    """Within the block, site s outputs edits[s](activation) instead of its activation (a forward
+    hook's returned tensor); the hooks are removed in `finally`, even after an exception."""
     modules = dict(model.named_modules())
     handles = []
     try:
@@ -142,8 +128,7 @@ def patch(model, edits):
 
 
 def _patched(site, out):
-    """What a patch function returned: it must be a tensor (a hook returning None would silently leave
-    the activation unchanged)."""
+    """A patch function's result: a tensor (a hook's None would leave the activation unchanged)."""
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"edits[{site!r}] must return the activation tensor to use; got {type(out).__name__}.")
     return out
@@ -166,8 +151,7 @@ def record(model, tokens, sites):
 
 
 def _answer_prob(logits, answers):
-    """Softmax probability of answers (b,) under logits (b, v), as float64: exp(z_y - logsumexp z),
-    without materialising the (b, v) softmax."""
+    """Softmax probability (float64) of answers (b,) under logits (b, v): exp(z_y - logsumexp z)."""
     log_norm = torch.logsumexp(logits, dim=-1)                                # (b,)
     return (logits.gather(1, answers[:, None])[:, 0] - log_norm).double().exp()
 
@@ -180,18 +164,15 @@ def answer_prob(model, tokens, answers, query, chunk_rows=CHUNK_ROWS):
                       for a in range(0, len(tokens), chunk_rows)])
 
 
-# ----------------------------------------------------------------------------------------------
-# Corruption: one token of each document replaced by another of its class
-# ----------------------------------------------------------------------------------------------
+# --- Corruption: one token of each document replaced by another of its class.
 
 def corrupt(dataset, role="key", seed=0, strict=False):
     """A corrupted copy of dataset.tokens (N, l): the token at positions[role] of each document is
     replaced by a uniformly drawn other token of the same class (dataset.classes[role], [lo, hi)).
 
     Same class: an AR value is replaced by a value (README, difference 1). strict=True also excludes
-    every token already in the document, so the corrupted key cannot point to another answer.
-    One draw per document; mechanism() reuses it for every site (README, difference 6: the paper re-drew
-    per site, so its sites compared different corrupted documents).
+    every token already in the document, so the corrupted key cannot point to another answer. One
+    draw per document, reused for every site (README, difference 6: the paper re-drew per site).
     """
     _check_roles("role", [role], tuple(dataset.classes))
     lo, hi = dataset.classes[role]
@@ -213,10 +194,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     return tokens
 
 
-# ----------------------------------------------------------------------------------------------
-# One interchange intervention, by definition: one site, one position, a plain loop.
-# Then its score (attribution) and what the headline pair of scores says (verdict).
-# ----------------------------------------------------------------------------------------------
+# --- One interchange intervention by definition, its score (attribution), the pair's verdict.
 
 @torch.no_grad()
 def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
@@ -238,10 +216,9 @@ def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answer
 
 
 def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
-    """Ratio of means over documents (as the paper's code computes it), not a mean of per-document ratios:
-        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt).
-    Inputs are per-document probabilities (N,). low_signal when the gap is <= threshold;
-    score is nan when the gap is exactly 0."""
+    """Ratio of means over documents (as the paper's code), not a mean of per-document ratios:
+        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt), on probabilities (N,).
+    low_signal when the gap is <= threshold; score is nan when the gap is exactly 0."""
     _check_threshold(threshold)
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
@@ -266,10 +243,7 @@ def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
     return "mixed", f"{pair}: neither rule applies"
 
 
-# ----------------------------------------------------------------------------------------------
-# The same, batched: every position of a site in one forward, from cached activations.
-# interchange() equals interchange_reference() for every site and position (test_all.py).
-# ----------------------------------------------------------------------------------------------
+# --- The same, batched: every position of a site in one forward, from cached activations.
 
 def _positions_view(act, seq_dim):
     """View of act with the position dim moved to dim 1: (b, ..., l, ...) -> (b, l, ...)."""
@@ -299,11 +273,11 @@ def gather_positions(model, tokens, sites, positions):
 
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
-    """Everything interchange() reuses across sites, from four forward passes: p_corrupt, the clean
-    and corrupted activations of every site at every patched position, and the corrupted run's
-    residual stream between blocks (resid[i] = input of block i, resid[L] = the last block's output)."""
-    n_layers = len(model.blocks)
-    stream = [f"blocks.{i}.hook_resid_pre" for i in range(n_layers)] + [f"blocks.{n_layers - 1}.hook_resid_post"]
+    """What interchange() reuses across sites, from four forwards: p_corrupt, the clean and
+    corrupted activations of every site at every patched position, and the corrupted residual stream
+    (resid[i] = input of block i, resid[L] = the last block's output)."""
+    L = len(model.blocks)
+    stream = [f"blocks.{i}.hook_resid_pre" for i in range(L)] + [f"blocks.{L - 1}.hook_resid_post"]
     resid = record(model, corrupt_tokens, stream)
     return {
         "p_corrupt": answer_prob(model, corrupt_tokens, answers, query),
@@ -316,9 +290,8 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 def _start(site):
     """(layer to start the forward at, whether the site IS that layer's input residual).
 
-    The layers before the patched site see only the corrupted input, so the forward can start from
-    the cached corrupted residual stream. Block input i and block output i-1 are the same tensor
-    (the residual stream between them), so both are patched directly on the start tensor of layer i."""
+    The layers before the site see only the corrupted input, so the forward starts from the cached
+    corrupted residual stream; block input i and block output i-1 are both patched on its tensor."""
     layer = site_layer(site)
     if layer is None:
         return 0, False
@@ -330,8 +303,7 @@ def _start(site):
 
 
 def _forward_from(model, layer, resid, readout):
-    """Logits (b, v) at `readout` from the residual stream entering block `layer` (b, l, d); layer
-    may be L (only ln_f and the head left)."""
+    """Logits (b, v) at `readout` from the residual stream (b, l, d) into block `layer` (<= L)."""
     for block in model.blocks[layer:]:
         resid = block(resid)                                                 # (b, l, d)
     return model.logits(resid, readout)                                      # (b, v)
@@ -344,11 +316,9 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     clean run into the corrupted run. Returns {name: p_patched (N,)}, the probability of `answers`
     at `query`. cache: prepare(...) output covering this site (built here when None).
 
-    Stacking: row p*N + r is copy p of document r; its hook writes row r's clean vector at
-    positions[p][r]. Two shortcuts, both exact:
-      * rows whose clean vector equals the corrupted one bit for bit (e.g. layer-0 block input at
-        any position but the corrupted one) would patch nothing: they get p_corrupt, no forward;
-      * the forward starts at the site's layer from the cached corrupted residual stream (_start).
+    Row p*N + r is copy p of document r; its hook writes row r's clean vector at positions[p][r].
+    Two exact shortcuts: rows whose clean vector equals the corrupted one bit for bit would patch
+    nothing (p_corrupt, no forward), and the forward starts at the site's layer (_start).
     """
     model.eval()
     names = list(positions)
@@ -363,30 +333,26 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     doc = todo % N                                                           # their documents
     todo_pos = torch.cat([positions[name] for name in names])[todo]          # (K,)
     todo_clean = clean.flatten(0, 1)[todo]                                   # (K, ...)
-    chunk = {}  # the rows of the current chunk, read by restore
+    chunk = {}  # "k": the current chunk, a slice of todo, read by restore
 
     def restore(act):
         out = act.clone()  # never write into a tensor the model may reuse elsewhere
-        rows = torch.arange(out.shape[0], device=out.device)
-        a, b = chunk["a"], chunk["b"]
-        _positions_view(out, seq_dim)[rows, todo_pos[a:b]] = todo_clean[a:b].to(out.dtype)
+        rows, k = torch.arange(out.shape[0], device=out.device), chunk["k"]
+        _positions_view(out, seq_dim)[rows, todo_pos[k]] = todo_clean[k].to(out.dtype)
         return out
 
     probs = cache["p_corrupt"].repeat(P)                                     # (P*N,)
     with patch(model, {} if on_residual else {site: restore}):
         for a in range(0, len(todo), chunk_rows):
-            chunk["a"], chunk["b"] = a, min(a + chunk_rows, len(todo))
-            rows = doc[a:a + chunk_rows]
-            start = cache["resid"][layer][rows]                              # (b, l, d)
-            logits = _forward_from(model, layer, restore(start) if on_residual else start, query[rows])
-            probs[todo[a:a + chunk_rows]] = _answer_prob(logits, answers[rows])
+            k = chunk["k"] = slice(a, a + chunk_rows)
+            start = cache["resid"][layer][doc[k]]                            # (b, l, d)
+            logits = _forward_from(model, layer, restore(start) if on_residual else start, query[doc[k]])
+            probs[todo[k]] = _answer_prob(logits, answers[doc[k]])
     probs = probs.view(P, N)
     return {name: probs[p] for p, name in enumerate(names)}
 
 
-# ----------------------------------------------------------------------------------------------
-# The whole table and the headline pair
-# ----------------------------------------------------------------------------------------------
+# --- The whole table and the headline pair.
 
 def _float(x):
     """JSON-safe float (nan -> None)."""
@@ -394,16 +360,14 @@ def _float(x):
 
 
 def headline_site(n_layers):
-    """The site of the paper's headline pair: the block input of layer 1 (= the residual stream after
-    layer 0); a one-layer model has none, so its layer-0 mixer output stands in."""
+    """The headline pair's site: the block input of layer 1 (the residual stream after layer 0); a
+    one-layer model has none, so its layer-0 mixer output stands in."""
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
 def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
     """The first n_docs documents on the model's device: (data, clean tokens, corrupted tokens,
-    answers, query positions). One corruption per document, drawn once (reused by every site).
-    No documents to patch (n_docs=0, an empty dataset) is a ValueError naming n_docs, not a failure
-    deep inside the batching."""
+    answers, query positions), one corruption per document (reused by every site)."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
     check_dataset(model, dataset)
@@ -411,31 +375,28 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
         raise ValueError("dataset has no documents to patch (n_docs needs at least one).")
     device = next(model.parameters()).device
     data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
-    clean_tokens = data.tokens.to(device)
-    corrupt_tokens = corrupt(data, corrupt_role, seed, strict).to(device)
-    return data, clean_tokens, corrupt_tokens, data.answers.to(device), data.positions["query"].to(device)
+    clean, corrupted = data.tokens.to(device), corrupt(data, corrupt_role, seed, strict).to(device)
+    return data, clean, corrupted, data.answers.to(device), data.positions["query"].to(device)
 
 
 @torch.no_grad()
 def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold=LOW_SIGNAL_GAP):
     """Only the headline pair, cheaply: Attrib@Key/Value/Query at headline_site on the first n_docs
-    documents, {"key", "value", "query", "gap", "low_signal"}. The same numbers mechanism() reports
-    for the same documents (same corruption, same batched patching); mechsm.train calls this at
-    every evaluation to show when the circuit forms."""
+    documents, {"key", "value", "query", "gap", "low_signal"}, as mechanism() reports them;
+    mechsm.train calls this at every evaluation to show when the circuit forms."""
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,
-                                                                    seed, False)
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, False)
     site = headline_site(len(model.blocks))
-    pos = {name: data.positions[name].to(clean_tokens.device) for name in ("key", "value", "query")}
-    p_clean = answer_prob(model, clean_tokens, answers, query)
-    cache = prepare(model, clean_tokens, corrupt_tokens, [site], pos, answers, query)
-    p_patched = interchange(model, clean_tokens, corrupt_tokens, site, pos, answers, query, cache=cache)
+    pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
+    p_clean = answer_prob(model, clean, answers, query)
+    cache = prepare(model, clean, corrupted, [site], pos, answers, query)
+    patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
     model.train(was_training)
-    scores = {name: attribution(p_clean, cache["p_corrupt"], p, threshold) for name, p in p_patched.items()}
+    scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
     gap = scores["key"]["gap"]
-    return {**{name: _float(a["score"]) for name, a in scores.items()}, "gap": gap, "low_signal": gap <= threshold}
+    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": gap, "low_signal": gap <= threshold}
 
 
 @torch.no_grad()
@@ -458,29 +419,28 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
                          f"{', '.join(default_sites(model)[:3])}, ...); got {unknown[0]!r}.")
     model.eval()
     device = next(model.parameters()).device
-    data, clean_tokens, corrupt_tokens, answers, query = _documents(model, dataset, n_docs, corrupt_role,
-                                                                    seed, strict)
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
     pos = {name: data.positions[name].to(device) for name in positions}
     n_layers = len(model.blocks)
 
     # Sites the summary needs are always measured, even when the caller asked for fewer.
-    head_site = headline_site(n_layers)
-    reads = {name: (f"blocks.0.mixer.{hook}", p) for name, (hook, p) in getattr(model.blocks[0].mixer, "READS", {}).items()}
-    extra = [head_site] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)] + [s for s, _ in reads.values()]
+    reads = getattr(model.blocks[0].mixer, "READS", {})   # {name: (hook, position)}
+    reads = {name: (f"blocks.0.mixer.{hook}", p) for name, (hook, p) in reads.items()}
+    extra = [headline_site(n_layers)] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
     sites = list(sites if sites is not None else default_sites(model))
-    sites += [s for s in extra if s not in sites]
+    sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
     for name in ("key", "value", "query", *(p for _, p in reads.values())):
         pos.setdefault(name, data.positions[name].to(device))
 
-    p_clean = answer_prob(model, clean_tokens, answers, query, chunk_rows)
-    cache = prepare(model, clean_tokens, corrupt_tokens, sites, pos, answers, query)
+    p_clean = answer_prob(model, clean, answers, query, chunk_rows)
+    cache = prepare(model, clean, corrupted, sites, pos, answers, query)
     p_corrupt = cache["p_corrupt"]
     base = attribution(p_clean, p_corrupt, p_clean, threshold)
 
     rows, score = [], {}
     for site in sites:
-        p_patched = interchange(model, clean_tokens, corrupt_tokens, site, pos, answers, query,
-                                cache=cache, chunk_rows=chunk_rows)
+        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache,
+                                chunk_rows=chunk_rows)
         row = {"site": site, "label": site_label(site), "layer": site_layer(site),
                "scores": {}, "p_patched": {}}
         for name, p in p_patched.items():
@@ -504,19 +464,16 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
 
 
 def _summary(score, n_layers, low_signal, threshold):
-    """The headline pair and the verdict from the table's scores {(site, position): attribution}:
-    headline (2+ layers) or mixer_out (1 layer), verdict, verdict_reason, later_layers (3+ layers)."""
+    """From the scores {(site, position): attribution}: headline (2+ layers) or mixer_out (1 layer),
+    verdict, verdict_reason, later_layers (3+ layers)."""
     head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
     out = {}
     if n_layers > 1:
         out["headline"] = head
-        out["verdict"], out["verdict_reason"] = verdict(
-            head["value"] if head["value"] is not None else float("nan"),
-            head["query"] if head["query"] is not None else float("nan"), low_signal, threshold)
-        out["later_layers"] = {
-            f"blocks.{i}.hook_resid_pre": {n: score[f"blocks.{i}.hook_resid_pre", n]
-                                           for n in ("value", "query")}
-            for i in range(2, n_layers)}
+        value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
+        out["verdict"], out["verdict_reason"] = verdict(value, query, low_signal, threshold)
+        later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
+        out["later_layers"] = {s: {k: score[s, k] for k in ("value", "query")} for s in later}
     else:
         out["headline"] = None
         out["mixer_out"] = head
@@ -526,9 +483,7 @@ def _summary(score, n_layers, low_signal, threshold):
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Output: the terminal heatmap (the PNG figures are run.py's)
-# ----------------------------------------------------------------------------------------------
+# --- Output: the terminal heatmap (the PNG figures are run.py's).
 
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour
 
@@ -551,16 +506,14 @@ def render_heatmap(result, *, sites=None):
              f"{result['p_corrupt']:.3f}  gap {result['gap']:.3f}"
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
+    pct = lambda x: "--" if x is None else round(100 * x)
     for name, r in zip(names, rows):
-        cells = []
-        for p in positions:
-            x = r["scores"].get(p)
-            cells.append(f"{'--' if x is None else round(100 * x):>7} {_shade(x)}")
-        lines.append(f"{name:<{width}}" + "".join(cells))
+        xs = [r["scores"].get(p) for p in positions]
+        lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {_shade(x)}" for x in xs))
     if result.get("headline"):
         lines.append("headline, L1 block_in: " + "  ".join(
-            f"{k} {'--' if v is None else round(100 * v)}" for k, v in result["headline"].items()))
+            f"{k} {pct(v)}" for k, v in result["headline"].items()))
     lines.append(f"verdict: {result['verdict']} ({result['verdict_reason']})")
     for name, x in (result.get("extra") or {}).items():
-        lines.append(f"{name} (layer 0): {'--' if x is None else round(100 * x)}")          # as the cells
+        lines.append(f"{name} (layer 0): {pct(x)}")
     return "\n".join(lines)

@@ -1,14 +1,12 @@
-"""tasks.py: the two synthetic retrieval tasks, Associative Recall (AR) and Associative Treecall (ATR).
+"""tasks.py: the two retrieval tasks, Associative Recall (AR) and Associative Treecall (ATR).
 
-Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 3 (the tasks) and Sec. 5.3 (held-out pairs), and the reference generators
-of tinylang (github.com/aryamanarora/tinylang: tinylang/language/ar.py for AR and
-tinylang/language/pcfg.py for the PCFG), whose conventions are kept: PAD 0, BOS 1, EOS 2, content
-ids from 3, one query per document. Two of the reference's bugs are fixed here (README, differences
-2 and 3).
+Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
+2505.15105), Sec. 3 (the tasks) and Sec. 5.3 (held-out pairs), and tinylang's generators
+(github.com/aryamanarora/tinylang: language/ar.py, language/pcfg.py) with their conventions: PAD 0,
+BOS 1, EOS 2, content ids from 3, one query per document; two bugs fixed (README, differences 2, 3).
 
-Every document is  BOS <context> EOS <query> <answer> EOS , right-padded with PAD. The model reads its
-prediction at positions["query"] (= answer position - 1) and is scored against `answers`.
+Every document is BOS <context> EOS <query> <answer> EOS, right-padded with PAD. The model's
+prediction at positions["query"] (= answer position - 1) is scored against `answers`.
 
 AR worked example (2 pairs instead of 16; k = key ids, v = value ids):
     BOS k5 v9 k2 v7 EOS k2 v7 EOS
@@ -49,8 +47,7 @@ def _check(ok, name, allowed):
 
 
 def _check_ints(**values):
-    """Each value must be an int (not a bool): "8" or 8.0 would otherwise fail later as a TypeError in a
-    comparison, or silently build a float-sized task."""
+    """Each must be an int, not a bool: "8" or 8.0 would fail later, or make a float-sized task."""
     for name, value in values.items():
         _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
                f"an int, got {value!r}")
@@ -65,9 +62,7 @@ def _check_common(n, split, holdout, seed):
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Dataset: one container for both tasks.
-# ----------------------------------------------------------------------------------------------
+# --- Dataset: one container for both tasks.
 
 ROLES = ("key", "value", "next_key", "divider", "query", "answer")
 
@@ -79,7 +74,7 @@ class Dataset:
     answers: torch.Tensor            # (n,) the token the model must predict at positions["query"]
     positions: dict                  # role -> (n,) long; roles in ROLES
     vocab_size: int
-    classes: dict                    # role -> [lo, hi) id range a corruption of that role draws from
+    classes: dict                    # role -> [lo, hi) ids a corruption of that role draws from
     lengths: torch.Tensor            # (n,) true length before padding
     meta: dict = field(default_factory=dict)   # settings; meta["per_doc"] holds per-document lists
 
@@ -94,15 +89,14 @@ class Dataset:
         width = int(lengths.max()) if len(lengths) else 0
         meta = dict(self.meta)
         if "per_doc" in meta:
-            pick = (lambda lst: lst[idx]) if isinstance(idx, slice) else (lambda lst: [lst[i] for i in idx.tolist()])
-            meta["per_doc"] = {k: pick(v) for k, v in meta["per_doc"].items()}
-        return replace(self, tokens=self.tokens[idx, :width], answers=self.answers[idx], lengths=lengths,
-                       positions={k: v[idx] for k, v in self.positions.items()}, meta=meta)
+            rows = range(len(self))[idx] if isinstance(idx, slice) else idx.tolist()
+            meta["per_doc"] = {k: [v[i] for i in rows] for k, v in meta["per_doc"].items()}
+        return replace(self, tokens=self.tokens[idx, :width], answers=self.answers[idx], meta=meta,
+                       lengths=lengths, positions={k: v[idx] for k, v in self.positions.items()})
 
     def to(self, device):
-        return replace(self, tokens=self.tokens.to(device), answers=self.answers.to(device),
-                       lengths=self.lengths.to(device),
-                       positions={k: v.to(device) for k, v in self.positions.items()})
+        new = {k: getattr(self, k).to(device) for k in ("tokens", "answers", "lengths")}
+        return replace(self, **new, positions={k: v.to(device) for k, v in self.positions.items()})
 
     def token_name(self, tok):
         if tok in (PAD, BOS, EOS):
@@ -113,10 +107,8 @@ class Dataset:
         return f"t{tok - klo}" if tok < khi else f"q{tok - khi}"   # q*: the unused query-type ids
 
     def describe(self, i):
-        """Document i as text: the queried key in [brackets], its value in {braces}, then the query.
-
-        e.g. '<bos> k5 v9 [k2] {v7} <eos> | k2 -> v7'
-        """
+        """Document i as text, the queried key in [brackets], its value in {braces}, then the query:
+        e.g. '<bos> k5 v9 [k2] {v7} <eos> | k2 -> v7'."""
         toks = self.tokens[i, : int(self.lengths[i])].tolist()
         key, value = int(self.positions["key"][i]), int(self.positions["value"][i])
         words = [self.token_name(t) for t in toks[: int(self.positions["divider"][i]) + 1]]
@@ -125,9 +117,7 @@ class Dataset:
         return " ".join(words) + f" | {self.token_name(q)} -> {self.token_name(a)}"
 
 
-# ----------------------------------------------------------------------------------------------
-# AR: fully vectorised over documents.
-# ----------------------------------------------------------------------------------------------
+# --- AR: vectorised over documents.
 
 def sample_distinct_slow(n, m, size, gen):
     """Reference: each row is the first m entries of a fresh random permutation of range(size)."""
@@ -138,61 +128,49 @@ def sample_distinct_slow(n, m, size, gen):
 def sample_distinct(n, m, size, gen):
     """(n, m) long: per row, m distinct ints from range(size) in uniformly random order.
 
-    Floyd's algorithm run on all rows at once: at step j (j = size-m .. size-1) draw t in [0, j];
-    take t unless this row already has it, then take j. That gives a uniform m-subset in m vectorised
-    steps, O(n m^2) work and no (n, size) tensor; a random argsort of the m columns then gives a
-    uniform order. Equal in distribution to sample_distinct_slow (test_all.py checks it).
+    Floyd's algorithm on all rows at once: at step j = size-m .. size-1 draw t in [0, j], take t,
+    or j if the row has t already: a uniform m-subset, O(n m^2) work, no (n, size) tensor. A random
+    argsort of the columns gives a uniform order. Equal in distribution to sample_distinct_slow.
     """
     out = torch.empty(n, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
         t = torch.randint(0, j + 1, (n,), generator=gen)
         taken = (out[:, :step] == t[:, None]).any(dim=1)
         out[:, step] = torch.where(taken, torch.full_like(t, j), t)
-    order = torch.rand(n, m, generator=gen).argsort(dim=1)
-    return out.gather(1, order)  # (n, m)
+    return out.gather(1, torch.rand(n, m, generator=gen).argsort(dim=1))  # (n, m)
 
 
 def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=None, holdout=0.0):
     """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each).
 
-    Keys are ids 3 .. 3+K-1 and values the next V ids; inside a document keys are distinct and so are
-    values, and pair i is (keys[i], values[i]). The query is a uniformly chosen pair.
-    Splits: the split name is mixed into the document seed, so split='train'/'dev'/'test' with the same
-    seed give different documents. Use the SAME seed for the three splits: the held-out matrix depends
-    only on (seed, K, V, holdout), never on the split (one uniform matrix thresholded at holdout, so a
-    larger holdout holds out a superset). With holdout > 0, each (key, value) pair is held
-    out with probability `holdout`; train/dev query only pairs not held out and test only held-out
-    ones, resampling documents that have no eligible pair. (The reference ignores the split and
-    excludes held-out pairs everywhere, so its "test" tests nothing new: README, difference 2.)
+    Keys are ids 3 .. 3+K-1, values the next V ids; a document's keys are distinct, and so are its
+    values; the query is a uniformly chosen pair. The split name is mixed into the document seed:
+    use the SAME seed for all splits. With holdout > 0 each (key, value) pair is held out with that
+    probability (one matrix per (seed, K, V), never per split; a larger holdout holds out more);
+    train/dev query only pairs not held out, test only held-out ones, redrawing documents with none
+    (the reference excludes held-out pairs everywhere, so its "test" tests nothing new: README 2).
     """
     _check_common(n, split, holdout, seed)
     _check_ints(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs)
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
-    for name, size in (("num_keys", num_keys), ("num_values", num_values)):
-        # distinct keys and values per document; a second key for the corruption of interventions,
-        # and a second value so that the answer is not always the same token
-        _check(size >= max(2, num_pairs), name, f">= max(2, num_pairs) = {max(2, num_pairs)} (a document's "
-               f"{name[4:]} are distinct, and one token leaves nothing to retrieve or corrupt), got {name}={size} "
-               f"with num_pairs={num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
+    for name, size in (("num_keys", K), ("num_values", V)):
+        _check(size >= max(2, m), name, f">= max(2, num_pairs) = {max(2, m)} (a document's "
+               f"{name[4:]} are distinct, and one token leaves nothing to retrieve or corrupt), "
+               f"got {name}={size} with num_pairs={m}")
     gen = torch.Generator().manual_seed(_seed(seed, _DOCS, SPLITS[split]))
-    heldout = None
-    if holdout > 0:
-        hgen = torch.Generator().manual_seed(_seed(seed, _HELDOUT, K, V))
-        heldout = torch.rand(K, V, generator=hgen) < holdout  # (K, V) bool; same for every split
+    hgen = torch.Generator().manual_seed(_seed(seed, _HELDOUT, K, V))
+    heldout = torch.rand(K, V, generator=hgen) < holdout if holdout > 0 else None  # (K, V)
 
-    keys, values = torch.empty(n, m, dtype=torch.long), torch.empty(n, m, dtype=torch.long)
-    q = torch.empty(n, dtype=torch.long)
-    todo = torch.arange(n)
+    keys, values = torch.empty(2, n, m, dtype=torch.long)
+    q, todo = torch.empty(n, dtype=torch.long), torch.arange(n)
     for _ in range(MAX_TRIES):
-        k, v = sample_distinct(len(todo), m, K, gen), sample_distinct(len(todo), m, V, gen)  # (r, m)
-        score = torch.rand(len(todo), m, generator=gen)  # argmax over eligible = uniform choice
+        k, v = sample_distinct(len(todo), m, K, gen), sample_distinct(len(todo), m, V, gen)
+        eligible = torch.ones_like(k, dtype=torch.bool)     # (r, m); argmax of score: uniform
         if heldout is not None:
-            eligible = heldout[k, v] == (split == "test")   # (r, m)
-            score = score.masked_fill(~eligible, -1.0)
-            ok = eligible.any(dim=1)
-        else:
-            ok = torch.ones(len(todo), dtype=torch.bool)
+            eligible = heldout[k, v] == (split == "test")
+        score = torch.rand(len(todo), m, generator=gen).masked_fill(~eligible, -1.0)
+        ok = eligible.any(dim=1)
         keys[todo[ok]], values[todo[ok]], q[todo[ok]] = k[ok], v[ok], score[ok].argmax(dim=1)
         todo = todo[~ok]
         if len(todo) == 0:
@@ -201,28 +179,24 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
         raise ValueError(f"holdout={holdout}: no document with an eligible query pair for split={split!r} "
                          f"after {MAX_TRIES} rounds; use holdout in (0, 1) large enough for test")
 
-    key_ids, value_ids = keys + FIRST, values + FIRST + K
-    ctx = torch.stack([key_ids, value_ids], dim=2).reshape(n, 2 * m)  # (n, m, 2) -> (n, 2m)
     rows = torch.arange(n)
-    answers = value_ids[rows, q]
-    col = lambda x: torch.full((n, 1), x, dtype=torch.long)
-    tokens = torch.cat([col(BOS), ctx, col(EOS), key_ids[rows, q][:, None], answers[:, None], col(EOS)], 1)
+    pairs = torch.stack([keys + FIRST, values + FIRST + K], dim=2)   # (n, m, 2): key, value
+    bos, eos = (torch.full((n, 1), t, dtype=torch.long) for t in (BOS, EOS))
+    tokens = torch.cat([bos, pairs.flatten(1), eos, pairs[rows, q], eos], 1)  # (n, 2m + 5)
     divider = torch.full((n,), 2 * m + 1)
-    positions = dict(key=2 * q + 1, value=2 * q + 2, next_key=2 * q + 3,  # next_key of the last pair = divider
+    positions = dict(key=2 * q + 1, value=2 * q + 2, next_key=2 * q + 3,
                      divider=divider, query=divider + 1, answer=divider + 2)
-    # vocab_size counts the ids in use (8195 by default); the reference reports 8196 (README, difference 9).
-    return Dataset("ar", tokens, answers, positions, FIRST + K + V,
+    # vocab_size: the ids in use (8195 by default; the reference reports 8196: README, difference 9)
+    return Dataset("ar", tokens, pairs[rows, q, 1], positions, FIRST + K + V,
                    {"key": (FIRST, FIRST + K), "value": (FIRST + K, FIRST + K + V)},
                    torch.full((n,), 2 * m + 5), dict(split=split, holdout=holdout, seed=seed, num_keys=K,
                                                      num_values=V, num_pairs=m, heldout=heldout))
 
 
-# ----------------------------------------------------------------------------------------------
-# ATR: the grammar, one sentence, one query, then the dataset.
-# ----------------------------------------------------------------------------------------------
+# --- ATR: the grammar, one sentence, one query, then the dataset.
 
 class Uniforms:
-    """A stream of U[0,1) floats from a numpy Generator, drawn in blocks because per-call rng is slow."""
+    """A stream of U[0,1) floats from a numpy Generator, drawn in blocks (per-call rng is slow)."""
 
     def __init__(self, rng, block=1 << 16):
         self.rng, self.block, self.buf, self.i = rng, block, [], 0
@@ -240,44 +214,39 @@ def _pick(cum, u):
 
 
 class PCFG:
-    """A random PCFG with heads on the right, drawn in the reference's RNG order (tinylang's
-    pcfg.py). Symbols: nonterminal A is int A in [0, N); terminal t is
-    int N + t. `rules[A]` lists RHS tuples of non-head symbols; the head is drawn at generation time."""
+    """A random right-headed PCFG in the reference's RNG order (tinylang's pcfg.py). Nonterminal
+    A is int A in [0, N), terminal t is N + t; rules[A]: RHS tuples of non-head symbols."""
 
-    def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5, max_depth=10,
-                 terminal_weight=20, head="right", seed=0):
-        _check_ints(num_terminals=num_terminals, num_nonterminals=num_nonterminals, max_rhs_len=max_rhs_len,
-                    max_rules=max_rules, max_depth=max_depth)
-        _check(num_terminals >= 1, "num_terminals", f">= 1, got {num_terminals}")
-        _check(num_nonterminals >= 1, "num_nonterminals", f">= 1, got {num_nonterminals}")
-        _check(max_rhs_len >= 2, "max_rhs_len", f">= 2 (head + at least one dependent), got {max_rhs_len}")
-        _check(max_rules >= 1, "max_rules", f">= 1, got {max_rules}")
-        _check(max_depth >= 1, "max_depth", f">= 1, got {max_depth}")
-        _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
-        _check(head == "right", "head", f"'right' (the only head position the paper uses), got {head!r}")
-        _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+    def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5,
+                 max_depth=10, terminal_weight=20, head="right", seed=0):
         self.params = dict(num_terminals=num_terminals, num_nonterminals=num_nonterminals,
                            max_rhs_len=max_rhs_len, max_rules=max_rules, max_depth=max_depth,
                            terminal_weight=terminal_weight, head=head, seed=seed)
+        least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
+        _check_ints(**{name: self.params[name] for name in least})
+        for name, low in least.items():
+            why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
+            _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
+        _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
+        _check(head == "right", "head", f"'right' (the only head position the paper uses), got {head!r}")
+        _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
         self.num_terminals, self.num_nonterminals, self.seed = num_terminals, num_nonterminals, seed
         N, S, slot = num_nonterminals, num_terminals, -1   # slot: TERMINAL placeholder
         rng = np.random.default_rng(seed)
-        # 1. depth scores in {1..d_max}; children must score strictly higher -> acyclic, depth <= d_max
+        # 1. depth scores in {1..d_max}; children score strictly higher: acyclic, depth <= d_max
         self.depth = rng.integers(1, max_depth + 1, size=N).tolist()
-        # 2. rules: 1..R_max per nonterminal, each with 1..L_max-1 non-head symbols (so 2..L_max
-        #    children with the head: README, difference 4), drawn from the deeper nonterminals
-        #    (weight 1 each) and one TERMINAL placeholder of weight r_Σ (README, difference 5).
+        # 2. rules: 1..R_max per nonterminal, of 1..L_max-1 non-head symbols (README, difference 4)
+        #    from deeper nonterminals (weight 1) and a TERMINAL slot (r_Σ; README, difference 5).
         self.rules = []
         for a in range(N):
             deeper = [b for b in range(N) if self.depth[b] > self.depth[a]]
             p = np.array([1.0] * len(deeper) + [terminal_weight])
-            options, p = deeper + [slot], p / p.sum()
-            self.rules.append([[options[i] for i in rng.choice(len(options), size=rng.integers(1, max_rhs_len), p=p)]
+            options, p = np.array(deeper + [slot]), p / p.sum()
+            self.rules.append([rng.choice(options, size=rng.integers(1, max_rhs_len), p=p).tolist()
                                for _ in range(rng.integers(1, max_rules + 1))])
-        # 3. fill placeholders in a second pass, so the choice of terminals does not shift the
-        #    stream that fixed the rule structure above.
-        self.rules = [[tuple(N + int(rng.integers(S)) if s == slot else s for s in rhs) for rhs in rules]
-                      for rules in self.rules]
+        # 3. fill the slots in a second pass, so terminals do not shift the rule structure's stream.
+        self.rules = [[tuple(N + int(rng.integers(S)) if s == slot else s for s in rhs)
+                       for rhs in rules] for rules in self.rules]
         # 4-5. Dirichlet(1,..,1) over each nonterminal's rules, and over the terminals for its head.
         cum = lambda p: np.concatenate([np.cumsum(p)[:-1], [1.0]]).tolist()
         self.rule_cum = [cum(rng.dirichlet(np.ones(len(r)))) for r in self.rules]
@@ -286,12 +255,12 @@ class PCFG:
         self.start_cum = cum(np.full(N, 1.0 / N))
 
     def sentence_lengths(self):
-        """(shortest, longest) number of terminals a sentence of this grammar can have, exactly: every rule
-        and every start symbol has a positive probability, and children are strictly deeper (acyclic)."""
+        """Exact (shortest, longest) number of terminals of a sentence: every rule and start symbol
+        has positive probability, and children are strictly deeper (acyclic)."""
         N, low, high = self.num_nonterminals, {}, {}
         for a in sorted(range(N), key=lambda a: -self.depth[a]):       # the deepest first
-            sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in rhs] for rhs in self.rules[a]]
-            low[a] = 1 + min(sum(lo for lo, _ in rhs) for rhs in sizes)   # + 1: the head
+            sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in r] for r in self.rules[a]]
+            low[a] = 1 + min(sum(lo for lo, _ in rhs) for rhs in sizes)  # + 1: the head
             high[a] = 1 + max(sum(hi for _, hi in rhs) for rhs in sizes)
         return min(low.values()), max(high.values())
 
@@ -299,15 +268,14 @@ class PCFG:
         return "PCFG(" + ", ".join(f"{k}={v!r}" for k, v in self.params.items()) + ")"
 
     def _open(self, a, draw):
-        """A stack frame for one expansion of nonterminal a: [rhs, next index, head terminal, dependents]."""
+        """Stack frame of one expansion of a: [rhs, next index, head terminal, dependents]."""
         rhs = self.rules[a][_pick(self.rule_cum[a], draw())]
         return [rhs, 0, _pick(self.head_cum[a], draw()), []]
 
     def sample_sentence(self, draw, max_terminals=MAX_TERMINALS):
-        """One right-headed sentence -> (labels, parents, depth), or None if it grew past
-        max_terminals. labels: terminal indices; parents: position of each terminal's parent (-1 for the
-        root head); depth: dependency-tree depth (= deepest stack). Iterative, emits depth-first,
-        left to right, each constituent's head after its dependents so parents stand to the right."""
+        """One sentence -> (labels, parents, depth), or None past max_terminals. labels: terminal
+        indices; parents: each terminal's parent position (-1: the root head); depth: tree depth
+        (the deepest stack). Emits depth-first, left to right, each head after its dependents."""
         N = self.num_nonterminals
         labels, parents = [], []
         stack = [self._open(_pick(self.start_cum, draw()), draw)]
@@ -338,8 +306,7 @@ class PCFG:
         return labels, parents, depth
 
     def sample_sentence_slow(self, draw):
-        """Recursive twin of sample_sentence, literally the reference's recursion (ids, then ids ->
-        positions). Consumes `draw` in the same order, so it returns the same sentence."""
+        """sample_sentence as the reference's recursion: the same draws give the same sentence."""
         emitted = []                                   # (label, own id or None, parent id)
 
         def expand(a, parent_id):
@@ -359,8 +326,8 @@ class PCFG:
 
 
 def eligible_queries(labels, parents, allowed=None):
-    """The queries a sentence allows: {parent position: [child positions]} over children that are the
-    rightmost instance of their label, have a parent, and (if given) pass allowed[parent label][child label]."""
+    """{parent position: [child positions]}, the queries a sentence allows: children that are
+    rightmost of their label, with a parent, and (if given) allowed[parent label][child label]."""
     rightmost = {lab: pos for pos, lab in enumerate(labels)}
     groups = {}
     for c in sorted(rightmost.values()):
@@ -388,47 +355,46 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`.
 
     Rejects sentences over max_terminals or under 3 terminals, and those without an eligible query.
-    Split: the (parent label, child label) matrix of held-out pairs (P = holdout) comes from its own
-    RNG stream seeded by grammar.seed alone, so it is a property of the language (the same for every
-    split and document seed), and the grammar is the same with or without a split. (The reference
-    draws it before the grammar, so its split language is a different PCFG: README, difference 3.) train/dev query only allowed pairs, test only held-out ones; contexts may contain anything.
-    As in make_ar the split name is mixed into the document seed, so use the same seed for all splits.
+    The (parent label, child label) matrix of held-out pairs (P = holdout) is seeded by grammar.seed
+    alone: the language's, the same for every split (the reference draws it before the grammar, so
+    its split language is another PCFG: README, difference 3). train/dev query only allowed pairs,
+    test only held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar).
     """
     _check_common(n, split, holdout, seed)
-    _check(max_terminals >= 3, "max_terminals",
-           f">= 3 (shorter sentences are rejected), got {max_terminals}")
+    _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter sentences are rejected), got {max_terminals}")
     S = grammar.num_terminals
-    _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its rightmost instance "
-           f"is always the root head), got {S}")
+    _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "
+           f"rightmost instance is always the root head), got {S}")
     shortest, longest = grammar.sentence_lengths()
     _check(longest >= 3, "max_rhs_len/max_depth", f"large enough for sentences of >= 3 terminals: every sentence "
            f"has at most {longest} with max_rhs_len={grammar.params['max_rhs_len']}, max_depth={grammar.params['max_depth']} "
            f"(expected max_rhs_len >= 3 or a larger max_depth)")
-    _check(shortest <= max_terminals, "max_terminals", f">= {shortest} (the shortest sentence of this grammar), "
-           f"got {max_terminals}: every sentence is longer, so none is kept")
+    _check(shortest <= max_terminals, "max_terminals", f">= {shortest} (the shortest sentence of "
+           f"this grammar), got {max_terminals}: every sentence is longer, so none is kept")
     heldout, allowed = None, None
     if holdout > 0:
-        hrng = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S))
-        heldout = hrng.random((S, S)) < holdout                  # (S, S): [parent label, child label]
-        allowed = (heldout if split == "test" else ~heldout).tolist()
+        heldout = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S)).random((S, S)) < holdout
+        allowed = (heldout if split == "test" else ~heldout).tolist()  # [parent label][child label]
         heldout = torch.from_numpy(heldout)
     draw = Uniforms(np.random.default_rng(_seed(seed, _DOCS, SPLITS[split])))
     docs, per_doc = [], dict(parents=[], depth=[], eligible=[])
-    misses = collections.Counter()                # why the sentences of the current streak were rejected
+    misses = collections.Counter()                # why the current streak's sentences were rejected
     while len(docs) < n:
         sent = grammar.sample_sentence(draw, max_terminals)
-        groups = eligible_queries(*sent[:2], allowed) if sent is not None and len(sent[0]) >= 3 else None
+        miss = "long" if sent is None else "short" if len(sent[0]) < 3 else None
+        groups = None if miss else eligible_queries(*sent[:2], allowed)
         if not groups:
-            misses["long" if sent is None else "short" if len(sent[0]) < 3 else "query"] += 1
+            misses[miss or "query"] += 1
             if misses.total() >= MAX_TRIES:
-                _check(misses["long"] < MAX_TRIES, "max_terminals", f"larger than {max_terminals}: {MAX_TRIES} "
-                       f"sentences in a row were longer (this grammar's range: {shortest} to {longest} terminals)")
-                _check(misses["short"] < MAX_TRIES, "max_rhs_len/max_depth", f"larger: {MAX_TRIES} sentences in "
-                       f"a row had under 3 terminals (this grammar's range: {shortest} to {longest})")
-                raise ValueError(f"grammar/holdout: {MAX_TRIES} sentences in a row had no eligible query "
-                                 f"(split={split!r}, holdout={holdout}; {misses['long']} too long for "
-                                 f"max_terminals, {misses['short']} under 3 terminals); need holdout in (0, 1) "
-                                 f"that leaves pairs to query")
+                span = f"this grammar's range: {shortest} to {longest}"
+                _check(misses["long"] < MAX_TRIES, "max_terminals", f"larger than {max_terminals}: "
+                       f"{MAX_TRIES} sentences in a row were longer ({span} terminals)")
+                _check(misses["short"] < MAX_TRIES, "max_rhs_len/max_depth",
+                       f"larger: {MAX_TRIES} sentences in a row had under 3 terminals ({span})")
+                raise ValueError(f"grammar/holdout: {MAX_TRIES} sentences in a row had no eligible "
+                                 f"query (split={split!r}, holdout={holdout}; {misses['long']} too "
+                                 f"long for max_terminals, {misses['short']} under 3 terminals); "
+                                 "need holdout in (0, 1) that leaves pairs to query")
             continue
         misses.clear()
         labels, parents, depth = sent
@@ -439,7 +405,7 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
 
     lengths = np.array([len(lab) + 5 for lab, _, _ in docs])
     tokens = np.zeros((n, lengths.max()), dtype=np.int64)        # (n, l) PAD-filled
-    child, parent = np.array([d[1] for d in docs]), np.array([d[2] for d in docs])
+    child, parent = np.array([d[1:] for d in docs]).T
     for i, (labels, c, p) in enumerate(docs):
         tokens[i, : len(labels) + 5] = atr_document(labels, c, p)
     t = lambda x: torch.as_tensor(x, dtype=torch.long)
@@ -454,9 +420,7 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
                                     grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
 
 
-# ----------------------------------------------------------------------------------------------
-# Summary statistics (the README's task section quotes them).
-# ----------------------------------------------------------------------------------------------
+# --- Summary statistics (the README's task section quotes them).
 
 def _summary(x):
     x = np.asarray(x, dtype=np.float64)
@@ -464,16 +428,16 @@ def _summary(x):
 
 
 def stats(dataset):
-    """Length, key-value distance and (ATR) tree shape of a dataset, as nested dicts of
-    mean/median/min/max. ATR lengths are also given in terminals (tokens - 5), the unit of max_terminals."""
+    """Length, key-value distance and (ATR) tree shape of a dataset: dicts of mean/median/min/max.
+    ATR lengths also in terminals (tokens - 5), the unit of max_terminals."""
     lengths = dataset.lengths.cpu().numpy()
     dist = (dataset.positions["value"] - dataset.positions["key"]).cpu().numpy()
     out = dict(n=len(dataset), length_tokens=_summary(lengths), kv_distance=_summary(dist),
-               adjacent_fraction=float((dist == 1).mean()), distinct_answers=int(dataset.answers.unique().numel()))
+               adjacent_fraction=float((dist == 1).mean()), distinct_answers=len(dataset.answers.unique()))
     if dataset.task == "atr":
-        per_doc = dataset.meta["per_doc"]
-        heads = [len(set(p) - {-1}) for p in per_doc["parents"]]      # constituents = terminals with dependents
-        out.update(length_terminals=_summary(lengths - 5), depth=_summary(per_doc["depth"]),
-                   branching=_summary([(len(p) - 1) / h for p, h in zip(per_doc["parents"], heads)]),
-                   eligible_per_doc=_summary(per_doc["eligible"]))
+        doc = dataset.meta["per_doc"]
+        # branching: dependents (every terminal but the root) per head (terminal with dependents)
+        out.update(length_terminals=_summary(lengths - 5), depth=_summary(doc["depth"]),
+                   branching=_summary([(len(p) - 1) / len(set(p) - {-1}) for p in doc["parents"]]),
+                   eligible_per_doc=_summary(doc["eligible"]))
     return out
