@@ -116,7 +116,7 @@ def convs(arch, sizes, **fields_):
 class Experiment:
     name: str
     section: str         # where the paper reports it
-    claim: str           # the claim, in one line
+    finding: str         # the paper's claim, in one line
     paper_numbers: dict  # table row label (or arch) -> the paper's number / finding for that row
     quick: dict          # the quick grid
     paper: dict          # the paper's grid (preset "paper"; None for a probe: its quick grid)
@@ -310,7 +310,7 @@ def catalogue():
         times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
                  for preset in PRESETS for configs in [experiment_configs(name, preset)]]
         numbers = "; ".join(f"{k} {v}" for k, v in exp.paper_numbers.items()) or "no number quoted"
-        lines += [f"{name:<19} {exp.section}: {exp.claim}", f"{'':<19} paper: {numbers}",
+        lines += [f"{name:<19} {exp.section}: {exp.finding}", f"{'':<19} paper: {numbers}",
                   f"{'':<19} " + " | ".join(times) + " (2 CPU cores, 2 jobs)"]
     return "\n".join(lines)
 
@@ -914,14 +914,14 @@ def render(name, preset, records, folder=None):
     timing = os.path.join(folder or "", f"{name}.command.json")
     command = json.load(open(timing)) if folder and os.path.exists(timing) else None
     return rows, "\n".join([
-        f"# {name}: {exp.claim} ({exp.section}), preset {preset}", "",
+        f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
         f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the best run of the "
         f"row (learning rate: {chosen}); Attrib@X: its restoration of the clean answer probability when the "
         f"block input of layer 1 is patched at X (README: what the sites mean); paper: {exp.section}.", "",
         "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': too little "
         "signal to read):", *[timeline_text(row) for row in rows], "",
-        f"Records: {len(records)} runs, {wall / 60:.1f} CPU-minutes of training, made "
+        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, summed), made "
         + "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at commit "
                     f"{m.get('commit')}" for m in made) + "."
         + (f" The command `{command['command']}` trained {command['trained']} of them in "
@@ -935,7 +935,8 @@ def write_report(name, preset, records, folder, command=None):
     <name>.md."""
     with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
         f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    if draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"]) is None:
+    only = ("scatter",) if EXPERIMENTS[name].probe else None     # a probe's many runs: the scatter alone
+    if draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"], only) is None:
         print(FIGURES_HINT, file=sys.stderr)
     if command and command["trained"]:
         with open(os.path.join(folder, f"{name}.command.json"), "w") as f:
@@ -970,7 +971,7 @@ def summary_table(folder="results"):
             if text:
                 final, mech = row["best"].get("final") or {}, row["best"].get("mechanism") or {}
                 first = not lines or not lines[-1]["experiment"].startswith(f"[{name}]")
-                lines.append({"experiment": f"[{name}]({folder}/{name}.md)" + (f": {exp.claim}" if first else ""),
+                lines.append({"experiment": f"[{name}]({folder}/{name}.md)" + (f": {exp.finding}" if first else ""),
                               "row": row["label"], "paper": text, "holds?": holds(text, row),
                               "ours": f"{fmt_pct(final.get('acc'))}, {mech.get('verdict') or '-'}"})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
@@ -982,7 +983,7 @@ def summary_table(folder="results"):
     for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
         records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
         if records:
-            out.append(f"\nProbe [{name}]({folder}/{name}.md) ({EXPERIMENTS[name].claim}): accuracy, verdict\n\n"
+            out.append(f"\nProbe [{name}]({folder}/{name}.md) ({EXPERIMENTS[name].finding}): accuracy, verdict\n\n"
                        + pivot(records, across))
     return "\n".join(out)
 
@@ -1143,7 +1144,8 @@ def redraw_figures(folder):
         records = read_results(path) if os.path.exists(path) else \
             experiment_records(name, "quick", read_results(folder, warn=False))
         if records:
-            draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"])
+            draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"],
+                         ("scatter",) if EXPERIMENTS[name].probe else None)
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
     return 0
@@ -1309,7 +1311,7 @@ def plot_box(fig, records):
     return out
 
 
-def draw_figures(records, rows, name, folder, task="ar"):
+def draw_figures(records, rows, name, folder, task="ar", only=None):
     """folder/<name>_<kind>.png for each kind with something to draw: scatter, timeline, heatmaps,
     width (a label with several widths), box (ATR). {kind: plotted data}; None without matplotlib."""
     try:
@@ -1324,7 +1326,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
     os.makedirs(folder, exist_ok=True)
     out = {}
     for kind, (draw, data, wanted, height) in kinds.items():
-        if wanted:
+        if wanted and kind in (only or kinds):
             fig = Figure(figsize=(8.0, height or 4.5), layout="constrained")
             out[kind] = draw(fig, data)
             fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
