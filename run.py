@@ -1220,9 +1220,10 @@ def plot_scatter(fig, records):
                     color="tab:purple", alpha=0.12, lw=0)
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
-    for i, a in enumerate(dict.fromkeys(arch)):            # each arch nudged a little, so that runs
+    order = lambda a: ALL_ARCHS.index(a) if a in ALL_ARCHS else len(ALL_ARCHS)
+    for a in sorted(set(arch), key=order):              # each arch nudged a little, so that runs
         for hollow in (False, True):                     # with the same reading stay visible
-            m, c, dx = (np.array(arch) == a) & (low == hollow), colour(a), 0.012 * (i - 3)
+            m, c, dx = (np.array(arch) == a) & (low == hollow), colour(a), 0.012 * (order(a) - 3)
             ax.scatter(np.clip(x[m] + dx, lo, hi), np.clip(y[m] + dx, lo, hi), s=40, edgecolors=c,
                        facecolors="none" if hollow else c, clip_on=False, label=None if hollow else a)
     ax.scatter([], [], s=40, facecolors="none", edgecolors="grey", label="too little signal")
