@@ -2529,3 +2529,9 @@ def test_readout_rows_only_path_equals_the_full_forward():
     model(tokens, readout=readout)
     handle.remove()
     assert seen == [(4, 9, 16)]
+
+
+def test_the_figures_command_without_matplotlib_prints_one_line_and_exits_0(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)                 # as on a machine without it
+    assert run_cli.main(["--figures", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [run_cli.FIGURES_HINT]
