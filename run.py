@@ -59,10 +59,10 @@ from mechsm import Config  # noqa: E402
 
 
 # ==============================================================================================
-# The experiments: one per result of the paper, each with a "quick" grid (<= 20 minutes on a 2-core
-# CPU) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
-# fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
-# three {arch: ...} where the arch "*" is the default.
+# The experiments: one per result of the paper, each with a "quick" grid (sized for a 2-core CPU,
+# aiming at 20 minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs,
+# "runs": Config fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"},
+# the last three {arch: ...} where the arch "*" is the default.
 # ==============================================================================================
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
@@ -396,7 +396,7 @@ def build_parser():
                    help="train (default) or bench")
     a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a result of the paper (default: ar)")
     a("--list", switch=True, help="print the catalogue of experiments and exit")
-    a("--preset", choices=PRESETS, help="quick (default; <= 20 min on 2 CPU cores) or paper")
+    a("--preset", choices=PRESETS, help="quick (default: CPU-sized grids; --list gives their times) or paper")
     a("--task", choices=mechsm.TASKS, help="ar or atr: the same as --experiment ar / atr")
     # the grid
     a("--arch", str, True, help="one architecture or a comma list, or 'all' (" + ", ".join(ALL_ARCHS) + ")")
