@@ -861,8 +861,9 @@ def result_table(rows, paper_numbers=None):
                 c[name] = fmt_pct(final[key])
         c.update(attribs(mech))
         for name in mech:
-            if "@" in name:                  # the extra sites of the mixer class, e.g. conv@next_key
-                c[name] = " / ".join(fmt_num((r.get("mechanism") or {}).get(name)) for r in row["runs"])
+            if "@" in name:     # the mixer class's extra numbers (conv@next_key), per seed; '-': no signal
+                c[name] = " / ".join("-" if (r.get("mechanism") or {}).get("low_signal") else
+                                     fmt_num((r.get("mechanism") or {}).get(name)) for r in row["runs"])
         c["verdict"] = mech.get("verdict") or "-"
         if paper_numbers is not None:
             c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
@@ -948,12 +949,12 @@ def write_report(name, preset, records, folder, command=None):
 
 
 def holds(paper_text, row):
-    """'yes'/'no': whether the row has the verdict the paper's text names, or fails where it says
-    "fails"; '-' where the paper gives only a number."""
+    """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable' when the row
+    has too little signal), or fails where it says "fails"; '-' where the paper gives only a number."""
     final, verdict = row["best"].get("final") or {}, (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
-            return "yes" if verdict == word else "no"
+            return "unreadable" if verdict == "no signal" else "yes" if verdict == word else "no"
     if "fails" in paper_text:
         return "yes" if (final.get("acc") or 0) < 0.5 else "no"
     return "-"
@@ -975,6 +976,11 @@ def summary_table(folder="results"):
                               "row": row["label"], "paper": text, "holds?": holds(text, row),
                               "ours": f"{fmt_pct(final.get('acc'))}, {mech.get('verdict') or '-'}"})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
+    for row in labelled_rows(read_results(os.path.join(folder, "ar.jsonl"), warn=False)):
+        for name in [k for k in (row["best"].get("mechanism") or {}) if "@" in k]:
+            seen = [fmt_num(r["mechanism"][name]) for r in row["runs"] if not r["mechanism"].get("low_signal")]
+            out.append(f"\n`ar`, {row['label']}: {name} of every seed that learned: {', '.join(seen) or 'none'} "
+                       f"({len(seen)} of {row['n_seeds']} seeds).")
     timing = os.path.join(folder, "ar.command.json")
     if os.path.exists(timing):
         c = json.load(open(timing))
