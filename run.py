@@ -265,10 +265,10 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 # The planner: expected CPU time of a grid, from measured step rates.
 # ----------------------------------------------------------------------------------------------
 
-# Training steps/s of one CPU thread at the quick AR shape, from `python run.py bench` (part 3) on an
-# idle 2-core x86-64 machine; estimate_seconds scales them: a guide, not a promise.
-CPU_STEPS_PER_S = {"attention": 43.4, "base_conv": 35.7, "based": 39.4, "h3": 8.2, "hyena": 22.0,
-                   "mamba": 12.1, "deltanet": 22.8}
+# Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `python run.py bench` part 3
+# (results/bench.txt: 2 cores shared with two training runs, so low); estimate_seconds scales them.
+CPU_STEPS_PER_S = {"attention": 60.4, "base_conv": 63.9, "based": 70.0, "h3": 24.7, "hyena": 42.1,
+                   "mamba": 26.7, "deltanet": 53.5}
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
