@@ -964,7 +964,7 @@ def summary_table(folder="results"):
     """The README's summary: per experiment with records in `folder`, each row the paper quotes: the
     paper's number, ours (accuracy, verdict) and whether the claim holds; then how long `python
     run.py` (the `ar` experiment) took, and the probes that chose the quick settings."""
-    lines = []
+    lines, rel = [], os.path.relpath(folder, os.path.dirname(README))   # links relative to the README
     for name, exp in EXPERIMENTS.items():
         records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
         for row in labelled_rows(records) if records and not exp.probe else []:
@@ -972,7 +972,7 @@ def summary_table(folder="results"):
             if text:
                 final, mech = row["best"].get("final") or {}, row["best"].get("mechanism") or {}
                 first = not lines or not lines[-1]["experiment"].startswith(f"[{name}]")
-                lines.append({"experiment": f"[{name}]({folder}/{name}.md)" + (f": {exp.finding}" if first else ""),
+                lines.append({"experiment": f"[{name}]({rel}/{name}.md)" + (f": {exp.finding}" if first else ""),
                               "row": row["label"], "paper": text, "holds?": holds(text, row),
                               "ours": f"{fmt_pct(final.get('acc'))}, {mech.get('verdict') or '-'}"})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
@@ -992,7 +992,7 @@ def summary_table(folder="results"):
     for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
         records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
         if records:
-            out.append(f"\nProbe [{name}]({folder}/{name}.md) ({EXPERIMENTS[name].finding}): accuracy, verdict\n\n"
+            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): accuracy, verdict\n\n"
                        + pivot(records, across))
     return "\n".join(out)
 
