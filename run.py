@@ -837,7 +837,8 @@ def markdown(cells, columns=None):
     """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
     columns = columns or list(dict.fromkeys(k for c in cells for k in c))
     return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-                     + ["| " + " | ".join(str(r.get(c, "-")) for c in columns) + " |" for r in cells])
+                     + ["| " + " | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) + " |"
+                        for r in cells])
 
 
 def attribs(mech):
