@@ -696,8 +696,7 @@ def do_job(kind, payload, out, wants):
         for record, model in pairs:
             cfg, ok = config_of(record), record["status"] == "ok"
             if ok and wants["patch"]:
-                table = interventions.mechanism(model, mechsm.make_data(cfg).eval, threshold=cfg.gap_filter)
-                record.update(mechanism=mechanism_summary(table), mechanism_table=table)
+                record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
             if ok and wants["save"] and not record.get("checkpoint"):
                 record["checkpoint"] = save_checkpoint(model, cfg, out)
             record.setdefault("checkpoint", None)
@@ -725,14 +724,17 @@ def save_checkpoint(model, cfg, out):
         return None
 
 
-def mechanism_summary(table):
-    """What the summary table shows: the headline site's Attrib@Key/Value/Query (the layer-0 mixer
-    output for 1-layer models), the verdict and the extra sites' numbers."""
+def patched(model, cfg, dataset):
+    """A record's patching fields: the full interventions.mechanism table of `dataset`, and the few
+    numbers the summary table shows (the headline site's Attrib@Key/Value/Query, the layer-0 mixer
+    output for 1-layer models; the verdict; the extra sites' numbers)."""
+    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
-    return mechsm.json_safe({"attrib_key": head.get("key"), "attrib_value": head.get("value"),
-                             "attrib_query": head.get("query"), "verdict": table.get("verdict"),
-                             "p_clean": table.get("p_clean"), "p_corrupt": table.get("p_corrupt"),
-                             "low_signal": table.get("low_signal"), **table.get("extra", {})})
+    summary = {"attrib_key": head.get("key"), "attrib_value": head.get("value"),
+               "attrib_query": head.get("query"), "verdict": table.get("verdict"),
+               "p_clean": table.get("p_clean"), "p_corrupt": table.get("p_corrupt"),
+               "low_signal": table.get("low_signal"), **table.get("extra", {})}
+    return mechsm.json_safe({"mechanism": summary, "mechanism_table": table})
 
 
 def provenance():
@@ -1030,8 +1032,7 @@ def evaluate_checkpoint(args):
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
-        table = interventions.mechanism(model, data.eval, threshold=cfg.gap_filter)
-        record.update(mechanism=mechanism_summary(table), mechanism_table=table)
+        record.update(patched(model, cfg, data.eval))
     with open(os.path.join(folder, "result.json"), "w") as f:
         json.dump(mechsm.json_safe(record), f, indent=1)
     print(result_table([{"arch": cfg.arch, "label": cfg.arch, "best": record, "runs": [record], "n_seeds": 1}]))
