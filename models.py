@@ -56,19 +56,6 @@ class Mixer(nn.Module):
         return self.hook_out(self.mix(self.hook_in(x)))
 
 
-def _check_heads(d_model, n_heads):
-    if d_model % n_heads:
-        raise ValueError(f"n_heads must divide d_model; got d_model={d_model}, n_heads={n_heads}.")
-
-
-def fused_linear(x, *linears):
-    """Several nn.Linear as one matmul (weights stacked), outputs concatenated. Speed: one op forward and backward,
-    not one per layer; each keeps its parameters. Used in DeltaNet (1.08x a step; slower for Based and H3)."""
-    weight = torch.cat([m.weight for m in linears])
-    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-    return F.linear(x, weight, bias)
-
-
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
@@ -117,23 +104,16 @@ def short_conv_reference(x, weight, bias=None):
     return y
 
 
-def delta_rule_step(state, q_t, k_t, v_t, beta_t):
-    """One delta-rule update. state (b, h, k, k); q_t, k_t, v_t (b, h, k); beta_t (b, h)."""
-    retrieved = torch.einsum("bhkv,bhk->bhv", state, k_t)                          # S^T k_t
-    state = state + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
-    o_t = torch.einsum("bhkv,bhk->bhv", state, q_t) / math.sqrt(k_t.shape[-1])
-    return o_t, state
-
-
 def delta_rule_recurrent(q, k, v, beta):
     """The delta rule as a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h) -> o (b, l, h, k):
     S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k)."""
     b, l, h, dk = k.shape
-    state = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, k, k)
+    S = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, k, k)
     outputs = []
-    for q_t, k_t, v_t, beta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), beta.unbind(1)):
-        o_t, state = delta_rule_step(state, q_t, k_t, v_t, beta_t)
-        outputs.append(o_t)
+    for q_t, k_t, v_t, beta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), beta.unbind(1)):  # (b,h,k), (b,h)
+        retrieved = torch.einsum("bhkv,bhk->bhv", S, k_t)                          # S^T k_t
+        S = S + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
+        outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t) / math.sqrt(dk))
     return torch.stack(outputs, dim=1)
 
 
@@ -172,7 +152,6 @@ class Attention(Mixer):
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
         super().__init__(reference)
-        _check_heads(d_model, n_heads)
         self.n_heads = n_heads
         self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False hits only this
         self.out_proj = nn.Linear(d_model, d_model)
@@ -249,7 +228,6 @@ class BasedAttention(Mixer):
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, eps=1e-12, **options):
         super().__init__(reference)
-        _check_heads(d_model, n_heads)
         self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, eps
         self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in range(2))
         self.proj_v = nn.Linear(d_model, d_model, bias=False)
@@ -469,16 +447,15 @@ class Hyena(Mixer):
 
 
 class Mamba(Mixer):
-    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, 2.2.4), per token (`step`), state h (b, e, n):
+    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, 2.2.4), per token t, state h_t (b, e, n):
       [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
       h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T,
-    A = -exp(A_log) (e, n). `mix`: the whole sequence, hooked. d_conv=0 removes the short conv (weights unused)."""
+    A = -exp(A_log) (e, n); the recurrence is selective_scan_reference. d_conv=0 removes the short conv."""
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
     READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the short conv carrying the key forward (v3)
     D_CONV = range(5)                                          # 0 removes the conv
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2,
-                 dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2, **options):
         super().__init__(reference)
         d_conv = 4 if d_conv is None else d_conv
         e, n = expand * d_model, d_state
@@ -489,9 +466,9 @@ class Mamba(Mixer):
         self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # used through short_conv
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
-        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [dt_min, dt_max]
+        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [1e-3, 1e-1], >= 1e-4
         nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
-        dt = torch.exp(torch.empty(e).uniform_(math.log(dt_min), math.log(dt_max))).clamp(min=dt_floor)
+        dt = torch.exp(torch.empty(e).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
         self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
@@ -503,37 +480,6 @@ class Mamba(Mixer):
         self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()  # (b,l,e), (b,l,n) x2
         self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # (b,l,e) each
 
-    def _selection(self, u):
-        """Delta (..., e), B (..., n), C (..., n) from u (..., e)."""
-        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        return F.softplus(self.dt_proj(dt)), B, C
-
-    def init_state(self, batch, device=None, dtype=None):
-        e = self.D.shape[0]
-        conv_buffer = torch.zeros(batch, e, max(self.d_conv - 1, 0), device=device, dtype=dtype)  # last K-1 xi
-        ssm_state = torch.zeros(batch, e, self.d_state, device=device,
-                                dtype=torch.promote_types(dtype or torch.float32, torch.float32))
-        return conv_buffer, ssm_state
-
-    def step(self, x_t, state):
-        """One token: x_t (b, d) -> (y_t (b, d), state); equals mix() run over the whole sequence."""
-        conv_buffer, h = state
-        xi, z = self.in_proj(x_t).chunk(2, dim=-1)                # (b,e)
-        if self.d_conv > 0:
-            window = torch.cat([conv_buffer, xi[..., None]], dim=-1)  # (b,e,K): oldest first, current last
-            conv_out = (window * self.conv1d.weight[:, 0]).sum(-1) + self.conv1d.bias
-            conv_buffer = window[..., 1:]
-        else:
-            conv_out = xi
-        u = F.silu(conv_out)
-        delta, B, C = self._selection(u)
-        work = h.dtype
-        A = -torch.exp(self.A_log.to(work))
-        delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
-        h = torch.exp(delta[..., None] * A) * h + delta[..., None] * B[:, None, :] * u_w[..., None]  # (b,e,n)
-        y = (h * C[:, None, :]).sum(-1).to(x_t.dtype) + self.D * u
-        return self.out_proj(y * F.silu(z)), (conv_buffer, h)
-
     def mix(self, x):
         b, l, d = x.shape
         xi, z = self.in_proj(x).chunk(2, dim=-1)                  # (b,l,e) each
@@ -541,8 +487,9 @@ class Mamba(Mixer):
         conv = short_conv_reference if self.reference else short_conv
         conv_out = conv(xi, self.conv1d.weight, self.conv1d.bias) if self.d_conv > 0 else xi  # SC_K, or none
         u = self.hook_u(F.silu(self.hook_conv_out(conv_out)))
-        delta, B, C = self._selection(u)                          # (b,l,e), (b,l,n), (b,l,n)
-        delta, B, C = self.hook_delta(delta), self.hook_B(B), self.hook_C(C)
+        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = self.hook_delta(F.softplus(self.dt_proj(dt)))    # (b,l,e)
+        B, C = self.hook_B(B), self.hook_C(C)                     # (b,l,n) each
         work = torch.promote_types(x.dtype, torch.float32)  # the recurrence in float32 at least
         delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
         A = -torch.exp(self.A_log.to(work))                       # (e,n)
@@ -568,69 +515,31 @@ class DeltaNet(Mixer):
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None, **options):
         super().__init__(reference)
         d, h = d_model, n_heads
-        _check_heads(d, h)
-        if not (d_conv is None or (isinstance(d_conv, int) and d_conv >= 0)):
-            raise ValueError(f"DeltaNet: d_conv must be None or an int >= 0 (0 removes the convs); got {d_conv!r}")
         self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.b_proj = nn.Linear(d, h, bias=False)
         if self.conv_size > 0:  # weights only, for short_conv; torch-default init
-            self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False) for _ in range(3))
+            self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False)
+                                                     for _ in range(3))
         self.o_norm = RMSNorm(d // h)  # per head, one weight shared by the heads
         self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
         self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b, l, h, k): after conv, SiLU and L2 norm
         self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k), (b,l,h), o
 
-    def _convs(self):
-        return (self.q_conv, self.k_conv, self.v_conv) if self.conv_size > 0 else (None, None, None)
-
-    def _heads(self, q, k, v, beta):
-        """(..., d) -> (..., h, k), L2 norm on q and k; beta logits -> sigmoid."""
-        h = self.n_heads
-        q, k, v = (t.unflatten(-1, (h, -1)) for t in (q, k, v))
-        return l2_normalize(q), l2_normalize(k), v, torch.sigmoid(beta)
-
-    def _norm_out(self, o):
-        """Per-head RMSNorm, heads concatenated, then W_o: (..., h, k) -> (..., d)."""
-        return self.o_proj(self.o_norm(o).flatten(-2))
-
     def mix(self, x):
-        b, l, d = x.shape
-        conv_fn = short_conv_reference if self.reference else short_conv
-        # q, k, v through one projection and one 3d-channel conv (fewer ops, same maths)
-        qkv, beta = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.b_proj).split([3 * d, self.n_heads], -1)
+        d, h = x.shape[-1], self.n_heads
+        # q, k, v and beta's logits by one matmul, q, k, v by one 3d-channel conv (fewer ops, same maths)
+        weight = torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.b_proj)])
+        qkv, beta = F.linear(x, weight).split([3 * d, h], -1)                       # (b, l, 3d), (b, l, h)
         if self.conv_size > 0:
-            qkv = conv_fn(qkv, torch.cat([conv.weight for conv in self._convs()]))     # (b, l, 3d)
-        q, k, v, beta = self._heads(*F.silu(qkv).split(d, dim=-1), beta)  # (b, l, h, k), (b, l, h)
-        q, k, v, beta = self.hook_q(q), self.hook_k(k), self.hook_v(v), self.hook_beta(beta)
+            conv = short_conv_reference if self.reference else short_conv
+            qkv = conv(qkv, torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight]))
+        q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b, l, h, k) each
+        q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
+        beta = self.hook_beta(torch.sigmoid(beta))
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
-        o = self.hook_o(delta_rule(q, k, v, beta))  # (b, l, h, k)
-        return self._norm_out(o)                                                        # (b, l, d)
-
-    def init_state(self, batch, device=None, dtype=None):
-        """S (b, h, k, k) and each conv's last K-1 inputs (b, K-1, d)."""
-        d, h = self.o_proj.in_features, self.n_heads
-        dtype = dtype or self.o_proj.weight.dtype
-        state = {"S": torch.zeros(batch, h, d // h, d // h, device=device, dtype=dtype)}
-        for name in ("q", "k", "v"):
-            state[name] = torch.zeros(batch, max(self.conv_size - 1, 0), d, device=device, dtype=dtype)
-        return state
-
-    def step(self, x_t, state):
-        """One token, no hooks: x_t (b, d) -> (y_t (b, d), next state)."""
-        next_state, features = {}, []
-        for name, proj, conv in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), self._convs()):
-            z = proj(x_t)                                                               # (b, d)
-            if conv is not None:
-                window = torch.cat([state[name], z[:, None]], dim=1)  # (b, K, d), oldest first
-                next_state[name] = window[:, 1:]
-                z = (window * conv.weight[:, 0].T).sum(1)  # tap K-1 hits the current token, as in short_conv
-            else:
-                next_state[name] = state[name]
-            features.append(F.silu(z))
-        q, k, v, beta = self._heads(*features, self.b_proj(x_t))  # (b, h, k), (b, h)
-        o, next_state["S"] = delta_rule_step(state["S"], q, k, v, beta)                # (b, h, k)
-        return self._norm_out(o), next_state
+        o = self.hook_o(delta_rule(q, k, v, beta))                                   # (b, l, h, k)
+        return self.o_proj(self.o_norm(o).flatten(-2))  # per-head RMSNorm, heads concatenated: (b, l, d)
 
 
 # ============================================ 4. Blocks, the LM (zoology/model.py), init, registry
@@ -808,37 +717,32 @@ def register(name, mixer, description, mamba_block=False):
 
 # The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
-register("base_conv", _base_conv_layer,
-         "BaseConv: projection gated by a causal conv, short (K=3) and implicit long conv alternating + MLP")
-register("based", _based_layer, "Based: BaseConv short-conv layers alternating with Taylor-feature linear attention + MLP")
-register("h3", H3, "H3: shift SSM on keys, key-value outer products through a diagonal S4D SSM, query readout + MLP")
-register("hyena", Hyena, "Hyena: short filter, gated implicit long convolution (sine-MLP filter with decay window) + MLP")
-register("mamba", Mamba, "Mamba: short conv + input-dependent selective SSM scan with SiLU gate, no MLP", mamba_block=True)
-register("deltanet", DeltaNet, "DeltaNet: linear attention with the delta-rule state update, short convs on q/k/v + MLP")
+register("base_conv", _base_conv_layer, "a projection gated by short and implicit long convs + MLP")
+register("based", _based_layer, "BaseConv alternating with Taylor-feature linear attention + MLP")
+register("h3", H3, "shift SSM on keys, diagonal SSM on key-value products, query readout + MLP")
+register("hyena", Hyena, "short filter, gated implicit long convolution + MLP")
+register("mamba", Mamba, "short conv, selective SSM scan, SiLU gate; no MLP", mamba_block=True)
+register("deltanet", DeltaNet, "linear attention with the delta-rule update, short convs + MLP")
 BUILT_IN_ARCHS = tuple(ARCHS)
-
-_base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)
+_base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)  # their **options
 _base_conv_layer.D_CONV = _based_layer.D_CONV = range(1, 2**31)      # the short-conv kernel size
-# Classes the factories above hand their **options to: their keywords are build options too.
-MIXER_PARTS = (BaseConv, BasedAttention)
-NOT_OPTIONS = ("layer_idx", "n_layers", "reference", "kernel_size")   # set per layer by build_model / factories
+
+
+def _keywords(factory):
+    """The keywords with defaults of a mixer factory and of the classes it builds (its `builds`)."""
+    return {p.name for f in (factory, *getattr(factory, "builds", ()))
+            for p in inspect.signature(f).parameters.values() if p.default is not p.empty}
 
 
 def mixer_options():
-    """The extra keywords build_model accepts for any arch: those with defaults in the signatures of the
-    MIXER_CLASSES factories and MIXER_PARTS (a keyword no mixer takes, n_head for n_heads, is an error)."""
-    names = set()
-    for factory in (*MIXER_CLASSES.values(), *MIXER_PARTS):
-        for p in inspect.signature(factory).parameters.values():
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty:
-                names.add(p.name)
-    return frozenset(names.difference(NOT_OPTIONS))
+    """The extra keywords build_model accepts: those of the registered mixers (n_head for n_heads: an error)."""
+    names = set().union(*map(_keywords, MIXER_CLASSES.values()))
+    return frozenset(names - {"layer_idx", "n_layers", "reference", "kernel_size"})  # set per layer
 
 
 def takes_option(arch, name):
-    """Whether arch's factory, or a class it builds (its `builds`), takes build option `name`."""
-    factory = MIXER_CLASSES[arch]
-    return any(name in inspect.signature(f).parameters for f in (factory, *getattr(factory, "builds", ())))
+    """Whether arch's mixer takes build option `name`."""
+    return name in _keywords(MIXER_CLASSES[arch])
 
 
 def mixer_attr(arch, name):
@@ -847,7 +751,6 @@ def mixer_attr(arch, name):
 
 
 def _pos_emb_or_default(arch, pos_emb):
-    """pos_emb, or the mixer's POS_EMB for None."""
     return mixer_attr(arch, "POS_EMB") if pos_emb is None else pos_emb
 
 
@@ -856,15 +759,17 @@ def position_limit(arch, pos_emb, n_positions):
     return n_positions if _pos_emb_or_default(arch, pos_emb) or mixer_attr(arch, "FIXED_LENGTH") else None
 
 
-def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options):
-    """A one-line ValueError naming the first argument build_model cannot build from."""
-    positive_int = lambda x: isinstance(x, int) and x >= 1
+def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
+                d_conv=None, long_only=False, kernels="fast", seed=None, **options):
+    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: attention only).
+    d_conv: short-conv size; long_only: long convs only. kernels: "fast" or "reference". seed: the init's own RNG.
+    Bad arguments: a one-line ValueError naming the first."""
     if arch not in MIXER_CLASSES:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
     for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers)):
-        if not positive_int(value):
+        if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{name} must be a positive int; got {value!r}.")
-    if not (positive_int(n_heads) and d_model % n_heads == 0):
+    if not (isinstance(n_heads, int) and n_heads >= 1 and d_model % n_heads == 0):
         raise ValueError(f"n_heads must be a positive int dividing d_model={d_model}; got {n_heads!r}.")
     if not (isinstance(n_positions, int) and n_positions >= 2):
         raise ValueError(f"n_positions must be an int >= 2; got {n_positions!r}.")
@@ -878,28 +783,11 @@ def _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions,
         raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
     unknown = sorted(set(options) - mixer_options())
     if unknown:
-        known = sorted(mixer_options() | {"pos_emb", "n_positions", "n_heads", "d_conv", "long_only", "kernels", "seed"})
+        known = sorted(mixer_options() | {"pos_emb", "n_positions", "n_heads", "d_conv", "long_only", "kernels",
+                                          "seed"})
         close = difflib.get_close_matches(unknown[0], known, n=1)
         raise ValueError(f"build_model: unknown option {unknown[0]!r}"
                          + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
-
-
-def _raise_if_too_big(error, arch, vocab_size, d_model, n_layers):
-    """A ValueError naming the sizes if error is an allocation failure (bad input, not a crash)."""
-    text = " ".join(str(error).split())
-    if not (isinstance(error, MemoryError) or "alloc" in text.lower() or "out of memory" in text.lower()):
-        return
-    asked = re.search(r"allocate (\d+) bytes", text)
-    size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
-    raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} model "
-                     f"is too large to allocate{size}") from None
-
-
-def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
-                d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: attention only).
-    d_conv: short-conv size; long_only: long convs only. kernels: "fast" or "reference". seed: the init's own RNG."""
-    _check_build_args(arch, vocab_size, d_model, n_layers, n_heads, n_positions, d_conv, long_only, kernels, options)
     pos_emb = _pos_emb_or_default(arch, pos_emb)
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
@@ -909,16 +797,20 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        make_mixer = MIXER_CLASSES[arch]
         try:  # drawn in this order: the mixers layer by layer, then the embeddings
-            blocks = [Block(d_model, make_mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
-                                                d_conv=d_conv, long_only=long_only, n_positions=n_positions,
-                                                **options))
+            blocks = [Block(d_model, MIXER_CLASSES[arch](d_model, i, n_layers, kernels == "reference",
+                                                         n_heads=n_heads, d_conv=d_conv, long_only=long_only,
+                                                         n_positions=n_positions, **options))
                       for i in range(n_layers)]
             model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
-        except (RuntimeError, MemoryError) as e:
-            _raise_if_too_big(e, arch, vocab_size, d_model, n_layers)
-            raise
+        except (RuntimeError, MemoryError) as e:  # an allocation failure: bad input, not a crash
+            text = " ".join(str(e).split())
+            if not (isinstance(e, MemoryError) or re.search("alloc|out of memory", text, re.I)):
+                raise
+            asked = re.search(r"allocate (\d+) bytes", text)
+            size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
+            raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} "
+                             f"model is too large to allocate{size}") from None
         init_weights(model, n_layers, mamba_blocks)
     model.build_args = build_args
     return model
