@@ -23,34 +23,29 @@ import torch.nn.functional as F
 
 # ============================================ 1. Hook points and the mixer interface
 
-class HookPoint(nn.Module):
-    """Identity module marking an intervention site (interventions.py patches it with a forward hook). seq_dim:
-    the token axis (1 for (b, l, ...), 2 for (b, h, l, l) attention patterns), None for parameter-only tensors."""
+class HookPoint(nn.Identity):
+    """The identity, marking an intervention site (interventions.py hooks it). seq_dim: the token axis
+    (1 for (b, l, ...), 2 for (b, h, l, l) patterns), None for parameter-only tensors."""
 
     def __init__(self, seq_dim=1):
         super().__init__()
         self.seq_dim = seq_dim
 
-    def forward(self, x):
-        return x
-
 
 class Mixer(nn.Module):
-    """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers, reference, **options)
-    (unused options ignored); subclasses implement `mix`. What generic code reads of an architecture:"""
+    """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers, reference,
+    **options), options it does not take ignored; subclasses implement `mix`. Read by generic code:"""
     INTERNAL_SITES = []     # the inner hooks interventions.py patches by default
     READS = {}              # extra summary numbers: name -> (inner hook, position), read in layer 0
     POS_EMB = False         # learned absolute positions (the paper's convention: attention only)
     FIXED_LENGTH = False    # a filter or table of n_positions rows: documents must fit n_positions
     D_CONV = None           # the short-conv sizes the mixer accepts (None: no short conv)
+    MAMBA_BLOCK = False     # built in MambaBlocks (RMSNorm, no MLP, Mamba's init rules)
 
     def __init__(self, reference=False):
         super().__init__()
         self.reference = reference  # run the slow reference kernels of section 2
         self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's norm; the output
-
-    def mix(self, x):
-        raise NotImplementedError
 
     def forward(self, x):
         return self.hook_out(self.mix(self.hook_in(x)))
@@ -59,7 +54,7 @@ class Mixer(nn.Module):
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
-    """h_t = a_t h_{t-1} + b_t along dim 1, h_{-1} = 0, as a Python loop under autograd (slow, obviously right).
+    """h_t = a_t h_{t-1} + b_t along dim 1, h_{-1} = 0: a Python loop under autograd (obviously right).
     `unbind` (not `x[:, t]`) keeps the backward linear in l."""
     h, out = torch.zeros_like(b[:, 0]), []
     for a_t, b_t in zip(a.unbind(1), b.unbind(1)):
@@ -69,7 +64,7 @@ def sequential_scan(a, b):
 
 
 def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
-    """Mamba's selective scan (eqs. 2a, 2b, 4), materialised. u, delta (b, l, e); A (e, n); B, C (b, l, n):
+    """Mamba's selective scan (eqs. 2a, 2b, 4). u, delta (b, l, e); A (e, n); B, C (b, l, n):
       h_t = exp(delta_t A) h_{t-1} + delta_t B_t u_t,  y_t = sum_n C_t h_t  -> y (b, l, e)."""
     decay = torch.exp(delta[..., None] * A)                   # (b,l,e,n)
     drive = (delta * u)[..., None] * B[:, :, None, :]         # (b,l,e,n)
@@ -78,9 +73,8 @@ def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
 
 
 def direct_conv(u, k):
-    """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b, l, d), k (l, d), by the Toeplitz tensor."""
-    length = u.shape[1]
-    t = torch.arange(length, device=u.device)
+    """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b, l, d), k (l, d), by Toeplitz."""
+    t = torch.arange(u.shape[1], device=u.device)
     lag = t[:, None] - t[None, :]                         # (l, l): t - s
     toeplitz = k[lag.clamp(min=0)] * (lag >= 0)[..., None].to(k.dtype)  # (l, l, d)
     return torch.einsum("tsd,bsd->btd", toeplitz, u)      # (l,l,d) x (b,l,d) -> (b,l,d)
@@ -88,13 +82,12 @@ def direct_conv(u, k):
 
 def _shift_right(x, s, fill):
     """out[:, t] = x[:, t - s], the first s entries `fill`."""
-    pad = torch.full_like(x[:, :s], fill)
-    return torch.cat([pad, x[:, :-s]], dim=1)
+    return torch.cat([torch.full_like(x[:, :s], fill), x[:, :-s]], dim=1)
 
 
 def short_conv_reference(x, weight, bias=None):
-    """Causal depthwise short conv SC_K: y_t = bias + sum_j w_j x_{t-(K-1)+j}. x (b, l, c), weight (c, 1, K)
-    (Conv1d's layout: weight[:, 0, K-1] multiplies the current token), bias (c,) or None."""
+    """Causal depthwise short conv SC_K: y_t = bias + sum_j w_j x_{t-(K-1)+j}. x (b, l, c), weight
+    (c, 1, K) (Conv1d's: weight[:, 0, K-1] multiplies the current token), bias (c,) or None."""
     kernel = weight.shape[-1]
     y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
     for j in range(kernel):
@@ -110,7 +103,7 @@ def delta_rule_recurrent(q, k, v, beta):
     b, l, h, dk = k.shape
     S = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, k, k)
     outputs = []
-    for q_t, k_t, v_t, beta_t in zip(q.unbind(1), k.unbind(1), v.unbind(1), beta.unbind(1)):  # (b,h,k), (b,h)
+    for q_t, k_t, v_t, beta_t in zip(*(t.unbind(1) for t in (q, k, v, beta))):  # (b,h,k) x3, (b,h)
         retrieved = torch.einsum("bhkv,bhk->bhv", S, k_t)                          # S^T k_t
         S = S + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
         outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t) / math.sqrt(dk))
@@ -120,16 +113,16 @@ def delta_rule_recurrent(q, k, v, beta):
 # ============================================ 3. The backbone pieces and the mixers
 
 class MLP(nn.Module):
-    """TransformerBlock's state mixer (zoology's MLP): GELU(x W1^T + b1) W2^T + b2, hidden width 4d."""
+    """TransformerBlock's MLP (zoology's): GELU(x W1^T + b1) W2^T + b2, hidden width 4d, exact erf GELU."""
 
     def __init__(self, d_model):
         super().__init__()
         self.fc1 = nn.Linear(d_model, 4 * d_model)
         self.fc2 = nn.Linear(4 * d_model, d_model)  # down-scaled by the init pass
-        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's second norm; before the add
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's 2nd norm; before the add
 
     def forward(self, x):
-        return self.hook_out(self.fc2(F.gelu(self.fc1(self.hook_in(x)))))  # exact erf GELU: (b,l,d)->(b,l,4d)->(b,l,d)
+        return self.hook_out(self.fc2(F.gelu(self.fc1(self.hook_in(x)))))  # (b,l,d) -> (b,l,4d) -> (b,l,d)
 
 
 class RMSNorm(nn.Module):
@@ -137,42 +130,41 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model):
         super().__init__()
-        self.eps = 1e-5
         self.weight = nn.Parameter(torch.ones(d_model))  # g
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
 
 
 class Attention(Mixer):
-    """Causal multi-head softmax attention (zoology MHA): q, k, v = x W_qkv^T per head; z = softmax(q k^T /
-    sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is explicit (not SDPA) so that it is a patchable site."""
+    """Causal multi-head softmax attention (zoology MHA): q, k, v = x W_qkv^T per head;
+    z = softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. An explicit pattern (not SDPA): a site."""
     POS_EMB = True
     INTERNAL_SITES = ["hook_pattern", "hook_z"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
         super().__init__(reference)
         self.n_heads = n_heads
-        self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False hits only this
+        self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False: only here
         self.out_proj = nn.Linear(d_model, d_model)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
-        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l) rows are queries; (b,l,h,k)
+        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l) query rows; (b,l,h,k)
 
     def mix(self, x):
         b, l, d = x.shape
         h = self.n_heads
-        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # three blocks of d, head outer: (b,l,h,k) each
+        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # blocks of d, head outer: (b,l,h,k) x3
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
         # -inf, not upstream's -1e4: exactly zero weight (a difference of ~e^-1e4)
         future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
         pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
-        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))      # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
+        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))  # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
         return self.out_proj(z.reshape(b, l, d))
 
 
 def hyena_positional_features(n_positions):
-    """Z (P, 3), the input of Hyena's and BaseConv's filter MLPs: Z[n] = (n/(P-1), cos w_n, -sin w_n),
+    """Z (P, 3), the input of Hyena's and BaseConv's filters: Z[n] = (n/(P-1), cos w_n, -sin w_n),
     w_n = 2 pi 1e-4 n/P (Hyena's features, one band), never rescaled to l."""
     n = torch.arange(n_positions, dtype=torch.float32)
     angle = 2 * math.pi * 1e-4 * n / n_positions
@@ -180,8 +172,8 @@ def hyena_positional_features(n_positions):
 
 
 class BaseConv(Mixer):
-    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC_K(u) (kernel_size K >= 1)
-    or, for kernel_size=-1, LC(u; kappa) + u with the filter kappa (l, d) a ReLU MLP of positional features Z."""
+    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC_K(u) (kernel_size
+    K >= 1) or, for kernel_size=-1, LC(u; kappa) + u, the filter kappa (l, d) a ReLU MLP of features Z."""
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
@@ -189,31 +181,30 @@ class BaseConv(Mixer):
         super().__init__(reference)
         self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
-        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c*p (b,l,d)
+        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c*p
         if kernel_size == -1:
             # Z trained in the paper (README, difference 13) unless freeze_features
             self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)
             self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
-            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d); (b,l,d)
+            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d); LC
         else:
-            self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model, padding=kernel_size - 1)
+            self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model)  # weights, for short_conv
 
     def mix(self, u):
-        b, l, d = u.shape
-        p = self.hook_proj(self.projection(u))
+        l = u.shape[1]
+        p = self.hook_proj(self.projection(u))                              # (b,l,d)
         if self.kernel_size == -1:
             kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
             c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # a built-in identity
         else:
             conv = short_conv_reference if self.reference else short_conv
-            c = conv(u, self.conv.weight, self.conv.bias)                  # (b,l,d)
-        c = self.hook_conv(c)
-        return self.hook_gated(c * p) + u
+            c = conv(u, self.conv.weight, self.conv.bias)
+        return self.hook_gated(self.hook_conv(c) * p) + u
 
 
 def taylor_features(a):
-    """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4), vec(a a^T) / sqrt(2f)],
-    so that phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s), s = q.k / sqrt(f)."""
+    """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4),
+    vec(a a^T) / sqrt(2f)], so that phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s), s = q.k / sqrt(f)."""
     f = a.shape[-1]
     outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
     ones = torch.ones_like(a[..., :1])
@@ -221,41 +212,35 @@ def taylor_features(a):
 
 
 class BasedAttention(Mixer):
-    """Based linear attention, Taylor feature map, no biases (zoology/mixers/based.py): out = y W_o^T with
-    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps). `mix`: the quadratic view
-    (what the paper trained); `step`: the recurrent one, S_t = sum phi(k_s) v_s^T, z_t = sum phi(k_s)."""
+    """Based linear attention, Taylor feature map, no biases (zoology/mixers/based.py): out = y W_o^T,
+    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps). `mix`: the quadratic
+    view (what the paper trained); `step`: the recurrent one, S_t = sum phi(k_s) v_s^T, z_t = sum phi(k_s)."""
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, eps=1e-12, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, **options):
         super().__init__(reference)
-        self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, eps
-        self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in range(2))
+        self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, 1e-12
+        self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in "qk")
         self.proj_v = nn.Linear(d_model, d_model, bias=False)
-        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # named as upstream: NOT down-scaled at init
+        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # upstream's name: NOT down-scaled at init
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
         self.hook_v = HookPoint()                                        # (b,l,h,k)
-        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # phi(q).phi(k) (b,h,l,l); y (b,l,d)
+        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # phi(q).phi(k) (b,h,l,l); y
 
-    def _features(self, x):
-        """phi(q), phi(k) (b, l, h, F) and v (b, l, h, k) for x (b, l, d)."""
+    def mix(self, x):
         b, l, d = x.shape
         h, f = self.n_heads, self.feature_dim
         q = self.hook_q(self.proj_q(x).view(b, l, h, f))
         k = self.hook_k(self.proj_k(x).view(b, l, h, f))
         v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
-        return self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k)), v
-
-    def mix(self, x):
-        b, l, d = x.shape
-        phi_q, phi_k, v = self._features(x)
+        phi_q, phi_k = self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k))
         kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,F) x (b,l,h,F) -> (b,h,l,l)
         causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
         pattern = self.hook_pattern(kernel * causal)
         num = torch.einsum("bhts,bshk->bthk", pattern, v)       # (b,l,h,k)
         den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
-        y = self.hook_y((num / (den + self.eps)).reshape(b, l, d))
-        return self.proj_o(y)
+        return self.proj_o(self.hook_y((num / (den + self.eps)).reshape(b, l, d)))
 
     def init_state(self, batch, device=None, dtype=None):
         h, d = self.n_heads, self.proj_v.out_features
@@ -280,11 +265,13 @@ class BasedAttention(Mixer):
 
 
 class H3(Mixer):
-    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM over the m x m products
-    k~ v^T: k~ = LC(k; K^s) + D^k k, w = LC(k~ v^T; K^d) + D^d k~ v^T, o_j = sum_i q_i w_ij, out = o W_o + b_o."""
+    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM on the m x m
+    products k~ v^T: k~ = LC(k; K^s) + D^k k, w = LC(k~ v^T; K^d) + D^d k~ v^T,
+    o_j = sum_i q_i w_ij, out = o W_o + b_o."""
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2, **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024,
+                 h3_head_dim=2, **options):
         super().__init__(reference)
         d, n, m = d_model, h3_d_state, h3_head_dim
         if d % m or n % 2:
@@ -293,25 +280,25 @@ class H3(Mixer):
         h = self.n_heads
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         # Shift SSM per channel: state = down-shift(state) + B^s k_t, output C^s . state
-        self.shift_B = nn.Parameter(torch.eye(n)[0].repeat(d, 1))  # (d, n) one-hot: at init K^s = C^s[:, :l]
+        self.shift_B = nn.Parameter(torch.eye(n)[0].repeat(d, 1))  # (d,n) one-hot: K^s = C^s[:,:l]
         self.shift_C = nn.Parameter(torch.empty(d, n).uniform_(-n ** -0.5, n ** -0.5))  # (d, n)
         self.shift_D = nn.Parameter(torch.randn(d))                                 # D^k
         # Diagonal S4D-Lin SSM per head: n/2 complex modes (their conjugates are the factor 2)
         self.log_dt = nn.Parameter(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)))
-        self.log_neg_A_real = nn.Parameter(torch.full((h, n // 2), math.log(0.5)))  # rho: Re A = -1/2
-        self.A_imag = nn.Parameter(math.pi * torch.arange(n // 2).float().repeat(h, 1))  # theta: pi*n
-        self.diag_B = nn.Parameter(torch.tensor([1.0, 0.0]).repeat(h, n // 2, 1))  # (h, n/2, re/im): 1 + 0i
-        self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))      # standard complex normal
+        self.log_neg_A_real = nn.Parameter(torch.full((h, n // 2), math.log(0.5)))  # Re A = -1/2
+        self.A_imag = nn.Parameter(math.pi * torch.arange(n // 2).float().repeat(h, 1))  # Im: pi n
+        self.diag_B = nn.Parameter(torch.tensor([1.0, 0.0]).repeat(h, n // 2, 1))  # 1 + 0i (re, im)
+        self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))  # complex N(0, 1)
         self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
         self.output_linear = nn.Linear(d, d)  # not out_proj, so NOT down-scaled
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b, l, d)
-        self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()  # K^s (l,d); (b,l,d)
+        self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()
         self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()  # (b,l,d), (b,l,h,m,m)
-        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()    # K^d (l,h); (b,l,h,m,m)
+        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()  # K^d; w
         self.hook_y = HookPoint()                                                         # (b,l,d)
 
     def shift_kernel(self, length):
-        """K^s (l, d): K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag], the shift SSM's impulse response."""
+        """K^s (l, d), the shift SSM's response: K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag]."""
         n = self.d_state
         if length > n:
             raise ValueError(f"H3: sequence length {length} exceeds d_state={n}; raise h3_d_state")
@@ -321,13 +308,13 @@ class H3(Mixer):
             return torch.stack(lags, dim=0)                                          # (l, d)
         # Cross-correlation by FFT; padding to 2n keeps lags 0..n-1 free of wrap-around.
         work = torch.promote_types(B.dtype, torch.float32)  # no half-precision FFT on CPU
-        spectrum = torch.fft.rfft(C.to(work), n=2 * n) * torch.fft.rfft(B.to(work), n=2 * n).conj()  # (d, n+1)
+        spectrum = torch.fft.rfft(C.to(work), n=2 * n) * torch.fft.rfft(B.to(work), n=2 * n).conj()
         return torch.fft.irfft(spectrum, n=2 * n)[:, :length].T.to(B.dtype)          # (l, d)
 
     def diag_modes(self):
-        """(A_bar, W) (h, n/2) complex by the bilinear discretisation: A_bar = (1 + dt A/2) / (1 - dt A/2),
+        """(A_bar, W) (h, n/2) complex, discretised bilinearly: A_bar = (1 + dt A/2) / (1 - dt A/2),
         W = C B dt / (1 - dt A/2), so that K^d[lag] = 2 Re sum_n W A_bar^lag."""
-        up = lambda p: p.to(torch.promote_types(p.dtype, torch.float32))  # no bfloat16 complex numbers
+        up = lambda p: p.to(torch.promote_types(p.dtype, torch.float32))  # no bfloat16 complex
         dt = up(self.log_dt).exp()[:, None]                                         # (h, 1)
         A = torch.complex(-up(self.log_neg_A_real).exp(), up(self.A_imag))          # (h, n/2)
         half = dt * A / 2
@@ -336,10 +323,10 @@ class H3(Mixer):
         return (1 + half) / (1 - half), C * B * dt / (1 - half)
 
     def ssm_kernel(self, length):
-        """K^d (l, h) = 2 Re sum_n W A_bar^lag: a cumprod under autograd (reference) or vandermonde_kernel."""
+        """K^d (l, h) = 2 Re sum_n W A_bar^lag: by cumprod (reference) or vandermonde_kernel."""
         A_bar, W = self.diag_modes()                                                # (h, n/2) each
         if self.reference:
-            powers = torch.cumprod(A_bar[..., None].expand(*A_bar.shape, length), dim=-1) / A_bar[..., None]
+            powers = torch.cumprod(A_bar[..., None].expand(-1, -1, length), -1) / A_bar[..., None]
             return (2 * torch.einsum("hn,hnl->lh", W, powers).real).to(self.log_dt.dtype)  # (l, h)
         return vandermonde_kernel(A_bar, W, length).to(self.log_dt.dtype)            # (l, h)
 
@@ -355,11 +342,11 @@ class H3(Mixer):
         # channel c = head*m + i; kv[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head
         kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))  # (b, l, h, m, m)
         ssm_kernel = self.hook_ssm_kernel(self.ssm_kernel(l))                       # (l, h)
-        per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # one kernel per head
-        w = long_conv(kv.reshape(b, l, h * m * m), per_signal, reference=self.reference).view(b, l, h, m, m)
+        per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # per head
+        w = long_conv(kv.reshape(b, l, h * m * m), per_signal, self.reference).view(b, l, h, m, m)
         w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)  # (b, l, h, m, m)
         o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)  # read out with the query
-        y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,h,m) -> (b,l,m,h) -> (b,l,d): channel j*H+h
+        y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,m,h) -> (b,l,d): channel j*H+h
         return self.output_linear(y)
 
     def init_state(self, batch, device=None, dtype=None):
@@ -380,15 +367,15 @@ class H3(Mixer):
         kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)  # (b, h, m, m)
         A_bar, W = self.diag_modes()                                                   # (h, n/2)
         diag = A_bar[:, None, None] * state["diag"] + kv[..., None]  # (b, h, m, m, n/2)
-        w = 2 * (W[:, None, None] * diag).sum(-1).real + self.diag_D[:, None, None] * kv  # (b, h, m, m)
+        w = 2 * (W[:, None, None] * diag).sum(-1).real + self.diag_D[:, None, None] * kv
         o = torch.einsum("bhi,bhij->bhj", q.view(b, h, m), w)                          # (b, h, m)
         y = o.transpose(1, 2).reshape(b, d)  # channel j*H + h
         return self.output_linear(y), {"shift": shift, "diag": diag}
 
 
 class HyenaFilter(nn.Module):
-    """Hyena's implicit long filter h (l, d): h[n] = (W_4 g_3) * exp(-tau_n alpha), g_i = sin(omega (W_i g_{i-1}
-    + b_i)), g_0 = Z[n]."""
+    """Hyena's implicit long filter h (l, d): h[n] = (W_4 g_3) * exp(-tau_n alpha),
+    g_i = sin(omega (W_i g_{i-1} + b_i)), g_0 = Z[n]."""
 
     def __init__(self, d_model, order, n_positions):
         super().__init__()
@@ -397,15 +384,15 @@ class HyenaFilter(nn.Module):
         self.lin1 = nn.Linear(3, order)
         self.lin2, self.lin3 = nn.Linear(order, order), nn.Linear(order, order)
         self.lin_out = nn.Linear(order, d_model, bias=False)
-        self.freq = nn.Parameter(torch.ones(order))  # omega: ONE vector for all three sines, as upstream
+        self.freq = nn.Parameter(torch.ones(order))  # omega, ONE for all three sines, as upstream
         # alpha: decay rates 15.35..3.07 per channel (window 1e-2 at 30%..150% of P), never trained
         target = math.log(1e-2)
-        self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())  # (d,)
+        self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())
 
     def forward(self, length):
-        g = torch.sin(self.freq * self.lin1(self.z[:length]))           # (l, 3) -> (l, o)
-        g = torch.sin(self.freq * self.lin2(g))                         # (l, o)
-        g = torch.sin(self.freq * self.lin3(g))                         # (l, o)
+        g = self.z[:length]                                             # (l, 3)
+        for lin in (self.lin1, self.lin2, self.lin3):
+            g = torch.sin(self.freq * lin(g))                           # (l, o)
         window = torch.exp(-self.tau[:length, None] * self.decay)       # (l, d)
         return self.lin_out(g) * window                                 # (l, o) -> (l, d)
 
@@ -454,6 +441,7 @@ class Mamba(Mixer):
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
     READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the short conv carrying the key forward (v3)
     D_CONV = range(5)                                          # 0 removes the conv
+    MAMBA_BLOCK = True
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2, **options):
         super().__init__(reference)
@@ -472,7 +460,7 @@ class Mamba(Mixer):
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
         self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(e, 1))  # S4D-real
+        self.A_log = nn.Parameter(torch.arange(1, n + 1, dtype=torch.float32).log().repeat(e, 1))  # S4D-real
         self.D = nn.Parameter(torch.ones(e))
         self.out_proj = nn.Linear(e, d_model, bias=False)
         self.hook_x, self.hook_z = HookPoint(), HookPoint()         # xi, z (b,l,e)
@@ -481,7 +469,6 @@ class Mamba(Mixer):
         self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # (b,l,e) each
 
     def mix(self, x):
-        b, l, d = x.shape
         xi, z = self.in_proj(x).chunk(2, dim=-1)                  # (b,l,e) each
         xi, z = self.hook_x(xi), self.hook_z(z)
         conv = short_conv_reference if self.reference else short_conv
@@ -494,10 +481,8 @@ class Mamba(Mixer):
         delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
         A = -torch.exp(self.A_log.to(work))                       # (e,n)
         ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)  # sum_n C_t h_t (b,l,e)
-        ssm_out = self.hook_ssm_out(ssm_out.to(x.dtype))
-        y = ssm_out + self.D * u
-        y = self.hook_y(y * self.hook_gate(F.silu(z)))
-        return self.out_proj(y)                                   # (b,l,e) -> (b,l,d)
+        y = self.hook_ssm_out(ssm_out.to(x.dtype)) + self.D * u
+        return self.out_proj(self.hook_y(y * self.hook_gate(F.silu(z))))  # (b,l,e) -> (b,l,d)
 
 
 def l2_normalize(x):
@@ -700,19 +685,16 @@ def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, lon
 
 
 ARCHS = {}  # arch name -> one-line description (run.py's help, mechsm.Config's check)
-MIXER_CLASSES = {}         # arch name -> factory (d_model, layer_idx, n_layers, reference, **options) -> Mixer
-MAMBA_BLOCK_ARCHS = set()  # archs built from MambaBlocks (RMSNorm, no MLP, Mamba's init rules)
+MIXER_CLASSES = {}  # arch name -> factory (d_model, layer_idx, n_layers, reference, **options) -> Mixer
 
 
-def register(name, mixer, description, mamba_block=False):
-    """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name` (README, "Add your
-    own mixer"). mamba_block=True: in Mamba's blocks (RMSNorm, no MLP)."""
+def register(name, mixer, description):
+    """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name`
+    (README, "Add your own mixer")."""
     if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
         raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
     MIXER_CLASSES[name] = mixer
     ARCHS[name] = description
-    if mamba_block:
-        MAMBA_BLOCK_ARCHS.add(name)
 
 
 # The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
@@ -721,7 +703,7 @@ register("base_conv", _base_conv_layer, "a projection gated by short and implici
 register("based", _based_layer, "BaseConv alternating with Taylor-feature linear attention + MLP")
 register("h3", H3, "shift SSM on keys, diagonal SSM on key-value products, query readout + MLP")
 register("hyena", Hyena, "short filter, gated implicit long convolution + MLP")
-register("mamba", Mamba, "short conv, selective SSM scan, SiLU gate; no MLP", mamba_block=True)
+register("mamba", Mamba, "short conv, selective SSM scan, SiLU gate; no MLP")
 register("deltanet", DeltaNet, "linear attention with the delta-rule update, short convs + MLP")
 BUILT_IN_ARCHS = tuple(ARCHS)
 _base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)  # their **options
@@ -746,7 +728,7 @@ def takes_option(arch, name):
 
 
 def mixer_attr(arch, name):
-    """A class attribute of arch's mixer or factory (READS, POS_EMB, FIXED_LENGTH, D_CONV)."""
+    """A class attribute of arch's mixer or factory (POS_EMB, FIXED_LENGTH, D_CONV, MAMBA_BLOCK)."""
     return getattr(MIXER_CLASSES[arch], name, getattr(Mixer, name))
 
 
@@ -792,7 +774,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
                       kernels=kernels, seed=seed, **options)
-    mamba_blocks = arch in MAMBA_BLOCK_ARCHS
+    mamba_blocks = mixer_attr(arch, "MAMBA_BLOCK")
     Block = MambaBlock if mamba_blocks else TransformerBlock
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:

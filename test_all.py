@@ -690,7 +690,7 @@ def test_model_follows_dtype_and_rebuilds(arch):
 def test_required_hook_names_exist(arch):
     names = {name for name, _ in small_model(arch).named_modules()}
     block_sites = ["hook_resid_pre", "mixer.hook_in", "mixer.hook_out", "hook_resid_post"]
-    if arch not in models.MAMBA_BLOCK_ARCHS:
+    if not models.mixer_attr(arch, "MAMBA_BLOCK"):
         block_sites += ["mlp.hook_in", "mlp.hook_out"]
     for i in range(2):
         for site in block_sites:
