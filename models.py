@@ -689,8 +689,7 @@ MIXER_CLASSES = {}  # arch name -> factory (d_model, layer_idx, n_layers, refere
 
 
 def register(name, mixer, description):
-    """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name`
-    (README, "Add your own mixer")."""
+    """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name`."""
     if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
         raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
     MIXER_CLASSES[name] = mixer
