@@ -810,30 +810,6 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-class kernel_form:
-    """`with kernel_form("gpu"):` makes scan and selective_scan use their GPU forms on any device ("cpu": the
-    loop forms); tests use it to run the GPU paths on a CPU."""
-
-    forced = None  # "cpu" | "gpu" | None (choose by device)
-
-    def __init__(self, form):
-        if form not in ("cpu", "gpu"):
-            raise ValueError(f"kernel_form: got {form!r}, expected 'cpu' or 'gpu'")
-        self.form = form
-
-    def __enter__(self):
-        self.previous, kernel_form.forced = kernel_form.forced, self.form
-        return self
-
-    def __exit__(self, *exc):
-        kernel_form.forced = self.previous
-
-    @staticmethod
-    def of(x):
-        """The forced form, else x's device's."""
-        return kernel_form.forced or ("cpu" if x.device.type == "cpu" else "gpu")
-
-
 def _fold_into_batch(info, in_dims, tensors):
     """A vmap rule's first half: each tensor (vmapped at in_dims[i], None: expanded) -> (r*b, ...), member-major,
     so the plain kernel runs once on all members; the rule then unflattens its output to (r, b, ...)."""
@@ -863,54 +839,19 @@ def parallel_scan(a, b):
     return h[:, :length]
 
 
-class _ScanFn(torch.autograd.Function):
-    """A scan with a hand-written backward: saves (a, h), folds a vmap into the batch dim."""
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0], output)
-
-    @classmethod
-    def vmap(cls, info, in_dims, a, b):
-        h = cls.apply(*_fold_into_batch(info, in_dims, (a, b)))    # (r*b, l, ...)
-        return h.unflatten(0, (info.batch_size, -1)), 0             # (r, b, l, ...)
-
-
-class _LoopScanFn(_ScanFn):
-    """sequential_scan in place, hand-written backward (no graph of l small ops): with g = dL/dh, the gradient
-    into h_t is c_t = g_t + a_{t+1} c_{t+1} (a reverse scan), dL/db_t = c_t, dL/da_t = c_t h_{t-1}."""
-
-    @staticmethod
-    def forward(a, b):
-        h = torch.empty_like(b)
-        h[:, 0] = b[:, 0]
-        with _one_thread():
-            for t in range(1, h.shape[1]):
-                torch.addcmul(b[:, t], a[:, t], h[:, t - 1], out=h[:, t])  # h_t = a_t h_{t-1} + b_t
-        return h
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        a, h = ctx.saved_tensors
-        grad_b = torch.empty_like(h)
-        grad_b[:, -1] = grad_h[:, -1]
-        with _one_thread():
-            for t in range(h.shape[1] - 2, -1, -1):
-                torch.addcmul(grad_h[:, t], a[:, t + 1], grad_b[:, t + 1], out=grad_b[:, t])  # c_t
-        grad_a = torch.empty_like(h)
-        grad_a[:, 0] = 0
-        torch.mul(grad_b[:, 1:], h[:, :-1], out=grad_a[:, 1:])             # dL/da_t = c_t h_{t-1}
-        return grad_a, grad_b
-
-
-class _ParallelScanFn(_ScanFn):
-    """parallel_scan whose backward is parallel_scan right to left (autograd keeps ~2.5x more tensors): _LoopScanFn's
-    c_t reversed in time, s = l-1-t, is c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s}."""
+class _ParallelScanFn(torch.autograd.Function):
+    """parallel_scan whose backward is parallel_scan right to left (autograd keeps ~2.5x more tensors): with
+    g = dL/dh, the gradient into h_t is c_t = g_t + a_{t+1} c_{t+1}, reversed in time (s = l-1-t) the scan
+    c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s}; then dL/db_t = c_t, dL/da_t = c_t h_{t-1}. vmap: folded into b."""
 
     @staticmethod
     def forward(a, b):
         h = parallel_scan(a, b)
         return b.clone() if h is b else h    # l = 1 returns b itself
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
     def backward(ctx, grad_h):
@@ -920,18 +861,18 @@ class _ParallelScanFn(_ScanFn):
         grad_a = grad_b * _shift_right(h, 1, 0.0)                           # dL/da_t = c_t h_{t-1}
         return grad_a, grad_b
 
+    @staticmethod
+    def vmap(info, in_dims, a, b):
+        h = _ParallelScanFn.apply(*_fold_into_batch(info, in_dims, (a, b)))  # (r*b, l, ...)
+        return h.unflatten(0, (info.batch_size, -1)), 0                     # (r, b, l, ...)
 
-loop_scan = _LoopScanFn.apply                      # fastest on a CPU
-parallel_scan_custom_grad = _ParallelScanFn.apply  # `scan` on a GPU
+
+parallel_scan_custom_grad = _ParallelScanFn.apply  # `scan` and `selective_scan` on a GPU
 
 
 def scan(a, b, reference=False):
-    """h_t = a_t h_{t-1} + b_t: loop_scan on a CPU, else parallel_scan_custom_grad (or as kernel_form says)."""
-    if reference:
-        return sequential_scan(a, b)
-    if kernel_form.of(a) == "cpu":
-        return loop_scan(a, b)
-    return parallel_scan_custom_grad(a, b)
+    """h_t = a_t h_{t-1} + b_t: sequential_scan on a CPU (or with reference=True), else parallel_scan_custom_grad."""
+    return sequential_scan(a, b) if reference or a.device.type == "cpu" else parallel_scan_custom_grad(a, b)
 
 
 def _selective_states(u, delta, A, B):
@@ -1029,10 +970,10 @@ def selective_scan_loop(u, delta, A, B, C):
 
 
 def selective_scan(u, delta, A, B, C, reference=False):
-    """selective_scan_loop on a CPU, else the reference through parallel_scan_custom_grad (or as kernel_form says)."""
+    """selective_scan_loop on a CPU, else the reference through parallel_scan_custom_grad."""
     if reference:
         return selective_scan_reference(u, delta, A, B, C)
-    if kernel_form.of(u) == "cpu":
+    if u.device.type == "cpu":
         return selective_scan_loop(u, delta, A, B, C)  # under no_grad: the forward alone
     return selective_scan_reference(u, delta, A, B, C, plain_scan=parallel_scan_custom_grad)
 

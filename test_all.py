@@ -352,7 +352,7 @@ def _grads(fn, inputs, weight):
 
 @pytest.mark.parametrize("length", [1, 7, 64, 1000])
 @pytest.mark.parametrize("decay", ["near0", "near1"])
-@pytest.mark.parametrize("fast", [models.parallel_scan, models.parallel_scan_custom_grad, models.loop_scan])
+@pytest.mark.parametrize("fast", [models.parallel_scan, models.parallel_scan_custom_grad])
 def test_scans_match_the_loop_in_values_and_gradients(length, decay, fast):
     gen = torch.Generator().manual_seed(length)
     shape = (2, length, 3)
@@ -528,8 +528,12 @@ def test_vmap_fallback_guard_catches_a_fallback():
         torch.func.vmap(lambda x: torch.histc(x, 4))(torch.randn(3, 5))   # histc has no batching rule
 
 
-@pytest.mark.parametrize("form", ["cpu", "gpu"])
-def test_kernel_vmap_rules_equal_a_loop_over_members(form):
+def gpu_selective_scan(u, delta, A, B, C, reference=False):
+    """What models.selective_scan runs on a GPU (the reference through the parallel scan), here on the CPU."""
+    return models.selective_scan_reference(u, delta, A, B, C, plain_scan=models.parallel_scan_custom_grad)
+
+
+def test_kernel_vmap_rules_equal_a_loop_over_members():
     """The hand-written vmap rules (vmapped dim folded into the batch) give each member what the kernel
     gives it alone, values and gradients, for any position of the vmapped dim and unvmapped inputs."""
     gen = torch.Generator().manual_seed(0)
@@ -538,11 +542,12 @@ def test_kernel_vmap_rules_equal_a_loop_over_members(form):
     a, h0 = torch.rand(b, r, l, e, generator=gen, dtype=torch.float64), rand(r, b, l, e)   # a: vmapped at dim 1
     u, delta, B, C = rand(r, b, l, e), rand(r, b, l, e).sigmoid(), rand(r, b, l, n), rand(b, l, n)  # C shared
     A_per_member, A_shared = -rand(r, e, n).abs(), -rand(e, n).abs()
-    cases = [(models.loop_scan, (a, h0), (1, 0)), (models.parallel_scan_custom_grad, (a, h0), (1, 0)),
-             (models.scan, (a, h0[0]), (1, None)),
-             (models.selective_scan, (u, delta, A_per_member, B, C), (0, 0, 0, 0, None)),
-             (models.selective_scan, (u, delta, A_shared, B, C), (0, 0, None, 0, None))]
-    with models.kernel_form(form), vmap_fallback_is_an_error():
+    scan = models.parallel_scan_custom_grad
+    cases = [(scan, (a, h0), (1, 0)), (scan, (a, h0[0]), (1, None))]
+    for kernel in (models.selective_scan, gpu_selective_scan):   # the CPU and the GPU form
+        cases += [(kernel, (u, delta, A_per_member, B, C), (0, 0, 0, 0, None)),
+                  (kernel, (u, delta, A_shared, B, C), (0, 0, None, 0, None))]
+    with vmap_fallback_is_an_error():
         for kernel, inputs, dims in cases:
             leaves = [x.clone().requires_grad_() for x in inputs]
             out = torch.func.vmap(kernel, in_dims=dims)(*leaves)                # (r, b, l, ...)
@@ -555,7 +560,6 @@ def test_kernel_vmap_rules_equal_a_loop_over_members(form):
             torch.testing.assert_close(out, torch.stack(members), rtol=1e-12, atol=1e-12)
             for g, g_loop in zip(grads, loop_grads):
                 torch.testing.assert_close(g, g_loop, rtol=1e-10, atol=1e-12)
-    assert models.kernel_form.forced is None                                # restored on exit
 
 
 # ==================================================================================================
@@ -1654,20 +1658,21 @@ def test_nan_member_fails_and_the_others_finish_as_alone(float64_models):
 @pytest.mark.parametrize("arch,options", VARIANTS[:len(ARCH_UNDER_TEST)] + [("mamba", {"d_conv": 0}),
                                                                            ("base_conv", {"long_only": True})],
                          ids=VARIANT_IDS[:len(ARCH_UNDER_TEST)] + ["mamba-d_conv=0", "base_conv-long_only"])
-def test_every_arch_runs_under_vmap_with_no_fallback(arch, options, form):
+def test_every_arch_runs_under_vmap_with_no_fallback(arch, options, form, monkeypatch):
     """The group's vmapped loss and its backward, with the CPU kernels and with the GPU forms forced on
     the CPU, hit no vmap fallback, and give each member its own loss and gradient (float64)."""
+    if form == "gpu":
+        monkeypatch.setattr(models, "selective_scan", gpu_selective_scan)
     members = [small_model(arch, seed=s, **options) for s in range(3)]
     ensemble = mechsm.Ensemble(members)
     tokens, queries = random_tokens(4, 12), torch.tensor([3, 5, 11, 7])
     answers = torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(1))
-    with models.kernel_form(form), vmap_fallback_is_an_error():
+    with vmap_fallback_is_an_error():
         losses = mechsm.answer_loss(ensemble, tokens, queries, answers)               # (3,)
         losses.sum().backward()
     for i, model in enumerate(members):
-        with models.kernel_form(form):
-            mechsm.answer_loss(model, tokens, queries, answers).backward()
-            loss = mechsm.answer_loss(model, tokens, queries, answers)
+        mechsm.answer_loss(model, tokens, queries, answers).backward()
+        loss = mechsm.answer_loss(model, tokens, queries, answers)
         grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in model.parameters()])
         torch.testing.assert_close(losses[i], loss.detach(), rtol=1e-12, atol=1e-12)
