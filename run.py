@@ -1192,19 +1192,19 @@ FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the e
 
 
 def colour(arch):
-    """A fixed tab10 colour per architecture (ALL_ARCHS order; another arch: one of the last three)."""
-    import matplotlib
-    return matplotlib.colormaps["tab10"](ALL_ARCHS.index(arch) if arch in ALL_ARCHS else 7 + len(arch) % 3)
+    """A fixed tab10 colour per arch (ALL_ARCHS order; another arch: one of the last three)."""
+    from matplotlib import colormaps
+    return colormaps["tab10"](ALL_ARCHS.index(arch) if arch in ALL_ARCHS else 7 + len(arch) % 3)
 
 
 def patched_runs(records, signal=False):
-    """The records with a patching summary (each run once: its last), with signal only if `signal`."""
+    """The patched records, each run once (its last); only those with signal if `signal`."""
     runs = {run_key(r["config"]): r for r in records if (r.get("mechanism") or {}).get("attrib_value") is not None}
     return [r for r in runs.values() if not (signal and r["mechanism"].get("low_signal"))]
 
 
 def widest_rows(rows):
-    """Per label without its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'), its widest row."""
+    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
     keep = {}
     for row in rows:
         d = row["d_model"]
@@ -1222,9 +1222,9 @@ def plot_scatter(fig, records):
     """Attrib@Value against Attrib@Query, every patched run (hollow: too little signal), with the
     verdict's induction and direct-retrieval regions shaded (the paper's Fig. 3 plane)."""
     runs = patched_runs(records)
-    arch = [r["config"]["arch"] for r in runs]
-    x, y = (np.array([r["mechanism"][k] for r in runs], float) for k in ("attrib_value", "attrib_query"))
-    low = np.array([bool(r["mechanism"].get("low_signal")) for r in runs], bool)
+    arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
+    x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
+    low = np.array([bool(m.get("low_signal")) for m in mech], bool)
     (lo, hi), v, ax = FRAME, interventions.INDUCTION_MIN_VALUE, fig.subplots()
     ax.fill_between([v, hi], [lo, lo], [v, hi], color="tab:green", alpha=0.12, lw=0)
     ax.fill_between([lo, interventions.DIRECT_MAX_VALUE], interventions.DIRECT_MIN_QUERY, hi,
@@ -1248,7 +1248,7 @@ def plot_width(fig, rows):
     """Accuracy against width (log2 axis), one line per label: its best run at each width."""
     lines, ax = {}, fig.subplots()
     for row in sorted(rows, key=lambda r: r["d_model"]):
-        lines.setdefault(next(k for k, w in widest_rows([row]).items()), []).append(row)
+        lines.setdefault(next(iter(widest_rows([row]))), []).append(row)      # its label less width
     out = {label: (np.array([r["d_model"] for r in line]),
                    np.array([(r["best"].get("final") or {}).get("acc") for r in line], float))
            for label, line in lines.items()}
@@ -1264,8 +1264,8 @@ def plot_width(fig, rows):
 
 
 def plot_heatmaps(fig, rows):
-    """Per label (its widest row), the best run's table: site x layer by position, values printed."""
-    rows = [(label, r) for label, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
+    """Per label (its widest row), the best run's table: site x layer by position, with values."""
+    rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
     n_sites, panels = max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows), []
     for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
         table = row["best"]["mechanism_table"]
@@ -1309,8 +1309,8 @@ def plot_timeline(fig, rows):
 def plot_box(fig, records):
     """ATR: per arch, boxes of Attrib@Key, Attrib@Value, Attrib@Query over its runs with signal."""
     runs, ax, handles = patched_runs(records, signal=True), fig.subplots(), []
-    archs = sorted({r["config"]["arch"] for r in runs}, key=lambda a: (a not in ALL_ARCHS, ALL_ARCHS.index(a)
-                                                                     if a in ALL_ARCHS else a))
+    names = {r["config"]["arch"] for r in runs}
+    archs = [a for a in ALL_ARCHS if a in names] + sorted(names - set(ALL_ARCHS))
     out = {a: {k: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"]["arch"] == a], float)
                for k in ATTRIBS} for a in archs}
     for j, (k, (name, c)) in enumerate(ATTRIBS.items()):
@@ -1325,30 +1325,30 @@ def plot_box(fig, records):
 
 def draw_figures(records, rows, name, folder, task="ar", only=None):
     """folder/<name>_<kind>.png for each kind with something to draw: scatter, timeline, heatmaps,
-    width (a label with several widths), box (ATR). {kind: plotted data}; None without matplotlib."""
+    width (a label with several widths), box (ATR). {kind: its data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
     several = any(len({r["d_model"] for r in rows if r["arch"] == row["arch"]}) > 1 for row in rows)
-    kinds = {"scatter": (plot_scatter, records, patched_runs(records), 6), "timeline": (plot_timeline, rows, rows, 0),
-             "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows), 0),
-             "width": (plot_width, rows, several, 4.5),
-             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True), 4.5)}
+    kinds = {"scatter": (plot_scatter, records, patched_runs(records)), "timeline": (plot_timeline, rows, rows),
+             "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows)),
+             "width": (plot_width, rows, several),
+             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True))}
     os.makedirs(folder, exist_ok=True)
     out = {}
-    for kind, (draw, data, wanted, height) in kinds.items():
+    for kind, (draw, data, wanted) in kinds.items():
         if wanted and kind in (only or kinds):
-            fig = Figure(figsize=(8.0, height or 4.5), layout="constrained")
+            fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
             fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
     return out
 
 
 # ==============================================================================================
-# `python run.py bench`: each fast path against its slow reference, timed in the same run (medians of
-# interleaved repeats). With OpenMP's spinning wait policy a busy second process made the loop kernels
-# 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
+# `python run.py bench`: each fast path against its slow reference, timed in the same run (medians
+# of interleaved repeats). With OpenMP's spinning wait policy a busy second process made the loop
+# kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 # ==============================================================================================
 
 def make_step(model, tokens, queries, answers, lr, forward=None):
@@ -1376,9 +1376,8 @@ SIZES = {
 
 
 def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
-    """Run the benchmark's parts (one thread on a CPU, as the workers), print a table each, return
-    every number as a JSON-serialisable dict; size: a key of SIZES."""
-    device, sizes, threads = torch.device(mechsm.resolve_device(str(device))), SIZES[size], torch.get_num_threads()
+    """Run the parts (one thread on a CPU, as the workers), print their tables, return them."""
+    device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
     env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size,
                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
@@ -1389,30 +1388,34 @@ def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for part in parts:
-                measure = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)[part - 1]
-                result.update(measure(device, sizes, print_fn))
+                measures = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)
+                result.update(measures[part - 1](device, SIZES[size], print_fn))
     finally:
         torch.set_num_threads(threads)
     return result
 
 
 def bench_scan(device, sizes, print_fn):
-    """1a: the plain scan h_t = a_t h_(t-1) + b_t on Mamba-shaped inputs; 1b: Mamba's selective scan."""
-    plain, selective = [], []
+    """1a: the plain scan h_t = a_t h_(t-1) + b_t, Mamba-shaped inputs; 1b: the selective scan."""
+    plain, selective, e, n = [], [], sizes["e"], sizes["n"]
     for length in sizes["lengths"]:
-        b = max(1, min(sizes["b"], sizes["tokens"] // length))
-        x, g = scan_inputs(b, length, sizes["e"], sizes["n"], device, seed=length), torch.Generator().manual_seed(1)
+        b, g = max(1, min(sizes["b"], sizes["tokens"] // length)), torch.Generator().manual_seed(length)
+        # a fresh Mamba layer's: delta log-uniform in [1e-3, 1e-1], A = -(1..n), u, B, C normal
+        delta = torch.exp(torch.empty(b, length, e).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+        A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
+        u, B, C = (torch.randn(b, length, k, generator=g) for k in (e, n, n))
+        a, bu = torch.exp(delta[..., None] * A), (delta * u)[..., None] * B[:, :, None]   # a_t, b_t
+        g = torch.Generator().manual_seed(1)
         kernels = {"sequential": models.sequential_scan, "scan": models.scan, "parallel": models.parallel_scan_custom_grad}
-        rows = compare(kernels, (x["a"], x["b"]), torch.randn(x["a"].shape, generator=g).to(device), sizes, device)
-        plain += [dict(L=length, B=b, **row) for row in rows]
+        plain += compare(kernels, (a, bu), torch.randn(a.shape, generator=g), sizes, device,
+                         L=length, B=b)
         kernels = {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan}
-        rows = compare(kernels, [x[k] for k in ("u", "delta", "A", "B", "C")],
-                       torch.randn(x["u"].shape, generator=g).to(device), sizes, device)
-        # The floor: one elementwise in-place pass over a (B, L, e, n) tensor (the scan's state), same run
-        state = x["a"].clone()
-        one_pass = medians({"pass": lambda: state.mul_(1.0)}, max(3, sizes["repeats"]), device)["pass"]
-        selective += [dict(L=length, B=b, **row, passes=row["ms"] / (1e3 * one_pass)) for row in rows]
-    print_table(f"1a. Plain scan, Mamba-shaped a, b (B, L, {sizes['e']}, {sizes['n']}): `scan` (shipped, picked per "
+        rows = compare(kernels, (u, delta, A, B, C), torch.randn(u.shape, generator=g), sizes,
+                       device, L=length, B=b)
+        state = a.to(device, copy=True)      # the floor: one in-place pass over that state
+        floor = medians({"pass": lambda: state.mul_(1.0)}, max(3, sizes["repeats"]), device)["pass"]
+        selective += [dict(row, passes=row["ms"] / (1e3 * floor)) for row in rows]
+    print_table(f"1a. Plain scan, Mamba-shaped a, b (B, L, {e}, {n}): `scan` (shipped, picked per "
                 "device) and `parallel_scan_custom_grad` against `sequential_scan` (plain autograd)", plain, print_fn)
     print_table("1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + delta_t B_t u_t, y = sum_n C h: "
                 "`selective_scan` against `selective_scan_reference` (materialised + plain loop); passes = "
@@ -1421,79 +1424,63 @@ def bench_scan(device, sizes, print_fn):
     return dict(scan=plain, selective_scan=selective)
 
 
-def scan_inputs(b, l, e, n, device, seed=0):
-    """Selective-scan inputs as a fresh Mamba layer's (Δ log-uniform in [1e-3, 1e-1], A = -(1..n),
-    u, B, C normal), with the plain scan's a = exp(Δ A), b = Δ B u."""
-    g = torch.Generator().manual_seed(seed)
-    delta = torch.exp(torch.empty(b, l, e).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
-    A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
-    u, B, C = (torch.randn(*shape, generator=g) for shape in ((b, l, e), (b, l, n), (b, l, n)))
-    x = dict(u=u, delta=delta, A=A, B=B, C=C, a=torch.exp(delta[..., None] * A), b=(delta * u)[..., None] * B[:, :, None])
-    return {k: v.to(device) for k, v in x.items()}
+def compare(kernels, inputs, grad_out, sizes, device, **fields):
+    """Rows: `fields`, then forward+backward of each kernel(*inputs): ms, speed-up over the first
+    (the reference), errors of output and gradients against the reference in float64."""
+    inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
 
-
-def compare(kernels, inputs, grad_out, sizes, device):
-    """Forward+backward of each kernel(*inputs): ms, speed-up over the first (the reference) and the
-    errors of output and gradients against the reference in float64."""
     def forward_backward(kernel, xs):
         xs = [x.detach().requires_grad_() for x in xs]
         out = kernel(*xs)
         return out, torch.autograd.grad(out, xs, grad_out.to(out.dtype))
 
-    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)   # H3's modes are complex
-    out64, grads64 = forward_backward(next(iter(kernels.values())), [wide(x) for x in inputs])
-    times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()}, sizes["repeats"], device)
+    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
+    out64, grads64 = forward_backward(kernels[first], [wide(x) for x in inputs])
+    times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()},
+                    sizes["repeats"], device)
     rows = []
     for name, kernel in kernels.items():
         out, grads = forward_backward(kernel, inputs)
-        rows.append(dict(kernel=name, ms=1e3 * times[name], speedup=next(iter(times.values())) / times[name],
-                         max_abs_err=(out.double() - out64).abs().max().item(),
-                         grad_rel_err=max(((wide(g) - g64).abs().max() / g64.abs().max().clamp(min=1e-30)).item()
-                                          for g, g64 in zip(grads, grads64))))
+        rel = [(wide(g) - g64).abs().max() / g64.abs().max().clamp(min=1e-30) for g, g64 in zip(grads, grads64)]
+        rows.append(dict(fields, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
+                         max_abs_err=(out.double() - out64).abs().max().item(), grad_rel_err=max(rel).item()))
     return rows
 
 
 def bench_conv(device, sizes, print_fn):
-    """2: the long convolution u (B, L, d) * k (L, d), fft_conv against direct_conv (autograd)."""
-    rows = []
+    """2a: the long convolution u (B, L, d) * k (L, d); 2b: the short conv; 2c: H3's SSM kernel."""
+    conv, short, ssm, b, c = [], [], [], sizes["b"], 3 * sizes["width"]
     for length in sizes["lengths"]:
         budget = sizes["toeplitz_mib"] * 2**20 * (16 if device.type == "cuda" else 1)
         d, g = max(1, min(sizes["d"], budget // (4 * length * length))), torch.Generator().manual_seed(length)
-        u, k, grad_out = (torch.randn(*shape, generator=g).to(device) for shape in
-                          ((sizes["b"], length, d), (length, d), (sizes["b"], length, d)))
+        u, k, grad_out = (torch.randn(*shape, generator=g)
+                          for shape in ((b, length, d), (length, d), (b, length, d)))
         kernels = {"direct": models.direct_conv, "fft": models.fft_conv}
-        rows += [dict(L=length, B=sizes["b"], D=d, **row) for row in compare(kernels, (u, k / length ** 0.5), grad_out,
-                                                                             sizes, device)]
+        conv += compare(kernels, (u, k / length ** 0.5), grad_out, sizes, device, L=length, B=b, D=d)
     print_table("2a. Long convolution, forward+backward: fft_conv against direct_conv (an explicit Toeplitz sum)",
-                rows, print_fn)
-    short, g = [], torch.Generator().manual_seed(0)
+                conv, print_fn)
+    g = torch.Generator().manual_seed(0)
     for length in sizes["lengths"][:2]:
-        x, w, bias, grad_out = (torch.randn(*shape, generator=g).to(device) for shape in
-                                ((sizes["b"], length, 3 * sizes["width"]), (3 * sizes["width"], 1, 3),
-                                 (3 * sizes["width"],), (sizes["b"], length, 3 * sizes["width"])))
+        x, w, bias, grad_out = (torch.randn(*shape, generator=g)
+                                for shape in ((b, length, c), (c, 1, 3), (c,), (b, length, c)))
         kernels = {"reference": models.short_conv_reference, "short_conv": models.short_conv}
-        short += [dict(L=length, B=sizes["b"], C=x.shape[-1], **row) for row in compare(kernels, (x, w, bias), grad_out,
-                                                                                         sizes, device)]
+        short += compare(kernels, (x, w, bias), grad_out, sizes, device, L=length, B=b, C=c)
     print_table("2b. Short causal conv SC_3 (Hyena's, C = 3 x width), forward+backward: short_conv against "
                 "short_conv_reference (a shifted copy per tap)", short, print_fn)
-    ssm = []
     for length in sizes["lengths"][:2]:
-        fast = models.H3(sizes["width"]).to(device)
-        modes = [t.detach() for t in fast.diag_modes()]                        # A_bar, W (h, n/2) complex
+        modes = [t.detach() for t in models.H3(sizes["width"]).to(device).diag_modes()]  # (h, n/2)
         reference = lambda A, W, l=length: 2 * torch.einsum("hn,hnl->lh", W, torch.cumprod(
-            A[..., None].expand(*A.shape, l), dim=-1) / A[..., None]).real        # H3.ssm_kernel's reference form
+            A[..., None].expand(*A.shape, l), dim=-1) / A[..., None]).real   # as H3.ssm_kernel's
         kernels = {"reference": reference, "vandermonde": lambda A, W, l=length: models.vandermonde_kernel(A, W, l)}
-        grad_out = torch.randn(length, modes[0].shape[0], generator=g).to(device)
-        ssm += [dict(L=length, H=modes[0].shape[0], modes=modes[0].shape[1], **row)
-                for row in compare(kernels, modes, grad_out, sizes, device)]
+        (h, half), grad_out = modes[0].shape, torch.randn(length, modes[0].shape[0], generator=g)
+        ssm += compare(kernels, modes, grad_out, sizes, device, L=length, H=h, modes=half)
     print_table("2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward from the modes: vandermonde_kernel "
                 "against the reference's cumprod under autograd", ssm, print_fn)
-    return dict(conv=rows, short_conv=short, ssm_kernel=ssm)
+    return dict(conv=conv, short_conv=short, ssm_kernel=ssm)
 
 
 def bench_train(device, sizes, print_fn):
-    """3: training steps/s at the quick AR shape and the paper's: fast kernels and readout-only head
-    against kernels="reference" and the head on every position."""
+    """3: training steps/s at the quick and the paper's AR shape, the fast path against the slow."""
     rows = []
     for shape, pairs in (("quick", 8), ("paper", 16)):
         data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
@@ -1524,7 +1511,7 @@ def bench_mechanism(device, sizes, print_fn):
 
 
 def bench_ensemble(device, sizes, print_fn):
-    """5: K runs as one batched model (mechsm.Ensemble) against K models stepped one after another."""
+    """5: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
     data = mechsm.tasks.make_ar(sizes["batch"], seed=0)
     x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
     rows = []
@@ -1551,17 +1538,17 @@ VIEW_OPS = frozenset("aten::" + name for name in (
 
 
 def ops_per_call(fn):
-    """Operators doing work dispatched by fn()'s second call: innermost aten:: events less VIEW_OPS."""
+    """Operators doing work in fn()'s second call: its innermost aten:: events less VIEW_OPS."""
     fn()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     events = [e for e in prof.events() if e.name.startswith("aten::")]
-    outer = {e.cpu_parent.id for e in events if e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")}
+    outer = {e.cpu_parent.id for e in events if e.cpu_parent and e.cpu_parent.name.startswith("aten::")}
     return sum(1 for e in events if e.id not in outer and e.name not in VIEW_OPS)
 
 
 def medians(fns, repeats, device):
-    """Median seconds of each callable over `repeats` interleaved rounds, after a warm-up call each."""
+    """Median seconds of each callable over `repeats` interleaved rounds, after a warm-up each."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for fn in fns.values():
         fn()

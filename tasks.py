@@ -195,22 +195,12 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
 
 # --- ATR: the grammar, one sentence, one query, then the dataset.
 
-class Uniforms:
-    """A stream of U[0,1) floats from a numpy Generator, drawn in blocks (per-call rng is slow)."""
-
-    def __init__(self, rng, block=1 << 16):
-        self.rng, self.block, self.buf, self.i = rng, block, [], 0
-
-    def __call__(self):
-        if self.i == len(self.buf):
-            self.buf, self.i = self.rng.random(self.block).tolist(), 0
-        self.i += 1
-        return self.buf[self.i - 1]
-
-
-def _pick(cum, u):
-    """Index drawn from cumulative probabilities `cum` (last entry exactly 1.0) with uniform u."""
-    return bisect.bisect_right(cum, u)
+def uniforms(rng, block=1 << 16):
+    """A draw() of U[0,1) floats from numpy Generator rng, in blocks (per-call rng is slow)."""
+    def stream():
+        while True:
+            yield from rng.random(block).tolist()
+    return stream().__next__
 
 
 class PCFG:
@@ -248,7 +238,7 @@ class PCFG:
         self.rules = [[tuple(N + int(rng.integers(S)) if s == slot else s for s in rhs)
                        for rhs in rules] for rules in self.rules]
         # 4-5. Dirichlet(1,..,1) over each nonterminal's rules, and over the terminals for its head.
-        cum = lambda p: np.concatenate([np.cumsum(p)[:-1], [1.0]]).tolist()
+        cum = lambda p: np.concatenate([np.cumsum(p)[:-1], [1.0]]).tolist()  # last 1.0 exactly
         self.rule_cum = [cum(rng.dirichlet(np.ones(len(r)))) for r in self.rules]
         self.head_cum = [cum(rng.dirichlet(np.ones(S))) for _ in range(N)]
         # 6. each sentence starts from a uniformly random nonterminal (no dedicated S).
@@ -264,22 +254,17 @@ class PCFG:
             high[a] = 1 + max(sum(hi for _, hi in rhs) for rhs in sizes)
         return min(low.values()), max(high.values())
 
-    def __repr__(self):
-        return "PCFG(" + ", ".join(f"{k}={v!r}" for k, v in self.params.items()) + ")"
-
     def _open(self, a, draw):
         """Stack frame of one expansion of a: [rhs, next index, head terminal, dependents]."""
-        rhs = self.rules[a][_pick(self.rule_cum[a], draw())]
-        return [rhs, 0, _pick(self.head_cum[a], draw()), []]
+        rhs = self.rules[a][bisect.bisect_right(self.rule_cum[a], draw())]
+        return [rhs, 0, bisect.bisect_right(self.head_cum[a], draw()), []]
 
     def sample_sentence(self, draw, max_terminals=MAX_TERMINALS):
-        """One sentence -> (labels, parents, depth), or None past max_terminals. labels: terminal
-        indices; parents: each terminal's parent position (-1: the root head); depth: tree depth
-        (the deepest stack). Emits depth-first, left to right, each head after its dependents."""
+        """One sentence (labels, parents: each terminal's parent position, -1: the root head), or
+        None past max_terminals; depth-first, left to right, each head after its dependents."""
         N = self.num_nonterminals
         labels, parents = [], []
-        stack = [self._open(_pick(self.start_cum, draw()), draw)]
-        depth = 1
+        stack = [self._open(bisect.bisect_right(self.start_cum, draw()), draw)]
         while stack:
             frame = stack[-1]
             rhs, i = frame[0], frame[1]
@@ -291,7 +276,6 @@ class PCFG:
                     parents.append(-1)
                 else:
                     stack.append(self._open(rhs[i], draw))
-                    depth = max(depth, len(stack))
             else:                          # all dependents emitted: emit the head, point them at it
                 stack.pop()
                 head_pos = len(labels)
@@ -303,7 +287,7 @@ class PCFG:
                     stack[-1][3].append(head_pos)
             if len(labels) > max_terminals:
                 return None
-        return labels, parents, depth
+        return labels, parents
 
     def sample_sentence_slow(self, draw):
         """sample_sentence as the reference's recursion: the same draws give the same sentence."""
@@ -311,8 +295,8 @@ class PCFG:
 
         def expand(a, parent_id):
             h_id = object()
-            rhs = self.rules[a][_pick(self.rule_cum[a], draw())]
-            head = _pick(self.head_cum[a], draw())
+            rhs = self.rules[a][bisect.bisect_right(self.rule_cum[a], draw())]
+            head = bisect.bisect_right(self.head_cum[a], draw())
             for sym in rhs:
                 if sym >= self.num_nonterminals:
                     emitted.append((sym - self.num_nonterminals, None, h_id))
@@ -320,7 +304,7 @@ class PCFG:
                     expand(sym, h_id)
             emitted.append((head, h_id, parent_id))
 
-        expand(_pick(self.start_cum, draw()), None)
+        expand(bisect.bisect_right(self.start_cum, draw()), None)
         where = {own: pos for pos, (_, own, _) in enumerate(emitted) if own is not None}
         return [lab for lab, _, _ in emitted], [where.get(par, -1) for _, _, par in emitted]
 
@@ -362,13 +346,13 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     """
     _check_common(n, split, holdout, seed)
     _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter sentences are rejected), got {max_terminals}")
-    S = grammar.num_terminals
+    S, given = grammar.num_terminals, grammar.params
     _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "
            f"rightmost instance is always the root head), got {S}")
     shortest, longest = grammar.sentence_lengths()
-    _check(longest >= 3, "max_rhs_len/max_depth", f"large enough for sentences of >= 3 terminals: every sentence "
-           f"has at most {longest} with max_rhs_len={grammar.params['max_rhs_len']}, max_depth={grammar.params['max_depth']} "
-           f"(expected max_rhs_len >= 3 or a larger max_depth)")
+    _check(longest >= 3, "max_rhs_len/max_depth", "large enough for sentences of >= 3 terminals: "
+           f"every sentence has at most {longest} with max_rhs_len={given['max_rhs_len']}, "
+           f"max_depth={given['max_depth']} (expected max_rhs_len >= 3 or a larger max_depth)")
     _check(shortest <= max_terminals, "max_terminals", f">= {shortest} (the shortest sentence of "
            f"this grammar), got {max_terminals}: every sentence is longer, so none is kept")
     heldout, allowed = None, None
@@ -376,13 +360,13 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
         heldout = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S)).random((S, S)) < holdout
         allowed = (heldout if split == "test" else ~heldout).tolist()  # [parent label][child label]
         heldout = torch.from_numpy(heldout)
-    draw = Uniforms(np.random.default_rng(_seed(seed, _DOCS, SPLITS[split])))
-    docs, per_doc = [], dict(parents=[], depth=[], eligible=[])
+    draw = uniforms(np.random.default_rng(_seed(seed, _DOCS, SPLITS[split])))
+    docs, per_doc = [], dict(parents=[])
     misses = collections.Counter()                # why the current streak's sentences were rejected
     while len(docs) < n:
         sent = grammar.sample_sentence(draw, max_terminals)
         miss = "long" if sent is None else "short" if len(sent[0]) < 3 else None
-        groups = None if miss else eligible_queries(*sent[:2], allowed)
+        groups = None if miss else eligible_queries(*sent, allowed)
         if not groups:
             misses[miss or "query"] += 1
             if misses.total() >= MAX_TRIES:
@@ -397,11 +381,8 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
                                  "need holdout in (0, 1) that leaves pairs to query")
             continue
         misses.clear()
-        labels, parents, depth = sent
-        docs.append((labels, *sample_query(groups, draw)))
-        per_doc["parents"].append(parents)
-        per_doc["depth"].append(depth)
-        per_doc["eligible"].append(sum(len(cs) for cs in groups.values()))
+        docs.append((sent[0], *sample_query(groups, draw)))
+        per_doc["parents"].append(sent[1])
 
     lengths = np.array([len(lab) + 5 for lab, _, _ in docs])
     tokens = np.zeros((n, lengths.max()), dtype=np.int64)        # (n, l) PAD-filled
@@ -419,25 +400,3 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
                    t(lengths), dict(split=split, holdout=holdout, seed=seed, max_terminals=max_terminals,
                                     grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
 
-
-# --- Summary statistics (the README's task section quotes them).
-
-def _summary(x):
-    x = np.asarray(x, dtype=np.float64)
-    return dict(mean=float(x.mean()), median=float(np.median(x)), min=float(x.min()), max=float(x.max()))
-
-
-def stats(dataset):
-    """Length, key-value distance and (ATR) tree shape of a dataset: dicts of mean/median/min/max.
-    ATR lengths also in terminals (tokens - 5), the unit of max_terminals."""
-    lengths = dataset.lengths.cpu().numpy()
-    dist = (dataset.positions["value"] - dataset.positions["key"]).cpu().numpy()
-    out = dict(n=len(dataset), length_tokens=_summary(lengths), kv_distance=_summary(dist),
-               adjacent_fraction=float((dist == 1).mean()), distinct_answers=len(dataset.answers.unique()))
-    if dataset.task == "atr":
-        doc = dataset.meta["per_doc"]
-        # branching: dependents (every terminal but the root) per head (terminal with dependents)
-        out.update(length_terminals=_summary(lengths - 5), depth=_summary(doc["depth"]),
-                   branching=_summary([(len(p) - 1) / len(set(p) - {-1}) for p in doc["parents"]]),
-                   eligible_per_doc=_summary(doc["eligible"]))
-    return out

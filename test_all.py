@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from models import H3, DeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
-from tasks import BOS, EOS, PAD, PCFG, Dataset, Uniforms, make_ar, make_atr, stats
+from tasks import BOS, EOS, PAD, PCFG, Dataset, make_ar, make_atr, uniforms
 import interventions as iv
 import mechsm
 import models
@@ -73,7 +73,7 @@ def test_ar_layout():
     # the queried pair index is roughly uniform over the m pairs
     counts = torch.bincount((ds.positions["key"] - 1) // 2, minlength=m).float()
     assert counts.min() > 400 / m * 0.6
-    assert stats(ds)["kv_distance"]["max"] == 1
+    assert (ds.positions["value"] - ds.positions["key"]).max() == 1
 
 
 def test_ar_docstring_example_and_describe():
@@ -191,11 +191,10 @@ def test_pcfg_structure():
 
 def test_sentence_matches_recursive_twin():
     g = PCFG(max_rhs_len=10, seed=1)
-    fast, slow = Uniforms(np.random.default_rng(7)), Uniforms(np.random.default_rng(7))
+    fast, slow = uniforms(np.random.default_rng(7)), uniforms(np.random.default_rng(7))
     for _ in range(200):
-        labels, parents, depth = g.sample_sentence(fast, max_terminals=10 ** 9)
+        labels, parents = g.sample_sentence(fast, max_terminals=10 ** 9)
         assert (labels, parents) == g.sample_sentence_slow(slow)
-        assert depth == tree_depth(parents)
         assert parents[-1] == -1 and sum(p == -1 for p in parents) == 1           # one root: the last head
         assert all(p > c for c, p in enumerate(parents[:-1]))                      # heads are to the right
 
@@ -228,8 +227,7 @@ def test_atr_documents_are_parent_queries():
         assert parents[c] == p and p > c                                   # answer = parent, to the right
         assert c == max(j for j, lab in enumerate(labels) if lab == labels[c])   # rightmost instance
         assert int(ds.answers[i]) == labels[p] + 3
-        assert per_doc["depth"][i] == tree_depth(parents)
-    assert stats(ds)["kv_distance"]["min"] >= 1
+    assert (ds.positions["value"] - ds.positions["key"]).min() >= 1
 
 
 def test_inverse_child_count_weighting():
@@ -239,7 +237,7 @@ def test_inverse_child_count_weighting():
     labels, parents = [0, 1, 2, 2, 3, 4], [1, 5, 5, 4, 5, -1]
     groups = tasks.eligible_queries(labels, parents)
     assert groups == {1: [0], 4: [3], 5: [1, 4]}
-    draw, n = Uniforms(np.random.default_rng(0)), 30000
+    draw, n = uniforms(np.random.default_rng(0)), 30000
     counts = collections.Counter(tasks.sample_query(groups, draw) for _ in range(n))
     freq = {c: k / n for (c, p), k in counts.items()}
     assert set(counts) == {(0, 1), (3, 4), (1, 5), (4, 5)}
@@ -268,7 +266,7 @@ def test_atr_split_on_label_pairs():
 
 def test_atr_rejects_overlong_sentences():
     g = PCFG(max_rhs_len=10, seed=0)
-    stream = lambda i: Uniforms(np.random.default_rng(i), block=256)
+    stream = lambda i: uniforms(np.random.default_rng(i), block=256)
     saw_long = False
     for i in range(300):       # the same draws with and without the cap: reject, never truncate
         full = g.sample_sentence(stream(i), max_terminals=10 ** 9)
@@ -314,14 +312,16 @@ def test_stats_ranges():
     for L, seed, med, mean in [(5, 0, (4, 14), (6, 25)), (10, 0, (12, 45), (20, 90)),
                                (5, 125, (8, 10), (11, 16)), (10, 124, (18, 25), (33, 50))]:
         ds = make_atr(3000, PCFG(max_rhs_len=L, seed=seed), seed=0)
-        st = stats(ds)
-        assert med[0] <= st["length_terminals"]["median"] <= med[1]
-        assert mean[0] <= st["length_terminals"]["mean"] <= mean[1]
-        assert st["length_terminals"]["max"] <= tasks.MAX_TERMINALS
-        assert st["length_tokens"]["mean"] == pytest.approx(st["length_terminals"]["mean"] + 5)
-        assert 1 <= st["branching"]["min"] and st["branching"]["max"] <= L - 1
-        assert 1 <= st["depth"]["min"] and st["depth"]["max"] <= 10
-        assert st["eligible_per_doc"]["min"] >= 1 and 0.2 < st["adjacent_fraction"] < 0.8
+        terminals, doc = (ds.lengths - 5).numpy(), ds.meta["per_doc"]
+        assert med[0] <= np.median(terminals) <= med[1]
+        assert mean[0] <= terminals.mean() <= mean[1]
+        assert terminals.max() <= tasks.MAX_TERMINALS
+        branching = [(len(p) - 1) / len(set(p) - {-1}) for p in doc["parents"]]   # dependents per head
+        assert 1 <= min(branching) and max(branching) <= L - 1
+        depths = [tree_depth(p) for p in doc["parents"]]
+        assert 1 <= min(depths) and max(depths) <= 10
+        adjacent = ((ds.positions["value"] - ds.positions["key"]) == 1).double().mean()
+        assert 0.2 < adjacent < 0.8
 
 
 def test_subset_and_to():
@@ -334,7 +334,7 @@ def test_subset_and_to():
     assert sub.describe(0) == ds.describe(5)
     check_common_layout(sub)
     head = ds.subset(slice(0, 10))
-    assert len(head) == 10 and head.meta["per_doc"]["depth"] == ds.meta["per_doc"]["depth"][:10]
+    assert len(head) == 10 and head.meta["per_doc"]["parents"] == ds.meta["per_doc"]["parents"][:10]
     moved = ds.to("cpu")
     assert torch.equal(moved.tokens, ds.tokens) and moved.positions["key"].device.type == "cpu"
 
