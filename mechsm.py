@@ -92,65 +92,46 @@ class Config:
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
-        def bad(name, allowed):
-            raise ValueError(f"{name}: got {getattr(self, name)!r}, expected {allowed}")
+        def whole(low, high=2**31):     # sizes: a larger one overflows deep inside torch
+            return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
 
-        MAX_SIZE = 2**31      # sizes (keys, widths, steps, ...): a larger one overflows deep inside torch
+        def real(low, high):            # a real number (not a bool, not a string), finite
+            return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
+                              and math.isfinite(v) and low <= v < high)
 
-        def whole(name, low, high, what, allow_none=False):
-            v = getattr(self, name)
-            if allow_none and v is None:
-                return
-            if not isinstance(v, int) or isinstance(v, bool) or not low <= v < high:
-                bad(name, what + (" or None" if allow_none else ""))
-
-        def positive_int(name, allow_none=False):
-            whole(name, 1, MAX_SIZE, "a positive integer below 2**31", allow_none)
-
-        def number(name, low, high, what):           # a real number (not a bool, not a string), finite
-            v = getattr(self, name)
-            if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
-                    or not low <= v < high):
-                bad(name, what)
-
-        if self.task not in TASKS:
-            bad("task", " or ".join(TASKS))
-        if not isinstance(self.arch, str) or self.arch not in models.ARCHS:     # a list is unhashable
-            bad("arch", "one of " + ", ".join(models.ARCHS))
-        whole("timeline_docs", 0, MAX_SIZE, "a non-negative integer (0 turns the timeline off)")
-        number("gap_filter", 0, 1, "a number in [0, 1)")
-        for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals",
-                     "max_terminals", "max_rules", "max_depth", "terminal_weight", "d_model", "n_layers",
-                     "n_heads", "n_positions", "batch_size", "train_size", "eval_every", "eval_size"):
-            positive_int(name)
-        whole("max_rhs_len", 2, MAX_SIZE, "an integer in [2, 2**31) (head + at least one dependent)")
-        positive_int("epochs", allow_none=True)
-        positive_int("steps", allow_none=True)
-        if self.d_model % self.n_heads:
-            bad("n_heads", f"a divisor of d_model={self.d_model}")
-        number("lr", 0, math.inf, "a positive finite number")
-        if self.lr == 0:
-            bad("lr", "a positive finite number")
-        if self.train_size < self.batch_size:
-            bad("train_size", f"at least batch_size={self.batch_size}")
-        number("warmup_frac", 0, 1, "a number in [0, 1)")
-        number("holdout", 0, 1, "a number in [0, 1)")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", " or ".join(SCHEDULES))
-        if self.kernels not in ("fast", "reference"):
-            bad("kernels", "fast or reference")
-        if self.pos_emb is not None and not isinstance(self.pos_emb, bool):
-            bad("pos_emb", "True, False or None (auto: attention only)")
-        for name in ("long_only", "freeze_features"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "True or False")
-        whole("d_conv", 0, MAX_SIZE, "a non-negative integer below 2**31", allow_none=True)
-        for name in ("seed", "data_seed"):
-            whole(name, 0, 2**63, "a non-negative integer below 2**63")
-        if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
-            bad("device", " or ".join(DEVICES))
-        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
-            bad("device", "cpu or auto (torch.cuda.is_available() is False here)")
+        size, SIZE = whole(1), "a positive integer below 2**31"
+        fraction, FRACTION = real(0, 1), "a number in [0, 1)"
+        rules = [         # (fields, test, what is allowed), checked in this order
+            ("task", lambda v: v in TASKS, " or ".join(TASKS)),
+            ("arch", lambda v: isinstance(v, str) and v in models.ARCHS,     # a list is unhashable
+             "one of " + ", ".join(models.ARCHS)),
+            ("timeline_docs", whole(0), "a non-negative integer (0 turns the timeline off)"),
+            ("gap_filter", fraction, FRACTION),
+            ("num_keys num_values num_pairs num_terminals num_nonterminals max_terminals max_rules "
+             "max_depth terminal_weight d_model n_layers n_heads n_positions batch_size train_size "
+             "eval_every eval_size", size, SIZE),
+            ("max_rhs_len", whole(2), "an integer in [2, 2**31) (head + at least one dependent)"),
+            ("epochs steps", lambda v: v is None or size(v), SIZE + " or None"),
+            ("n_heads", lambda v: self.d_model % v == 0, f"a divisor of d_model={self.d_model}"),
+            ("lr", lambda v: real(0, math.inf)(v) and v != 0, "a positive finite number"),
+            ("train_size", lambda v: v >= self.batch_size,
+             f"at least batch_size={self.batch_size}"),
+            ("warmup_frac holdout", fraction, FRACTION),
+            ("schedule", lambda v: v in SCHEDULES, " or ".join(SCHEDULES)),
+            ("kernels", lambda v: v in ("fast", "reference"), "fast or reference"),
+            ("pos_emb", lambda v: v is None or isinstance(v, bool),
+             "True, False or None (auto: attention only)"),
+            ("long_only freeze_features", lambda v: isinstance(v, bool), "True or False"),
+            ("d_conv", lambda v: v is None or whole(0)(v),
+             "a non-negative integer below 2**31 or None"),
+            ("seed data_seed", whole(0, 2**63), "a non-negative integer below 2**63"),
+            ("device", lambda v: v in DEVICES or str(v).startswith("cuda:"), " or ".join(DEVICES)),
+            ("device", lambda v: not str(v).startswith("cuda") or torch.cuda.is_available(),
+             "cpu or auto (torch.cuda.is_available() is False here)")]
+        for names, ok, allowed in rules:
+            for name in names.split():
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"{name}: got {getattr(self, name)!r}, expected {allowed}")
         return self
 
     def resolved(self):
