@@ -135,10 +135,10 @@ class Config:
         return self
 
     def resolved(self):
-        """The same run with every "auto" made explicit (epochs, pos_emb), so equal runs compare equal."""
-        return replace(self,
-                       epochs=self.epochs if self.epochs is not None else DEFAULT_EPOCHS.get(self.task, 16),
-                       pos_emb=models._pos_emb_or_default(self.arch, self.pos_emb))
+        """The same run with "auto" made explicit (epochs, pos_emb): equal runs compare equal."""
+        epochs = DEFAULT_EPOCHS.get(self.task, 16) if self.epochs is None else self.epochs
+        pos_emb = models._pos_emb_or_default(self.arch, self.pos_emb)
+        return replace(self, epochs=epochs, pos_emb=pos_emb)
 
     def steps_per_epoch(self):
         return self.train_size // self.batch_size    # a last partial batch is dropped
@@ -155,14 +155,14 @@ def resolve_device(device):
     """"auto" -> "cuda" if available, else "cpu". A CUDA device this machine lacks: a ValueError."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if str(device).startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: got {device!r}, but torch.cuda.is_available() is False here; "
-                             "use cpu or auto")
-        index = str(device).partition(":")[2]
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            raise ValueError(f"device: got {device!r}, but this machine has {torch.cuda.device_count()} "
-                             "CUDA device(s)")
+    if not str(device).startswith("cuda"):
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: got {device!r}, but torch.cuda.is_available() is False here; "
+                         "use cpu or auto")
+    index, count = str(device).partition(":")[2], torch.cuda.device_count()
+    if index and (not index.isdigit() or int(index) >= count):
+        raise ValueError(f"device: got {device!r}, but this machine has {count} CUDA device(s)")
     return device
 
 
@@ -177,12 +177,14 @@ class Data:
     novel: dict = None         # ATR: split -> bool mask of its documents not seen verbatim in train
 
 
+AR_FIELDS = ("num_keys", "num_values", "num_pairs")              # tasks.make_ar's settings
+PCFG_FIELDS = ("num_terminals", "num_nonterminals", "max_rhs_len", "max_rules", "max_depth",
+               "terminal_weight")                                # tasks.PCFG's settings
+
+
 def _data_key(cfg):
-    if cfg.task == "ar":
-        params = (cfg.num_keys, cfg.num_values, cfg.num_pairs)
-    else:
-        params = (cfg.num_terminals, cfg.num_nonterminals, cfg.max_rhs_len, cfg.max_rules, cfg.max_depth,
-                  cfg.terminal_weight, cfg.max_terminals)
+    names = AR_FIELDS if cfg.task == "ar" else (*PCFG_FIELDS, "max_terminals")
+    params = tuple(getattr(cfg, name) for name in names)
     return (cfg.task, params, cfg.holdout, cfg.data_seed, cfg.train_size, cfg.eval_size)
 
 
@@ -190,15 +192,12 @@ def _data_key(cfg):
 def _make_data(key):
     task, params, holdout, seed, train_size, eval_size = key
     if task == "ar":
-        k, v, m = params
-        make = lambda n, split: tasks.make_ar(n, num_keys=k, num_values=v, num_pairs=m, seed=seed,
+        make = lambda n, split: tasks.make_ar(n, **dict(zip(AR_FIELDS, params)), seed=seed,
                                               split=split, holdout=holdout)
     else:
-        s, nt, rhs, rules, depth, weight, longest = params
-        grammar = tasks.PCFG(num_terminals=s, num_nonterminals=nt, max_rhs_len=rhs, max_rules=rules,
-                             max_depth=depth, terminal_weight=weight, seed=seed)
+        grammar = tasks.PCFG(**dict(zip(PCFG_FIELDS, params)), seed=seed)
         make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=holdout, seed=seed,
-                                               max_terminals=longest)
+                                               max_terminals=params[-1])
     # the SAME seed for every split: tasks.py mixes the split name into the document stream
     try:
         train, dev = make(train_size, "train"), make(eval_size, "dev")
@@ -215,8 +214,8 @@ def _make_data(key):
 
 
 def make_data(cfg, data=None):
-    """The Data of cfg (cached in-process: a sweep's runs share their documents), or `data` when given;
-    either way checked to fit cfg's model (check_length), so that a bad run fails before step 0."""
+    """cfg's Data (cached in-process: a sweep's runs share it), or `data` checked to be cfg's;
+    either way checked to fit cfg's model (check_length): a bad run fails before step 0."""
     if data is not None:
         check_data(cfg, data)      # data passed in must be cfg's task: its record will say so
     data = data or _make_data(_data_key(cfg))
@@ -227,9 +226,8 @@ def make_data(cfg, data=None):
 # --- The recipe: learning-rate schedule, loss, evaluation.
 
 def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
-    """The learning rate of optimizer step `step` (0-based) of `total` (HuggingFace's schedule):
-    linear warmup from 0 (step 0 uses lr 0, as the reference) over int(warmup_frac * total) steps,
-    then cosine (or linear) decay that reaches 0 at step == total."""
+    """The lr of step `step` (0-based) of `total`, HuggingFace's schedule: linear warmup from 0
+    (step 0: lr 0) over int(warmup_frac * total) steps, then cosine (or linear) decay to 0."""
     warmup = int(warmup_frac * total)
     if step < warmup:
         return peak * step / warmup
@@ -240,20 +238,21 @@ def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
 
 
 def answer_loss(model, tokens, queries, answers):
-    """Cross-entropy of the answer token only, read at the query position (mean over the batch), in
-    float32 at least. The head sees the query rows alone. `model`: any callable model(tokens, readout=)."""
+    """Cross-entropy of the answer at the query position (the head reads those rows alone), mean
+    over the batch, float32 at least. An Ensemble's: one per member (r,), its failed ones 0."""
     logits = model(tokens, readout=queries)                 # (b, l) -> (b, v); an Ensemble's: (r, b, v)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if logits.dim() == 3:       # an Ensemble: one mean over the batch per member (r,), its failed ones 0
-        losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1), reduction="none")
+    if logits.dim() == 3:
+        losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
+                                 reduction="none")                               # (r, b)
         return model.drop_failed(losses.mean(1))
     return F.cross_entropy(logits, answers)
 
 
 @torch.no_grad()
 def evaluate(model, dataset, batch_size=64):
-    """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the full vocabulary at the query position
-    == answer; mean softmax probability of the answer; mean cross-entropy."""
+    """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the whole vocabulary at the query ==
+    answer; mean softmax probability of the answer; mean cross-entropy."""
     models.check_dataset(model, dataset)
     n = len(dataset)
     if n == 0:
@@ -264,11 +263,11 @@ def evaluate(model, dataset, batch_size=64):
     correct, prob, loss = 0, 0.0, 0.0
     for i in range(0, n, batch_size):
         rows = slice(i, i + batch_size)
-        width = int(dataset.lengths[rows].max())            # causal models: trailing padding is irrelevant
+        width = int(dataset.lengths[rows].max())            # causal: trailing padding is irrelevant
         tokens = dataset.tokens[rows, :width].to(device)    # (b, l)
         answers = dataset.answers[rows].to(device)          # (b,)
         logits = model(tokens, readout=dataset.positions["query"][rows].to(device)).float()  # (b, v)
-        logp = logits.log_softmax(-1).gather(1, answers[:, None]).squeeze(1)                  # (b,)
+        logp = logits.log_softmax(-1).gather(1, answers[:, None]).squeeze(1)             # (b,)
         correct += (logits.argmax(-1) == answers).sum().item()
         prob += logp.exp().sum().item()
         loss -= logp.sum().item()
@@ -279,37 +278,36 @@ def evaluate(model, dataset, batch_size=64):
 # --- One training run: the loop, written out (as nanoGPT's train.py writes it).
 
 def train(cfg, *, data=None, log=None):
-    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe) holds
-    config, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final
-    (the final model's metrics), history (one entry per evaluation), wall_s, steps_per_s, steps_done,
-    total_steps, timeline_s."""
-    [cfg], data = setup([cfg], data)       # data checked against cfg: documents it cannot take fail here
-    log = log or (lambda msg: print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] {msg}",
-                                    file=sys.stderr))
-    torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone (on a CPU: the same run)
+    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe):
+    config, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device,
+    final (the final model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
+    [cfg], data = setup([cfg], data)       # documents cfg's model cannot take fail here
+    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] ")
+    torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone
+
     model = build(cfg, data.vocab_size)    # on cfg's device
     return fit([cfg], model, adamw(model, cfg.lr), data, log)[0]
 
 
 def fit(cfgs, model, optimizer, data, log):
-    """train()'s loop: AdamW at lr_at(step) on batch(step), evaluated every eval_every steps and after
-    the last one. cfgs is [cfg] for one model; for an Ensemble (train_group) it lists its members, and
-    the loss is one per member (r,). Returns [(result, model)], one per config."""
+    """train()'s loop: AdamW at lr_at(step) on batch(step), evaluated every eval_every steps and at
+    the end. cfgs: [cfg], or an Ensemble's members (train_group; then the loss is (r,)). Returns
+    [(result, model)], one per config."""
     cfg, total, start = cfgs[0], cfgs[0].total_steps(), time.time()
     batch = training_batches(cfg, data)
     histories, loss_sum, n_losses, error = [[] for _ in cfgs], 0.0, 0, None
     model.train()
     for step in range(total + 1):
-        if step % cfg.eval_every == 0 or step == total:          # evaluate: step 0, every eval_every, the end
+        if step % cfg.eval_every == 0 or step == total:             # evaluate
             mean_loss = loss_sum / n_losses if n_losses else None
             log(record_evaluation(model, cfgs, data, step, mean_loss, histories, start))
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break
-        for group, c in zip(optimizer.param_groups, cfgs):          # the schedule (one group per member)
+        for group, c in zip(optimizer.param_groups, cfgs):          # the schedule, per member
             group["lr"] = lr_at(step, total, c.warmup_frac, c.schedule, c.lr)
-        loss = answer_loss(model, *batch(step))  # forward: (), or (r,) for an Ensemble (its failed members: 0)
-        if not torch.isfinite(loss).all():       # a NaN/inf loss would poison every later step: stop here
+        loss = answer_loss(model, *batch(step))                     # forward: () or (r,)
+        if not torch.isfinite(loss).all():          # a NaN/inf would poison every later step
             error = f"loss is {loss.item()} at step {step} (lr {cfg.lr:g}); run stopped"
             log(f"FAILED: {error}")
             break
@@ -321,8 +319,7 @@ def fit(cfgs, model, optimizer, data, log):
 
 
 def setup(configs, data=None):
-    """(configs resolved and checked, their Data from make_data). More than one must differ only in
-    lr and seed (train_group)."""
+    """(configs resolved and checked, their Data); several must differ only in lr and seed."""
     cfgs = [c.resolved().check() for c in configs]
     if not cfgs or len({group_key(c) for c in cfgs}) > 1:
         raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
@@ -332,19 +329,17 @@ def setup(configs, data=None):
 
 
 def adamw(model, lr):
-    """The paper's optimizer: AdamW (0.9, 0.999), eps 1e-8, no weight decay; fused (one kernel for all
-    parameters) when all are floating-point on cpu or cuda. On one CPU thread, attention's 690k
-    parameters: 2.2 ms a step for the for-loop form, 0.54 fused (H3's 1.08M: 3.3, 0.9); the same update
-    up to float rounding (test_fused_adamw_agrees_with_the_for_loop_form)."""
+    """The paper's AdamW (0.9, 0.999), eps 1e-8, no weight decay; fused (one kernel, 4x faster on a
+    CPU; the same update up to rounding) when every parameter is floating-point on cpu or cuda."""
     params = list(model.parameters())
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params) or None
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused)
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                             fused=fused or None)
 
 
 def training_batches(cfg, data):
-    """The fixed training set on cfg's device, walked in order as the reference walks it: batch(step) is
-    (tokens, queries, answers) of rows [s*B, s*B + B) with s = step mod S (S = steps_per_epoch), the
-    tokens trimmed to the batch's longest document."""
+    """The training set on cfg's device, walked in order as the reference does: batch(step) is
+    (tokens trimmed to the longest, queries, answers) of rows [s*B, s*B + B), s = step mod S."""
     B, S, device = cfg.batch_size, cfg.steps_per_epoch(), resolve_device(cfg.device)
     tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
     queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
@@ -370,7 +365,7 @@ def build(cfg, vocab_size):
 
 
 def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
-    """Append each member's history_entry at `step` to its history; returns the log line (progress)."""
+    """Append each member's history_entry at `step` to its history; returns the progress line."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     losses = train_loss.reshape(-1).tolist() if train_loss is not None else [None] * len(cfgs)
     for cfg, member, history, loss in zip(cfgs, members, histories, losses):
@@ -379,10 +374,11 @@ def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
 
 
 def run_results(model, cfgs, histories, step, error, wall):
-    """[(record, model)] of fit's runs. A failed run (a lone run's error at `step`, or an Ensemble
-    member's) keeps the history up to the step it failed at."""
+    """[(record, model)] of fit's runs; a failed one (a lone run's error at `step`, or an Ensemble
+    member's) keeps its history up to the step it failed at."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     failures = model.failures() if isinstance(model, Ensemble) else [(step, error) if error else None]
+
     out = []
     for cfg, member, history, failure in zip(cfgs, members, histories, failures):
         steps_done, error = failure or (cfg.total_steps(), None)
@@ -392,22 +388,23 @@ def run_results(model, cfgs, histories, step, error, wall):
         out.append((json_safe({
             "config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
             "error": error, "n_params": models.count_parameters(member),
+
             "device": resolve_device(cfg.device), "final": final, "history": history,
             "wall_s": round(wall, 2), "steps_done": steps_done, "total_steps": cfg.total_steps(),
-            "steps_per_s": round(steps_done / max(wall, 1e-9), 2), "timeline_s": round(timeline_s, 3)}),
-            member))
+            "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
+            "timeline_s": round(timeline_s, 3)}), member))
     return out
 
 
 def stderr_log(prefix=""):
-    """A log function printing one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
+    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
     def log(msg):
         print(f"{prefix}{msg}", file=sys.stderr, flush=True)
     return log
 
 
 def progress(step, total, start, histories):
-    """The log line of an evaluation: 'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
+    """An evaluation's log line: 'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
     rate = step / max(time.time() - start, 1e-9)
     eta = fmt_time((total - step) / rate) if step else "?"
     if len(histories) > 1:
@@ -416,10 +413,11 @@ def progress(step, total, start, histories):
                 f"({len(histories) * rate:.1f} model-steps/s) | ETA {eta}")
     entry = histories[0][-1]
     loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
+    value, query = fmt_attrib(entry, "attrib_value"), fmt_attrib(entry, "attrib_query")
     return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
             + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
-            + (f" | attrib V {fmt_attrib(entry, 'attrib_value')} Q {fmt_attrib(entry, 'attrib_query')}"
-               if "attrib_value" in entry else "") + f" | {rate:.1f} steps/s | ETA {eta}")
+            + (f" | attrib V {value} Q {query}" if "attrib_value" in entry else "")
+            + f" | {rate:.1f} steps/s | ETA {eta}")
 
 
 def fmt_time(seconds):
@@ -436,32 +434,32 @@ def fmt_attrib(entry, key):
 # --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
 
 def history_entry(model, data, cfg, step, train_loss):
-    """One evaluation during training: {step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}
-    and, when cfg.timeline_docs > 0, the headline pair on the first timeline_docs evaluation
-    documents (interventions.headline): attrib_value, attrib_query, attrib_gap (p_clean - p_corrupt),
-    attrib_low_signal (gap <= cfg.gap_filter) and timeline_s (run_results sums and removes it)."""
+    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)} and, if cfg.timeline_docs, the
+    headline pair on that many eval documents (interventions.headline): attrib_value, attrib_query,
+    attrib_gap, attrib_low_signal, timeline_s (its seconds; run_results sums and removes it)."""
     total = cfg.total_steps()
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
              "train_loss": train_loss, **evaluate_all(model, data)}
     if cfg.timeline_docs:
         import interventions
         start = time.time()
-        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
+        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs,
+                                      threshold=cfg.gap_filter)
         entry.update(attrib_value=head["value"], attrib_query=head["query"], attrib_gap=head["gap"],
                      attrib_low_signal=head["low_signal"], timeline_s=time.time() - start)
     return entry
 
 
 def evaluate_all(model, data):
-    """Flat metrics over the eval (dev) set, plus test_* with a held-out split and novel_* for the
+    """Flat metrics on the eval (dev) set, plus test_* with a held-out split and novel_* for the
     documents not seen verbatim in training (data.novel, ATR only)."""
     _check_is_data(data)
     metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
     if data.test is not None:
         metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
     for split, mask in (data.novel or {}).items():
-        ds = data.eval if split == "eval" else data.test
-        prefix = "" if split == "eval" else "test_"
+        prefix, ds = ("", data.eval) if split == "eval" else ("test_", data.test)
+
         metrics[f"{prefix}novel_acc"] = evaluate(model, ds.subset(mask.nonzero().squeeze(1)))["acc"]
         metrics[f"{prefix}novel_frac"] = mask.float().mean().item()
     return metrics
@@ -482,11 +480,10 @@ def check_data(cfg, data):
     if data.train.task != cfg.task:
         raise ValueError(f"data holds {data.train.task} documents, but cfg.task is {cfg.task!r}.")
     if cfg.task == "ar":
-        made = {k: meta.get(k) for k in ("num_keys", "num_values", "num_pairs")}
+        made = {k: meta.get(k) for k in AR_FIELDS}
     else:
         grammar = meta.get("grammar") or {}
-        made = {k: grammar.get(k) for k in ("num_terminals", "num_nonterminals", "max_rhs_len",
-                                            "max_rules", "max_depth", "terminal_weight")}
+        made = {k: grammar.get(k) for k in PCFG_FIELDS}
         made.update(data_seed=grammar.get("seed"), max_terminals=meta.get("max_terminals"))
     made["holdout"] = meta.get("holdout")
     for name, value in made.items():
