@@ -1,19 +1,19 @@
 """mechsm.py: the recipe of one experiment: config, data, the paper's training loop, checkpoints.
 
-Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 4-5 and App. C, and the reference loop (tinylang: experiment.py): a fixed
-training set of 100,032 documents walked in order every epoch, batch 32; AdamW (0.9, 0.999, eps 1e-8,
-no weight decay), 10% linear warmup from 0, then cosine decay to 0; cross-entropy on the answer token
-only, float32; accuracy (argmax over the full vocabulary at the query position) and the answer's mean
+Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
+2505.15105), Sec. 4-5 and App. C, and the reference loop (tinylang: experiment.py): a fixed training
+set of 100,032 documents walked in order every epoch, batch 32; AdamW (0.9, 0.999, eps 1e-8, no
+weight decay), 10% linear warmup from 0, then cosine decay to 0; cross-entropy on the answer token
+only, float32; accuracy (argmax over the vocabulary at the query position) and the answer's mean
 probability on 320 fresh documents every eval_every steps, step 0 included. On purpose unlike it
 (README, differences 7, 8, 11): the final model is evaluated, ATR accuracy is also reported on the
-evaluation documents not seen in training ("novel_acc"), the generalisation runs decay with a cosine.
+evaluation documents not seen in training ("novel_acc"), generalisation runs decay by a cosine.
 
 Read in order: Config -> Data -> lr_at, answer_loss, evaluate -> train (its loop: fit) -> the
 timeline entry -> save/load; then the batched Ensemble (train_group). Sweeps and reports: run.py.
 
 Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents, r members of an
-Ensemble (runs differing only in lr and seed, trained as one batched model), P parameters of a model.
+Ensemble (runs differing only in lr and seed, trained as one batched model), P a model's parameters.
 
 Using it from Python:
     import mechsm
@@ -66,9 +66,9 @@ class Config:
     d_model: int = 64                # width
     n_layers: int = 2
     n_heads: int = 1
-    pos_emb: bool | None = None      # learned positions; None = the paper's convention: attention only
+    pos_emb: bool | None = None      # learned positions; None: the paper's (attention only)
     n_positions: int = 1024          # size of the position table (the paper's l_max)
-    d_conv: int | None = None        # mamba short-conv size (0 removes it); based/base_conv short kernel
+    d_conv: int | None = None        # mamba's short conv (0 removes it); based/base_conv's kernel
     long_only: bool = False          # based/base_conv: implicit long conv instead of the short conv
     freeze_features: bool = False    # base_conv's long conv: keep its features Z frozen (zoology's
                                      # form; the paper's runs trained them, README difference 13)
@@ -78,7 +78,7 @@ class Config:
     batch_size: int = 32
     train_size: int = 100_032        # documents in the fixed training set (3126 batches of 32)
     epochs: int | None = None        # passes over the training set; None = 16 for AR, 32 for ATR
-    steps: int | None = None         # optimizer steps; overrides epochs (the set is walked cyclically)
+    steps: int | None = None         # optimizer steps; overrides epochs (walked cyclically)
     warmup_frac: float = 0.1         # linear warmup over int(warmup_frac * total) steps
     schedule: str = "cosine"         # decay to 0: "cosine" | "linear" (README, difference 11)
     seed: int = 42                   # model init seed (torch)
@@ -86,7 +86,7 @@ class Config:
     # evaluation
     eval_every: int = 200            # steps between evaluations; the last step is always evaluated
     eval_size: int = 320             # evaluation documents per split (the paper: 320)
-    timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs per evaluation (0: off)
+    timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs (0: off)
     gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper:
                                      # 0.01 for AR, 0.1 for the ATR box plots)
 
@@ -144,7 +144,9 @@ class Config:
         return self.train_size // self.batch_size    # a last partial batch is dropped
 
     def total_steps(self):
-        return self.steps if self.steps is not None else self.steps_per_epoch() * self.resolved().epochs
+        if self.steps is not None:
+            return self.steps
+        return self.steps_per_epoch() * self.resolved().epochs
 
     def name(self):
         """A short human name for logs and files, e.g. 'ar_attention_d64_L2_lr0.001_s42'."""
@@ -172,7 +174,7 @@ def resolve_device(device):
 class Data:
     train: "tasks.Dataset"     # train_size documents, split "train"
     eval: "tasks.Dataset"      # eval_size fresh documents, split "dev" (a different seed stream)
-    test: "tasks.Dataset"      # eval_size documents that query held-out pairs; None when holdout == 0
+    test: "tasks.Dataset"      # eval_size documents querying held-out pairs; None if holdout == 0
     vocab_size: int
     novel: dict = None         # ATR: split -> bool mask of its documents not seen verbatim in train
 
@@ -208,8 +210,8 @@ def _make_data(key):
         raise ValueError(f"{task} task {params} with {train_size} training documents: too large to "
                          f"allocate ({' '.join(str(e).split())[:120]})") from None
     novel = None
-    if task == "atr":          # README, difference 8: accuracy also on documents not seen in training
-        novel = {"eval": novel_mask(train, dev), **({"test": novel_mask(train, test)} if test else {})}
+    if task == "atr":          # README, difference 8: accuracy also on documents unseen in training
+        novel = {name: novel_mask(train, ds) for name, ds in [("eval", dev), ("test", test)] if ds}
     return Data(train, dev, test, train.vocab_size, novel)
 
 
@@ -240,7 +242,7 @@ def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
 def answer_loss(model, tokens, queries, answers):
     """Cross-entropy of the answer at the query position (the head reads those rows alone), mean
     over the batch, float32 at least. An Ensemble's: one per member (r,), its failed ones 0."""
-    logits = model(tokens, readout=queries)                 # (b, l) -> (b, v); an Ensemble's: (r, b, v)
+    logits = model(tokens, readout=queries)         # (b, l) -> (b, v); an Ensemble's: (r, b, v)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if logits.dim() == 3:
         losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
@@ -266,7 +268,7 @@ def evaluate(model, dataset, batch_size=64):
         width = int(dataset.lengths[rows].max())            # causal: trailing padding is irrelevant
         tokens = dataset.tokens[rows, :width].to(device)    # (b, l)
         answers = dataset.answers[rows].to(device)          # (b,)
-        logits = model(tokens, readout=dataset.positions["query"][rows].to(device)).float()  # (b, v)
+        logits = model(tokens, readout=dataset.positions["query"][rows].to(device)).float()
         logp = logits.log_softmax(-1).gather(1, answers[:, None]).squeeze(1)             # (b,)
         correct += (logits.argmax(-1) == answers).sum().item()
         prob += logp.exp().sum().item()
@@ -284,7 +286,6 @@ def train(cfg, *, data=None, log=None):
     [cfg], data = setup([cfg], data)       # documents cfg's model cannot take fail here
     log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] ")
     torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone
-
     model = build(cfg, data.vocab_size)    # on cfg's device
     return fit([cfg], model, adamw(model, cfg.lr), data, log)[0]
 
@@ -378,7 +379,6 @@ def run_results(model, cfgs, histories, step, error, wall):
     member's) keeps its history up to the step it failed at."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     failures = model.failures() if isinstance(model, Ensemble) else [(step, error) if error else None]
-
     out = []
     for cfg, member, history, failure in zip(cfgs, members, histories, failures):
         steps_done, error = failure or (cfg.total_steps(), None)
@@ -388,7 +388,6 @@ def run_results(model, cfgs, histories, step, error, wall):
         out.append((json_safe({
             "config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
             "error": error, "n_params": models.count_parameters(member),
-
             "device": resolve_device(cfg.device), "final": final, "history": history,
             "wall_s": round(wall, 2), "steps_done": steps_done, "total_steps": cfg.total_steps(),
             "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
@@ -459,7 +458,6 @@ def evaluate_all(model, data):
         metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
     for split, mask in (data.novel or {}).items():
         prefix, ds = ("", data.eval) if split == "eval" else ("test_", data.test)
-
         metrics[f"{prefix}novel_acc"] = evaluate(model, ds.subset(mask.nonzero().squeeze(1)))["acc"]
         metrics[f"{prefix}novel_frac"] = mask.float().mean().item()
     return metrics
@@ -519,7 +517,7 @@ def probe_task(cfg):
 
 
 def novel_mask(train, dataset):
-    """(n,) bool: the documents of `dataset` (unpadded rows) not verbatim in `train` (difference 8)."""
+    """(n,) bool: the documents of `dataset` not verbatim in `train` (README, difference 8)."""
     seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
     return torch.tensor([row[:n].tobytes() not in seen for row, n in
                          zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
@@ -535,13 +533,13 @@ class CheckpointError(ValueError):
 
 
 def _mismatch(built, build_args, state):
-    """How a model described by (build_args, state: its state_dict) differs from `built`, in one line,
-    or None: every build argument but the seed, then the state_dict's keys and shapes."""
+    """How a model of (build_args, state_dict) differs from `built`, in one line, or None: every
+    build argument but the seed, then the state_dict's keys and shapes."""
     if not isinstance(build_args, dict) or not isinstance(state, dict):
         return "its build_args or state_dict is not a dict"
     ours = built.build_args
     for k in dict.fromkeys([*ours, *build_args]):
-        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: its default (None or False)
+        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: None or False
         if (k == "seed" or a == b or (k not in ours and b in (None, False))
                 or (k not in build_args and a in (None, False))):
             continue
@@ -559,11 +557,11 @@ def _mismatch(built, build_args, state):
 
 
 def save(model, cfg, path):
-    """torch.save {format, config, build_args, state_dict} to path, atomically (temp file + os.replace).
+    """torch.save {format, config, build_args, state_dict} to path atomically (temp + os.replace);
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
-    replace(cfg, device="cpu").check()                  # a run may be saved where its device is absent
+    replace(cfg, device="cpu").check()                  # saved where its device is absent: valid
     vocab = getattr(model, "build_args", {}).get("vocab_size")
     probe = _make_data.__wrapped__(_data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))
     if vocab != probe.vocab_size:
@@ -587,9 +585,8 @@ def save(model, cfg, path):
 
 
 def load(path, device="cpu"):
-    """(model, cfg) from a checkpoint written by save(). CheckpointError (a ValueError, one line) for a
-    truncated, corrupt or mismatched file. The model is built from the checkpoint's config (exactly
-    Config's fields, valid), which must agree with the saved build_args and weights."""
+    """(model, cfg) from a checkpoint of save(), built from its config (exactly Config's fields,
+    valid) that must agree with its build_args and weights; else a one-line CheckpointError."""
     def fail(what):
         return CheckpointError(f"checkpoint {path}: {what}")
 
@@ -600,7 +597,7 @@ def load(path, device="cpu"):
         raise fail("no such file")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:   # truncated zip, garbage bytes, pickle errors: all mean "not a checkpoint"
+    except Exception as e:   # truncated zip, garbage bytes, pickle errors: "not a checkpoint"
         raise fail(f"unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
     if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
         raise fail(f"not a {CHECKPOINT_FORMAT} checkpoint")
@@ -631,12 +628,12 @@ def load(path, device="cpu"):
         model = build(cfg, task_vocab)
         what = _mismatch(model, blob.get("build_args"), blob.get("state_dict"))
         if what is None:
-            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree, so this is rare
+            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         what = f"{type(e).__name__}: {oneline(e)[:200]}"
     if what:
         raise fail(f"does not rebuild its model ({what})")
-    model.task = cfg.task                               # models.check_dataset refuses other tasks' data
+    model.task = cfg.task                               # check_dataset refuses other tasks' data
     return model.to(resolve_device(device)), cfg
 
 
@@ -644,11 +641,10 @@ def load(path, device="cpu"):
 # launches; r runs as one model do r times the work per launch (`run.py bench`, part 5).
 
 class Ensemble:
-    """r models of one architecture and shape trained as one: their parameters are the rows of ONE
-    (r, P) leaf, their logits torch.func.vmap over functional_call of one base module (the PyTorch
-    model-ensembling tutorial), one StackedAdamW step for all. The summed loss gives each row exactly
-    its member's gradient. A member whose loss is not finite is dead from that step on (drop_failed),
-    its weights those of the step that failed (where a lone run stops)."""
+    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their
+    parameters are the rows of ONE (r, P) leaf, their logits a vmap of functional_call on one base
+    module, the summed loss gives each row its member's gradient, one StackedAdamW step for all. A
+    member whose loss is not finite is dead from that step on, its weights those of that step."""
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
@@ -661,8 +657,9 @@ class Ensemble:
                     not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
                 raise ValueError("Ensemble: the members must share their parameter names and buffers")
         with torch.no_grad():
-            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()]) for m in self.modules])
-        self.flat = flat.requires_grad_()                               # (r, P): the one trainable leaf
+            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()])
+                                for m in self.modules])
+        self.flat = flat.requires_grad_()                               # (r, P): the trainable leaf
         r = len(self.modules)
         self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
         self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: not failed
@@ -671,9 +668,10 @@ class Ensemble:
 
     def __call__(self, tokens, readout):
         """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
-        def member_logits(row):
-            return torch.func.functional_call(self.base, self.params(row), (tokens,), {"readout": readout})
-        return torch.func.vmap(member_logits)(self.flat)
+        def logits(row):
+            return torch.func.functional_call(self.base, self.params(row), (tokens,),
+                                              {"readout": readout})
+        return torch.func.vmap(logits)(self.flat)
 
     def params(self, row):
         """One member's named parameters, views of its row (P,) of the stacked leaf."""
@@ -682,8 +680,8 @@ class Ensemble:
                 for n, shape, x in zip(self.names, self.shapes, pieces)}
 
     def drop_failed(self, losses):
-        """losses (r,) with the members that failed (now or before) set to 0; a non-finite loss marks
-        its member failed at this step. No host sync: failures() reads it at the end."""
+        """losses (r,), those of failed members 0; a non-finite loss fails its member at this step
+        (no host sync: failures() reads it at the end)."""
         step, finite = self.optimizer.n_steps, torch.isfinite(losses.detach())
         newly = self.alive & ~finite
         self.failed_step = torch.where(newly, step, self.failed_step)
@@ -701,7 +699,7 @@ class Ensemble:
         self.base.train()
 
     def members(self):
-        """The members as ordinary modules: each row of the stacked leaf copied into its own module."""
+        """The members as ordinary modules, each row of the stacked leaf copied into its own."""
         with torch.no_grad():
             for m, row in zip(self.modules, self.flat):
                 for p, x in zip(m.parameters(), row.split(self.sizes)):
@@ -710,17 +708,18 @@ class Ensemble:
 
 
 class StackedAdamW:
-    """torch.optim.AdamW's single-tensor step (betas 0.9/0.999, eps 1e-8, no weight decay) on an
-    Ensemble's (r, P) leaf, op for op, one param group (learning rate) per member, so that each member
-    follows its lone run to rounding. A dead member's row steps by 0; so does a parameter without a
-    gradient (frozen, or unused: zeros here instead of None), as torch's skips it."""
+    """torch.optim.AdamW's single-tensor step (0.9, 0.999, eps 1e-8, no weight decay), op for op, on
+    an Ensemble's (r, P) leaf, a param group (lr) per member: each follows its lone run to rounding.
+    A dead member's row steps by 0; so does a parameter without a gradient (frozen, or unused: zeros
+    here, not None), as torch's skips it."""
 
     BETAS, EPS = (0.9, 0.999), 1e-8
 
     def __init__(self, ensemble):
         self.ensemble, flat = ensemble, ensemble.flat
         self.param_groups = [{"lr": 0.0, "lr_peak": 0.0} for _ in ensemble.modules]
-        self.exp_avg, self.exp_avg_sq, self.n_steps = torch.zeros_like(flat), torch.zeros_like(flat), 0
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)
+        self.n_steps = 0
 
     def zero_grad(self, set_to_none=True):
         self.ensemble.flat.grad = None
@@ -741,14 +740,14 @@ class StackedAdamW:
 
 def group_key(cfg):
     """What the runs of one group share: every Config field but lr and seed."""
-    return json.dumps({k: v for k, v in sorted(asdict(cfg.resolved()).items()) if k not in ("lr", "seed")})
+    shared = {k: v for k, v in asdict(cfg.resolved()).items() if k not in ("lr", "seed")}
+    return json.dumps(shared, sort_keys=True)
 
 
 def train_group(configs, *, data=None, log=None):
-    """Train configs that differ only in lr and seed as one batched model (Ensemble) with train()'s
-    loop. Returns [(result, model)], one per config in order, each what train(cfg) returns for it (to
-    rounding), plus "group": {"size", "index"}; wall_s and steps_per_s are the group's. A member whose
-    loss goes NaN/inf is "failed" at that step, and the others go on undisturbed."""
+    """Train configs that differ only in lr and seed as one Ensemble with train()'s loop:
+    [(result, model)], each what train(cfg) returns (to rounding) plus "group": {"size", "index"};
+    wall_s is the group's. A member whose loss goes NaN/inf fails there; the others go on."""
     cfgs, data = setup(configs, data)
     cfg, r = cfgs[0], len(cfgs)
     log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
