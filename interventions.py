@@ -63,7 +63,8 @@ CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l
 
 def _check_threshold(threshold):
     """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+    number = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+    if not number or not 0 <= threshold < 1:
         raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
                          f"gap at or below which there is no signal); got {threshold!r}.")
 
@@ -115,33 +116,36 @@ def patch(model, edits):
     hook's returned tensor); the hooks are removed in `finally`, even after an exception."""
     modules = dict(model.named_modules())
     handles = []
+
+    def hook(site, fn):
+        def run(module, inputs, out):
+            out = fn(out)
+            if not isinstance(out, torch.Tensor):     # a hook's None would leave it unchanged
+                raise ValueError(f"edits[{site!r}] must return the activation tensor to use; "
+                                 f"got {type(out).__name__}.")
+            return out
+        return run
+
     try:
         for site, fn in edits.items():
             if not isinstance(modules.get(site), HookPoint):
                 raise KeyError(f"{site!r} is not a HookPoint of this model")
-            handles.append(modules[site].register_forward_hook(lambda m, inp, out, fn=fn, site=site:
-                                                               _patched(site, fn(out))))
+            handles.append(modules[site].register_forward_hook(hook(site, fn)))
         yield model
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _patched(site, out):
-    """A patch function's result: a tensor (a hook's None would leave the activation unchanged)."""
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"edits[{site!r}] must return the activation tensor to use; got {type(out).__name__}.")
-    return out
-
-
 @torch.no_grad()
-def record(model, tokens, sites):
-    """{site: activation} from one forward pass on tokens (b, l)."""
+def record(model, tokens, sites, take=None):
+    """{site: activation} (or take(site, activation)) from one forward pass on tokens (b, l)."""
     store = {}
 
     def keep(site):
         def fn(act):
-            store[site] = act.detach().clone()  # clone: the model may later modify it in place
+            # clone: the model may later modify it in place
+            store[site] = take(site, act) if take else act.detach().clone()
             return act
         return fn
 
@@ -168,12 +172,10 @@ def answer_prob(model, tokens, answers, query, chunk_rows=CHUNK_ROWS):
 
 def corrupt(dataset, role="key", seed=0, strict=False):
     """A corrupted copy of dataset.tokens (N, l): the token at positions[role] of each document is
-    replaced by a uniformly drawn other token of the same class (dataset.classes[role], [lo, hi)).
-
-    Same class: an AR value is replaced by a value (README, difference 1). strict=True also excludes
-    every token already in the document, so the corrupted key cannot point to another answer. One
-    draw per document, reused for every site (README, difference 6: the paper re-drew per site).
-    """
+    replaced by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); an AR
+    value by a value, README difference 1). strict=True also excludes every token already in the
+    document, so the corrupted key cannot point to another answer. One draw per document, reused
+    for every site (README, difference 6: the paper re-drew per site)."""
     _check_roles("role", [role], tuple(dataset.classes))
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
@@ -245,30 +247,17 @@ def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
 
 # --- The same, batched: every position of a site in one forward, from cached activations.
 
-def _positions_view(act, seq_dim):
-    """View of act with the position dim moved to dim 1: (b, ..., l, ...) -> (b, l, ...)."""
-    return act.movedim(seq_dim, 1)
-
-
-@torch.no_grad()
 def gather_positions(model, tokens, sites, positions):
     """One forward on tokens; for each site its activation at every position in `positions`
     ({name: (N,)}): {site: (P, N, ...)}, the position dim removed, P in dict order."""
     pos = torch.stack(list(positions.values()))                              # (P, N)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     hooks = hook_points(model)
-    store = {}
 
-    def gather(site):
-        def fn(act):
-            at = _positions_view(act, hooks[site].seq_dim)                   # (N, l, ...)
-            store[site] = torch.stack([at[rows, p] for p in pos])           # (P, N, ...)
-            return act
-        return fn
-
-    with patch(model, {s: gather(s) for s in sites}):
-        model(tokens)
-    return store
+    def gather(site, act):
+        at = act.movedim(hooks[site].seq_dim, 1)                             # (N, l, ...)
+        return torch.stack([at[rows, p] for p in pos])                       # (P, N, ...)
+    return record(model, tokens, sites, gather)
 
 
 @torch.no_grad()
@@ -288,18 +277,14 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 
 
 def _start(site):
-    """(layer to start the forward at, whether the site IS that layer's input residual).
-
-    The layers before the site see only the corrupted input, so the forward starts from the cached
-    corrupted residual stream; block input i and block output i-1 are both patched on its tensor."""
+    """(layer to start the forward at, whether the site IS that layer's input residual). The layers
+    before the site see only the corrupted input: the forward starts from the cached corrupted
+    residual stream; block input i and block output i-1 are both patched on its tensor."""
     layer = site_layer(site)
     if layer is None:
         return 0, False
-    if site.endswith(".hook_resid_pre"):
-        return layer, True
-    if site.endswith(".hook_resid_post"):
-        return layer + 1, True
-    return layer, False
+    after = site.endswith(".hook_resid_post")                # block output i = block input i+1
+    return (layer + 1 if after else layer), after or site.endswith(".hook_resid_pre")
 
 
 def _forward_from(model, layer, resid, readout):
@@ -312,14 +297,12 @@ def _forward_from(model, layer, resid, readout):
 @torch.no_grad()
 def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, query, *,
                 cache=None, chunk_rows=CHUNK_ROWS):
-    """Patch `site` at each position in `positions` ({name: (N,)}), one position at a time, from the
-    clean run into the corrupted run. Returns {name: p_patched (N,)}, the probability of `answers`
-    at `query`. cache: prepare(...) output covering this site (built here when None).
-
-    Row p*N + r is copy p of document r; its hook writes row r's clean vector at positions[p][r].
-    Two exact shortcuts: rows whose clean vector equals the corrupted one bit for bit would patch
-    nothing (p_corrupt, no forward), and the forward starts at the site's layer (_start).
-    """
+    """Patch `site` at each position in `positions` ({name: (N,)}), one at a time, from the clean
+    run into the corrupted one: {name: p_patched (N,)}, the probability of `answers` at `query`;
+    cache: prepare's output covering this site (built here when None). Row p*N + r is copy p of
+    document r; its hook writes row r's clean vector at positions[p][r]. Two exact shortcuts: rows
+    whose clean vector equals the corrupted one bit for bit patch nothing (p_corrupt, no forward),
+    and the forward starts at the site's layer (_start)."""
     model.eval()
     names = list(positions)
     P, N = len(names), corrupt_tokens.shape[0]
@@ -338,7 +321,7 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     def restore(act):
         out = act.clone()  # never write into a tensor the model may reuse elsewhere
         rows, k = torch.arange(out.shape[0], device=out.device), chunk["k"]
-        _positions_view(out, seq_dim)[rows, todo_pos[k]] = todo_clean[k].to(out.dtype)
+        out.movedim(seq_dim, 1)[rows, todo_pos[k]] = todo_clean[k].to(out.dtype)   # (b, l, ...)
         return out
 
     probs = cache["p_corrupt"].repeat(P)                                     # (P*N,)
