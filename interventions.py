@@ -93,9 +93,7 @@ def site_layer(site):
 def site_label(site):
     """Short table label: block_in, mixer_in, ..., or the internal hook name without 'hook_'."""
     inner = site.split(".", 2)[2] if site_layer(site) is not None else site
-    if inner in BLOCK_SITES:
-        return BLOCK_SITES[inner]
-    return inner.rsplit(".", 1)[-1].removeprefix("hook_")
+    return BLOCK_SITES.get(inner) or inner.rsplit(".", 1)[-1].removeprefix("hook_")
 
 
 def default_sites(model):
@@ -328,8 +326,9 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     with patch(model, {} if on_residual else {site: restore}):
         for a in range(0, len(todo), chunk_rows):
             k = chunk["k"] = slice(a, a + chunk_rows)
-            start = cache["resid"][layer][doc[k]]                            # (b, l, d)
-            logits = _forward_from(model, layer, restore(start) if on_residual else start, query[doc[k]])
+            resid = cache["resid"][layer][doc[k]]                            # (b, l, d)
+            resid = restore(resid) if on_residual else resid
+            logits = _forward_from(model, layer, resid, query[doc[k]])
             probs[todo[k]] = _answer_prob(logits, answers[doc[k]])
     probs = probs.view(P, N)
     return {name: probs[p] for p, name in enumerate(names)}
@@ -370,7 +369,8 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, False)
+    docs = _documents(model, dataset, n_docs, corrupt_role, seed, False)
+    data, clean, corrupted, answers, query = docs
     site = headline_site(len(model.blocks))
     pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
     p_clean = answer_prob(model, clean, answers, query)
@@ -379,20 +379,18 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     model.train(was_training)
     scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
     gap = scores["key"]["gap"]
-    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": gap, "low_signal": gap <= threshold}
+    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": gap,
+            "low_signal": gap <= threshold}
 
 
 @torch.no_grad()
 def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=False, sites=None,
               positions=POSITIONS, threshold=LOW_SIGNAL_GAP, chunk_rows=CHUNK_ROWS):
-    """The full attribution table (sites x layers x positions) for one model, and its verdict.
-
-    Returns a JSON-serialisable dict: arch, n_docs, corrupt_role, p_clean, p_corrupt, gap,
-    low_signal, rows [{site, label, layer, scores {position: attribution}, p_patched {position:
-    mean}}], headline {key, value, query}, verdict, verdict_reason, later_layers (3+ layers),
-    mixer_out (1 layer), extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's
-    conv@next_key), seconds.
-    """
+    """The full attribution table (sites x layers x positions) of one model and its verdict, a
+    JSON-serialisable dict: arch, n_docs, corrupt_role, p_clean, p_corrupt, gap, low_signal, rows
+    [{site, label, layer, scores {position: attribution}, p_patched {position: mean}}], headline
+    {key, value, query}, verdict, verdict_reason, later_layers (3+ layers), mixer_out (1 layer),
+    extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
     _check_threshold(threshold)
     _check_roles("positions", positions, POSITIONS)
@@ -401,8 +399,9 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         raise ValueError(f"sites must be patchable sites of this model (hook_points(model), e.g. "
                          f"{', '.join(default_sites(model)[:3])}, ...); got {unknown[0]!r}.")
     model.eval()
-    device = next(model.parameters()).device
-    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
+    docs = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
+    data, clean, corrupted, answers, query = docs
+    device = clean.device
     pos = {name: data.positions[name].to(device) for name in positions}
     n_layers = len(model.blocks)
 
@@ -450,19 +449,15 @@ def _summary(score, n_layers, low_signal, threshold):
     """From the scores {(site, position): attribution}: headline (2+ layers) or mixer_out (1 layer),
     verdict, verdict_reason, later_layers (3+ layers)."""
     head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
-    out = {}
-    if n_layers > 1:
-        out["headline"] = head
-        value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
-        out["verdict"], out["verdict_reason"] = verdict(value, query, low_signal, threshold)
-        later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
-        out["later_layers"] = {s: {k: score[s, k] for k in ("value", "query")} for s in later}
-    else:
-        out["headline"] = None
-        out["mixer_out"] = head
-        out["verdict"] = "n/a (1 layer)"
-        out["verdict_reason"] = ("one layer has no layer-1 block input: induction and direct "
-                                 "retrieval both end inside the same block; see mixer_out")
+    if n_layers == 1:
+        return {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
+                "verdict_reason": "one layer has no layer-1 block input: induction and direct "
+                                  "retrieval both end inside the same block; see mixer_out"}
+    out = {"headline": head}
+    value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
+    out["verdict"], out["verdict_reason"] = verdict(value, query, low_signal, threshold)
+    later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
+    out["later_layers"] = {s: {k: score[s, k] for k in ("value", "query")} for s in later}
     return out
 
 
@@ -472,9 +467,7 @@ SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows
 
 
 def _shade(x):
-    if x is None:
-        return "?"
-    return SHADES[max(0, min(len(SHADES) - 1, int(x * len(SHADES))))]
+    return "?" if x is None else SHADES[max(0, min(len(SHADES) - 1, int(x * len(SHADES))))]
 
 
 def render_heatmap(result, *, sites=None):
