@@ -24,10 +24,9 @@ token) against at `query` (direct retrieval: the association is already computed
   * 1 layer: there is no layer-1 block input; both paths would end inside the same block, so the
     verdict is "n/a (1 layer)" and the mixer output of layer 0 at value/query is reported instead.
 
-Batching: for one site, the corrupted batch is stacked once per patched position (copy p patches
-position p), one forward per site in chunks of CHUNK_ROWS rows, with two exact shortcuts (see
-interchange). It equals patching one position at a time with a full forward (interchange_reference;
-test_all.py checks this for every arch and site).
+Batching: per site, the corrupted batch stacked once per patched position (copy p patches position
+p), one forward in chunks of CHUNK_ROWS rows with two exact shortcuts (interchange); it equals
+patching one position at a time (interchange_reference; test_all.py checks every arch and site).
 
 Shape glossary: b batch, l sequence length, d d_model, e Mamba inner width, n state size,
 h heads, k head width, v vocab; here also P patched positions, N documents.
@@ -57,8 +56,7 @@ INDUCTION_MIN_VALUE = 0.5    # Attrib@Value >= this, and > Attrib@Query -> "indu
 DIRECT_MIN_QUERY = 0.5       # Attrib@Query >= this ...
 DIRECT_MAX_VALUE = 0.25      # ... and Attrib@Value < this -> "direct retrieval"
 LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" (the paper's filter)
-CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l, e, n) scan tensors
-                             # near the cache: 2x faster on CPU than one 1920-row batch (measured)
+CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in cache (2x faster)
 
 
 def _check_threshold(threshold):
@@ -137,12 +135,12 @@ def patch(model, edits):
 
 @torch.no_grad()
 def record(model, tokens, sites, take=None):
-    """{site: activation} (or take(site, activation)) from one forward pass on tokens (b, l)."""
+    """{site: activation} (a clone: the model may modify it in place later), or {site: take(site,
+    activation)}, from one forward pass on tokens (b, l)."""
     store = {}
 
     def keep(site):
         def fn(act):
-            # clone: the model may later modify it in place
             store[site] = take(site, act) if take else act.detach().clone()
             return act
         return fn

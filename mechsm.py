@@ -34,6 +34,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+import interventions
 import models
 import tasks
 
@@ -70,8 +71,7 @@ class Config:
     n_positions: int = 1024          # size of the position table (the paper's l_max)
     d_conv: int | None = None        # mamba's short conv (0 removes it); based/base_conv's kernel
     long_only: bool = False          # based/base_conv: implicit long conv instead of the short conv
-    freeze_features: bool = False    # base_conv's long conv: keep its features Z frozen (zoology's
-                                     # form; the paper's runs trained them, README difference 13)
+    freeze_features: bool = False    # base_conv: its features Z frozen (README difference 13)
     kernels: str = "fast"            # "fast" | "reference" (slow loop scan / direct convolutions)
     # training (the paper's recipe)
     lr: float = 1e-3                 # peak learning rate
@@ -87,8 +87,7 @@ class Config:
     eval_every: int = 200            # steps between evaluations; the last step is always evaluated
     eval_size: int = 320             # evaluation documents per split (the paper: 320)
     timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs (0: off)
-    gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper:
-                                     # 0.01 for AR, 0.1 for the ATR box plots)
+    gap_filter: float = 0.01         # p_clean - p_corrupt <= this: "no signal" (ATR box plots: 0.1)
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
@@ -366,12 +365,25 @@ def build(cfg, vocab_size):
 
 
 def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
-    """Append each member's history_entry at `step` to its history; returns the progress line."""
+    """Append each member's history_entry at `step` to its history; returns the log line,
+    'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     losses = train_loss.reshape(-1).tolist() if train_loss is not None else [None] * len(cfgs)
     for cfg, member, history, loss in zip(cfgs, members, histories, losses):
         history.append(history_entry(member, data, cfg, step, loss))
-    return progress(step, cfgs[0].total_steps(), start, histories)
+    total, rate = cfgs[0].total_steps(), step / max(time.time() - start, 1e-9)
+    eta = fmt_time((total - step) / rate) if step else "?"
+    if len(histories) > 1:
+        accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
+        return (f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s "
+                f"({len(histories) * rate:.1f} model-steps/s) | ETA {eta}")
+    entry = histories[0][-1]
+    loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
+    value, query = fmt_attrib(entry, "attrib_value"), fmt_attrib(entry, "attrib_query")
+    return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
+            + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
+            + (f" | attrib V {value} Q {query}" if "attrib_value" in entry else "")
+            + f" | {rate:.1f} steps/s | ETA {eta}")
 
 
 def run_results(model, cfgs, histories, step, error, wall):
@@ -402,23 +414,6 @@ def stderr_log(prefix=""):
     return log
 
 
-def progress(step, total, start, histories):
-    """An evaluation's log line: 'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
-    rate = step / max(time.time() - start, 1e-9)
-    eta = fmt_time((total - step) / rate) if step else "?"
-    if len(histories) > 1:
-        accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
-        return (f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s "
-                f"({len(histories) * rate:.1f} model-steps/s) | ETA {eta}")
-    entry = histories[0][-1]
-    loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
-    value, query = fmt_attrib(entry, "attrib_value"), fmt_attrib(entry, "attrib_query")
-    return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
-            + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
-            + (f" | attrib V {value} Q {query}" if "attrib_value" in entry else "")
-            + f" | {rate:.1f} steps/s | ETA {eta}")
-
-
 def fmt_time(seconds):
     s = int(max(0, seconds))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
@@ -440,7 +435,6 @@ def history_entry(model, data, cfg, step, train_loss):
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
              "train_loss": train_loss, **evaluate_all(model, data)}
     if cfg.timeline_docs:
-        import interventions
         start = time.time()
         head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs,
                                       threshold=cfg.gap_filter)
@@ -496,12 +490,10 @@ def check_length(cfg, data=None):
     unless max_terminals + 5 fits, the longest one of `data` (cfg's, made and cached, when None)."""
     cfg = cfg.resolved()
     limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
-    if limit is None:
+    if limit is None or cfg.task != "ar" and cfg.max_terminals + 5 <= limit:
         return
     if cfg.task == "ar":
         length = 2 * cfg.num_pairs + 5
-    elif cfg.max_terminals + 5 <= limit:
-        return
     else:
         data = data or _make_data(_data_key(cfg))
         length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
