@@ -24,10 +24,9 @@ token) against at `query` (direct retrieval: the association is already computed
   * 1 layer: there is no layer-1 block input; both paths would end inside the same block, so the
     verdict is "n/a (1 layer)" and the mixer output of layer 0 at value/query is reported instead.
 
-Batching: for one site, the corrupted batch is stacked once per patched position (copy p patches
-position p), one forward per site in chunks of CHUNK_ROWS rows, with two exact shortcuts (see
-interchange). It equals patching one position at a time with a full forward (interchange_reference;
-test_all.py checks this for every arch and site).
+Batching: per site, the corrupted batch stacked once per patched position (copy p patches position
+p), one forward in chunks of CHUNK_ROWS rows with two exact shortcuts (interchange); it equals
+patching one position at a time (interchange_reference; test_all.py checks every arch and site).
 
 Shape glossary: b batch, l sequence length, d d_model, e Mamba inner width, n state size,
 h heads, k head width, v vocab; here also P patched positions, N documents.
@@ -57,13 +56,13 @@ INDUCTION_MIN_VALUE = 0.5    # Attrib@Value >= this, and > Attrib@Query -> "indu
 DIRECT_MIN_QUERY = 0.5       # Attrib@Query >= this ...
 DIRECT_MAX_VALUE = 0.25      # ... and Attrib@Value < this -> "direct retrieval"
 LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" (the paper's filter)
-CHUNK_ROWS = 128             # rows per forward. Small chunks keep Mamba's (b, l, e, n) scan tensors
-                             # near the cache: 2x faster on CPU than one 1920-row batch (measured)
+CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in cache (2x faster)
 
 
 def _check_threshold(threshold):
     """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+    number = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
+    if not number or not 0 <= threshold < 1:
         raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
                          f"gap at or below which there is no signal); got {threshold!r}.")
 
@@ -92,9 +91,7 @@ def site_layer(site):
 def site_label(site):
     """Short table label: block_in, mixer_in, ..., or the internal hook name without 'hook_'."""
     inner = site.split(".", 2)[2] if site_layer(site) is not None else site
-    if inner in BLOCK_SITES:
-        return BLOCK_SITES[inner]
-    return inner.rsplit(".", 1)[-1].removeprefix("hook_")
+    return BLOCK_SITES.get(inner) or inner.rsplit(".", 1)[-1].removeprefix("hook_")
 
 
 def default_sites(model):
@@ -115,33 +112,36 @@ def patch(model, edits):
     hook's returned tensor); the hooks are removed in `finally`, even after an exception."""
     modules = dict(model.named_modules())
     handles = []
+
+    def hook(site, fn):
+        def run(module, inputs, out):
+            out = fn(out)
+            if not isinstance(out, torch.Tensor):     # a hook's None would leave it unchanged
+                raise ValueError(f"edits[{site!r}] must return the activation tensor to use; "
+                                 f"got {type(out).__name__}.")
+            return out
+        return run
+
     try:
         for site, fn in edits.items():
             if not isinstance(modules.get(site), HookPoint):
                 raise KeyError(f"{site!r} is not a HookPoint of this model")
-            handles.append(modules[site].register_forward_hook(lambda m, inp, out, fn=fn, site=site:
-                                                               _patched(site, fn(out))))
+            handles.append(modules[site].register_forward_hook(hook(site, fn)))
         yield model
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _patched(site, out):
-    """A patch function's result: a tensor (a hook's None would leave the activation unchanged)."""
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"edits[{site!r}] must return the activation tensor to use; got {type(out).__name__}.")
-    return out
-
-
 @torch.no_grad()
-def record(model, tokens, sites):
-    """{site: activation} from one forward pass on tokens (b, l)."""
+def record(model, tokens, sites, take=None):
+    """{site: activation} (a clone: the model may modify it in place later), or {site: take(site,
+    activation)}, from one forward pass on tokens (b, l)."""
     store = {}
 
     def keep(site):
         def fn(act):
-            store[site] = act.detach().clone()  # clone: the model may later modify it in place
+            store[site] = take(site, act) if take else act.detach().clone()
             return act
         return fn
 
@@ -168,12 +168,10 @@ def answer_prob(model, tokens, answers, query, chunk_rows=CHUNK_ROWS):
 
 def corrupt(dataset, role="key", seed=0, strict=False):
     """A corrupted copy of dataset.tokens (N, l): the token at positions[role] of each document is
-    replaced by a uniformly drawn other token of the same class (dataset.classes[role], [lo, hi)).
-
-    Same class: an AR value is replaced by a value (README, difference 1). strict=True also excludes
-    every token already in the document, so the corrupted key cannot point to another answer. One
-    draw per document, reused for every site (README, difference 6: the paper re-drew per site).
-    """
+    replaced by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); an AR
+    value by a value, README difference 1). strict=True also excludes every token already in the
+    document, so the corrupted key cannot point to another answer. One draw per document, reused
+    for every site (README, difference 6: the paper re-drew per site)."""
     _check_roles("role", [role], tuple(dataset.classes))
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
@@ -245,30 +243,17 @@ def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
 
 # --- The same, batched: every position of a site in one forward, from cached activations.
 
-def _positions_view(act, seq_dim):
-    """View of act with the position dim moved to dim 1: (b, ..., l, ...) -> (b, l, ...)."""
-    return act.movedim(seq_dim, 1)
-
-
-@torch.no_grad()
 def gather_positions(model, tokens, sites, positions):
     """One forward on tokens; for each site its activation at every position in `positions`
     ({name: (N,)}): {site: (P, N, ...)}, the position dim removed, P in dict order."""
     pos = torch.stack(list(positions.values()))                              # (P, N)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     hooks = hook_points(model)
-    store = {}
 
-    def gather(site):
-        def fn(act):
-            at = _positions_view(act, hooks[site].seq_dim)                   # (N, l, ...)
-            store[site] = torch.stack([at[rows, p] for p in pos])           # (P, N, ...)
-            return act
-        return fn
-
-    with patch(model, {s: gather(s) for s in sites}):
-        model(tokens)
-    return store
+    def gather(site, act):
+        at = act.movedim(hooks[site].seq_dim, 1)                             # (N, l, ...)
+        return torch.stack([at[rows, p] for p in pos])                       # (P, N, ...)
+    return record(model, tokens, sites, gather)
 
 
 @torch.no_grad()
@@ -288,18 +273,14 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 
 
 def _start(site):
-    """(layer to start the forward at, whether the site IS that layer's input residual).
-
-    The layers before the site see only the corrupted input, so the forward starts from the cached
-    corrupted residual stream; block input i and block output i-1 are both patched on its tensor."""
+    """(layer to start the forward at, whether the site IS that layer's input residual). The layers
+    before the site see only the corrupted input: the forward starts from the cached corrupted
+    residual stream; block input i and block output i-1 are both patched on its tensor."""
     layer = site_layer(site)
     if layer is None:
         return 0, False
-    if site.endswith(".hook_resid_pre"):
-        return layer, True
-    if site.endswith(".hook_resid_post"):
-        return layer + 1, True
-    return layer, False
+    after = site.endswith(".hook_resid_post")                # block output i = block input i+1
+    return (layer + 1 if after else layer), after or site.endswith(".hook_resid_pre")
 
 
 def _forward_from(model, layer, resid, readout):
@@ -312,14 +293,12 @@ def _forward_from(model, layer, resid, readout):
 @torch.no_grad()
 def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, query, *,
                 cache=None, chunk_rows=CHUNK_ROWS):
-    """Patch `site` at each position in `positions` ({name: (N,)}), one position at a time, from the
-    clean run into the corrupted run. Returns {name: p_patched (N,)}, the probability of `answers`
-    at `query`. cache: prepare(...) output covering this site (built here when None).
-
-    Row p*N + r is copy p of document r; its hook writes row r's clean vector at positions[p][r].
-    Two exact shortcuts: rows whose clean vector equals the corrupted one bit for bit would patch
-    nothing (p_corrupt, no forward), and the forward starts at the site's layer (_start).
-    """
+    """Patch `site` at each position in `positions` ({name: (N,)}), one at a time, from the clean
+    run into the corrupted one: {name: p_patched (N,)}, the probability of `answers` at `query`;
+    cache: prepare's output covering this site (built here when None). Row p*N + r is copy p of
+    document r; its hook writes row r's clean vector at positions[p][r]. Two exact shortcuts: rows
+    whose clean vector equals the corrupted one bit for bit patch nothing (p_corrupt, no forward),
+    and the forward starts at the site's layer (_start)."""
     model.eval()
     names = list(positions)
     P, N = len(names), corrupt_tokens.shape[0]
@@ -338,15 +317,16 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     def restore(act):
         out = act.clone()  # never write into a tensor the model may reuse elsewhere
         rows, k = torch.arange(out.shape[0], device=out.device), chunk["k"]
-        _positions_view(out, seq_dim)[rows, todo_pos[k]] = todo_clean[k].to(out.dtype)
+        out.movedim(seq_dim, 1)[rows, todo_pos[k]] = todo_clean[k].to(out.dtype)   # (b, l, ...)
         return out
 
     probs = cache["p_corrupt"].repeat(P)                                     # (P*N,)
     with patch(model, {} if on_residual else {site: restore}):
         for a in range(0, len(todo), chunk_rows):
             k = chunk["k"] = slice(a, a + chunk_rows)
-            start = cache["resid"][layer][doc[k]]                            # (b, l, d)
-            logits = _forward_from(model, layer, restore(start) if on_residual else start, query[doc[k]])
+            resid = cache["resid"][layer][doc[k]]                            # (b, l, d)
+            resid = restore(resid) if on_residual else resid
+            logits = _forward_from(model, layer, resid, query[doc[k]])
             probs[todo[k]] = _answer_prob(logits, answers[doc[k]])
     probs = probs.view(P, N)
     return {name: probs[p] for p, name in enumerate(names)}
@@ -387,7 +367,8 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, False)
+    docs = _documents(model, dataset, n_docs, corrupt_role, seed, False)
+    data, clean, corrupted, answers, query = docs
     site = headline_site(len(model.blocks))
     pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
     p_clean = answer_prob(model, clean, answers, query)
@@ -396,20 +377,18 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     model.train(was_training)
     scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
     gap = scores["key"]["gap"]
-    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": gap, "low_signal": gap <= threshold}
+    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": gap,
+            "low_signal": gap <= threshold}
 
 
 @torch.no_grad()
 def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=False, sites=None,
               positions=POSITIONS, threshold=LOW_SIGNAL_GAP, chunk_rows=CHUNK_ROWS):
-    """The full attribution table (sites x layers x positions) for one model, and its verdict.
-
-    Returns a JSON-serialisable dict: arch, n_docs, corrupt_role, p_clean, p_corrupt, gap,
-    low_signal, rows [{site, label, layer, scores {position: attribution}, p_patched {position:
-    mean}}], headline {key, value, query}, verdict, verdict_reason, later_layers (3+ layers),
-    mixer_out (1 layer), extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's
-    conv@next_key), seconds.
-    """
+    """The full attribution table (sites x layers x positions) of one model and its verdict, a
+    JSON-serialisable dict: arch, n_docs, corrupt_role, p_clean, p_corrupt, gap, low_signal, rows
+    [{site, label, layer, scores {position: attribution}, p_patched {position: mean}}], headline
+    {key, value, query}, verdict, verdict_reason, later_layers (3+ layers), mixer_out (1 layer),
+    extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
     _check_threshold(threshold)
     _check_roles("positions", positions, POSITIONS)
@@ -418,8 +397,9 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         raise ValueError(f"sites must be patchable sites of this model (hook_points(model), e.g. "
                          f"{', '.join(default_sites(model)[:3])}, ...); got {unknown[0]!r}.")
     model.eval()
-    device = next(model.parameters()).device
-    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
+    docs = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
+    data, clean, corrupted, answers, query = docs
+    device = clean.device
     pos = {name: data.positions[name].to(device) for name in positions}
     n_layers = len(model.blocks)
 
@@ -467,19 +447,15 @@ def _summary(score, n_layers, low_signal, threshold):
     """From the scores {(site, position): attribution}: headline (2+ layers) or mixer_out (1 layer),
     verdict, verdict_reason, later_layers (3+ layers)."""
     head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
-    out = {}
-    if n_layers > 1:
-        out["headline"] = head
-        value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
-        out["verdict"], out["verdict_reason"] = verdict(value, query, low_signal, threshold)
-        later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
-        out["later_layers"] = {s: {k: score[s, k] for k in ("value", "query")} for s in later}
-    else:
-        out["headline"] = None
-        out["mixer_out"] = head
-        out["verdict"] = "n/a (1 layer)"
-        out["verdict_reason"] = ("one layer has no layer-1 block input: induction and direct "
-                                 "retrieval both end inside the same block; see mixer_out")
+    if n_layers == 1:
+        return {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
+                "verdict_reason": "one layer has no layer-1 block input: induction and direct "
+                                  "retrieval both end inside the same block; see mixer_out"}
+    out = {"headline": head}
+    value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
+    out["verdict"], out["verdict_reason"] = verdict(value, query, low_signal, threshold)
+    later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
+    out["later_layers"] = {s: {k: score[s, k] for k in ("value", "query")} for s in later}
     return out
 
 
@@ -489,9 +465,7 @@ SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows
 
 
 def _shade(x):
-    if x is None:
-        return "?"
-    return SHADES[max(0, min(len(SHADES) - 1, int(x * len(SHADES))))]
+    return "?" if x is None else SHADES[max(0, min(len(SHADES) - 1, int(x * len(SHADES))))]
 
 
 def render_heatmap(result, *, sites=None):

@@ -1,19 +1,19 @@
 """mechsm.py: the recipe of one experiment: config, data, the paper's training loop, checkpoints.
 
-Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
-arXiv 2505.15105), Sec. 4-5 and App. C, and the reference loop (tinylang: experiment.py): a fixed
-training set of 100,032 documents walked in order every epoch, batch 32; AdamW (0.9, 0.999, eps 1e-8,
-no weight decay), 10% linear warmup from 0, then cosine decay to 0; cross-entropy on the answer token
-only, float32; accuracy (argmax over the full vocabulary at the query position) and the answer's mean
+Follows "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
+2505.15105), Sec. 4-5 and App. C, and the reference loop (tinylang: experiment.py): a fixed training
+set of 100,032 documents walked in order every epoch, batch 32; AdamW (0.9, 0.999, eps 1e-8, no
+weight decay), 10% linear warmup from 0, then cosine decay to 0; cross-entropy on the answer token
+only, float32; accuracy (argmax over the vocabulary at the query position) and the answer's mean
 probability on 320 fresh documents every eval_every steps, step 0 included. On purpose unlike it
 (README, differences 7, 8, 11): the final model is evaluated, ATR accuracy is also reported on the
-evaluation documents not seen in training ("novel_acc"), the generalisation runs decay with a cosine.
+evaluation documents not seen in training ("novel_acc"), generalisation runs decay by a cosine.
 
 Read in order: Config -> Data -> lr_at, answer_loss, evaluate -> train (its loop: fit) -> the
 timeline entry -> save/load; then the batched Ensemble (train_group). Sweeps and reports: run.py.
 
 Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents, r members of an
-Ensemble (runs differing only in lr and seed, trained as one batched model), P parameters of a model.
+Ensemble (runs differing only in lr and seed, trained as one batched model), P a model's parameters.
 
 Using it from Python:
     import mechsm
@@ -34,6 +34,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+import interventions
 import models
 import tasks
 
@@ -66,19 +67,18 @@ class Config:
     d_model: int = 64                # width
     n_layers: int = 2
     n_heads: int = 1
-    pos_emb: bool | None = None      # learned positions; None = the paper's convention: attention only
+    pos_emb: bool | None = None      # learned positions; None: the paper's (attention only)
     n_positions: int = 1024          # size of the position table (the paper's l_max)
-    d_conv: int | None = None        # mamba short-conv size (0 removes it); based/base_conv short kernel
+    d_conv: int | None = None        # mamba's short conv (0 removes it); based/base_conv's kernel
     long_only: bool = False          # based/base_conv: implicit long conv instead of the short conv
-    freeze_features: bool = False    # base_conv's long conv: keep its features Z frozen (zoology's
-                                     # form; the paper's runs trained them, README difference 13)
+    freeze_features: bool = False    # base_conv: its features Z frozen (README difference 13)
     kernels: str = "fast"            # "fast" | "reference" (slow loop scan / direct convolutions)
     # training (the paper's recipe)
     lr: float = 1e-3                 # peak learning rate
     batch_size: int = 32
     train_size: int = 100_032        # documents in the fixed training set (3126 batches of 32)
     epochs: int | None = None        # passes over the training set; None = 16 for AR, 32 for ATR
-    steps: int | None = None         # optimizer steps; overrides epochs (the set is walked cyclically)
+    steps: int | None = None         # optimizer steps; overrides epochs (walked cyclically)
     warmup_frac: float = 0.1         # linear warmup over int(warmup_frac * total) steps
     schedule: str = "cosine"         # decay to 0: "cosine" | "linear" (README, difference 11)
     seed: int = 42                   # model init seed (torch)
@@ -86,84 +86,66 @@ class Config:
     # evaluation
     eval_every: int = 200            # steps between evaluations; the last step is always evaluated
     eval_size: int = 320             # evaluation documents per split (the paper: 320)
-    timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs per evaluation (0: off)
-    gap_filter: float = 0.01         # p_clean - p_corrupt at or below this: "no signal" (the paper:
-                                     # 0.01 for AR, 0.1 for the ATR box plots)
+    timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs (0: off)
+    gap_filter: float = 0.01         # p_clean - p_corrupt <= this: "no signal" (ATR box plots: 0.1)
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
-        def bad(name, allowed):
-            raise ValueError(f"{name}: got {getattr(self, name)!r}, expected {allowed}")
+        def whole(low, high=2**31):     # sizes: a larger one overflows deep inside torch
+            return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
 
-        MAX_SIZE = 2**31      # sizes (keys, widths, steps, ...): a larger one overflows deep inside torch
+        def real(low, high):            # a real number (not a bool, not a string), finite
+            return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
+                              and math.isfinite(v) and low <= v < high)
 
-        def whole(name, low, high, what, allow_none=False):
-            v = getattr(self, name)
-            if allow_none and v is None:
-                return
-            if not isinstance(v, int) or isinstance(v, bool) or not low <= v < high:
-                bad(name, what + (" or None" if allow_none else ""))
-
-        def positive_int(name, allow_none=False):
-            whole(name, 1, MAX_SIZE, "a positive integer below 2**31", allow_none)
-
-        def number(name, low, high, what):           # a real number (not a bool, not a string), finite
-            v = getattr(self, name)
-            if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
-                    or not low <= v < high):
-                bad(name, what)
-
-        if self.task not in TASKS:
-            bad("task", " or ".join(TASKS))
-        if not isinstance(self.arch, str) or self.arch not in models.ARCHS:     # a list is unhashable
-            bad("arch", "one of " + ", ".join(models.ARCHS))
-        whole("timeline_docs", 0, MAX_SIZE, "a non-negative integer (0 turns the timeline off)")
-        number("gap_filter", 0, 1, "a number in [0, 1)")
-        for name in ("num_keys", "num_values", "num_pairs", "num_terminals", "num_nonterminals",
-                     "max_terminals", "max_rules", "max_depth", "terminal_weight", "d_model", "n_layers",
-                     "n_heads", "n_positions", "batch_size", "train_size", "eval_every", "eval_size"):
-            positive_int(name)
-        whole("max_rhs_len", 2, MAX_SIZE, "an integer in [2, 2**31) (head + at least one dependent)")
-        positive_int("epochs", allow_none=True)
-        positive_int("steps", allow_none=True)
-        if self.d_model % self.n_heads:
-            bad("n_heads", f"a divisor of d_model={self.d_model}")
-        number("lr", 0, math.inf, "a positive finite number")
-        if self.lr == 0:
-            bad("lr", "a positive finite number")
-        if self.train_size < self.batch_size:
-            bad("train_size", f"at least batch_size={self.batch_size}")
-        number("warmup_frac", 0, 1, "a number in [0, 1)")
-        number("holdout", 0, 1, "a number in [0, 1)")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", " or ".join(SCHEDULES))
-        if self.kernels not in ("fast", "reference"):
-            bad("kernels", "fast or reference")
-        if self.pos_emb is not None and not isinstance(self.pos_emb, bool):
-            bad("pos_emb", "True, False or None (auto: attention only)")
-        for name in ("long_only", "freeze_features"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "True or False")
-        whole("d_conv", 0, MAX_SIZE, "a non-negative integer below 2**31", allow_none=True)
-        for name in ("seed", "data_seed"):
-            whole(name, 0, 2**63, "a non-negative integer below 2**63")
-        if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
-            bad("device", " or ".join(DEVICES))
-        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
-            bad("device", "cpu or auto (torch.cuda.is_available() is False here)")
+        size, SIZE = whole(1), "a positive integer below 2**31"
+        fraction, FRACTION = real(0, 1), "a number in [0, 1)"
+        rules = [         # (fields, test, what is allowed), checked in this order
+            ("task", lambda v: v in TASKS, " or ".join(TASKS)),
+            ("arch", lambda v: isinstance(v, str) and v in models.ARCHS,     # a list is unhashable
+             "one of " + ", ".join(models.ARCHS)),
+            ("timeline_docs", whole(0), "a non-negative integer (0 turns the timeline off)"),
+            ("gap_filter", fraction, FRACTION),
+            ("num_keys num_values num_pairs num_terminals num_nonterminals max_terminals max_rules "
+             "max_depth terminal_weight d_model n_layers n_heads n_positions batch_size train_size "
+             "eval_every eval_size", size, SIZE),
+            ("max_rhs_len", whole(2), "an integer in [2, 2**31) (head + at least one dependent)"),
+            ("epochs steps", lambda v: v is None or size(v), SIZE + " or None"),
+            ("n_heads", lambda v: self.d_model % v == 0, f"a divisor of d_model={self.d_model}"),
+            ("lr", lambda v: real(0, math.inf)(v) and v != 0, "a positive finite number"),
+            ("train_size", lambda v: v >= self.batch_size,
+             f"at least batch_size={self.batch_size}"),
+            ("warmup_frac holdout", fraction, FRACTION),
+            ("schedule", lambda v: v in SCHEDULES, " or ".join(SCHEDULES)),
+            ("kernels", lambda v: v in ("fast", "reference"), "fast or reference"),
+            ("pos_emb", lambda v: v is None or isinstance(v, bool),
+             "True, False or None (auto: attention only)"),
+            ("long_only freeze_features", lambda v: isinstance(v, bool), "True or False"),
+            ("d_conv", lambda v: v is None or whole(0)(v),
+             "a non-negative integer below 2**31 or None"),
+            ("seed data_seed", whole(0, 2**63), "a non-negative integer below 2**63"),
+            ("device", lambda v: v in DEVICES or str(v).startswith("cuda:"), " or ".join(DEVICES)),
+            ("device", lambda v: not str(v).startswith("cuda") or torch.cuda.is_available(),
+             "cpu or auto (torch.cuda.is_available() is False here)")]
+        for names, ok, allowed in rules:
+            for name in names.split():
+                if not ok(getattr(self, name)):
+                    raise ValueError(f"{name}: got {getattr(self, name)!r}, expected {allowed}")
         return self
 
     def resolved(self):
-        """The same run with every "auto" made explicit (epochs, pos_emb), so equal runs compare equal."""
-        return replace(self,
-                       epochs=self.epochs if self.epochs is not None else DEFAULT_EPOCHS.get(self.task, 16),
-                       pos_emb=models._pos_emb_or_default(self.arch, self.pos_emb))
+        """The same run with "auto" made explicit (epochs, pos_emb): equal runs compare equal."""
+        epochs = DEFAULT_EPOCHS.get(self.task, 16) if self.epochs is None else self.epochs
+        pos_emb = models._pos_emb_or_default(self.arch, self.pos_emb)
+        return replace(self, epochs=epochs, pos_emb=pos_emb)
 
     def steps_per_epoch(self):
         return self.train_size // self.batch_size    # a last partial batch is dropped
 
     def total_steps(self):
-        return self.steps if self.steps is not None else self.steps_per_epoch() * self.resolved().epochs
+        if self.steps is not None:
+            return self.steps
+        return self.steps_per_epoch() * self.resolved().epochs
 
     def name(self):
         """A short human name for logs and files, e.g. 'ar_attention_d64_L2_lr0.001_s42'."""
@@ -174,14 +156,14 @@ def resolve_device(device):
     """"auto" -> "cuda" if available, else "cpu". A CUDA device this machine lacks: a ValueError."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if str(device).startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device: got {device!r}, but torch.cuda.is_available() is False here; "
-                             "use cpu or auto")
-        index = str(device).partition(":")[2]
-        if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-            raise ValueError(f"device: got {device!r}, but this machine has {torch.cuda.device_count()} "
-                             "CUDA device(s)")
+    if not str(device).startswith("cuda"):
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: got {device!r}, but torch.cuda.is_available() is False here; "
+                         "use cpu or auto")
+    index, count = str(device).partition(":")[2], torch.cuda.device_count()
+    if index and (not index.isdigit() or int(index) >= count):
+        raise ValueError(f"device: got {device!r}, but this machine has {count} CUDA device(s)")
     return device
 
 
@@ -191,17 +173,19 @@ def resolve_device(device):
 class Data:
     train: "tasks.Dataset"     # train_size documents, split "train"
     eval: "tasks.Dataset"      # eval_size fresh documents, split "dev" (a different seed stream)
-    test: "tasks.Dataset"      # eval_size documents that query held-out pairs; None when holdout == 0
+    test: "tasks.Dataset"      # eval_size documents querying held-out pairs; None if holdout == 0
     vocab_size: int
     novel: dict = None         # ATR: split -> bool mask of its documents not seen verbatim in train
 
 
+AR_FIELDS = ("num_keys", "num_values", "num_pairs")              # tasks.make_ar's settings
+PCFG_FIELDS = ("num_terminals", "num_nonterminals", "max_rhs_len", "max_rules", "max_depth",
+               "terminal_weight")                                # tasks.PCFG's settings
+
+
 def _data_key(cfg):
-    if cfg.task == "ar":
-        params = (cfg.num_keys, cfg.num_values, cfg.num_pairs)
-    else:
-        params = (cfg.num_terminals, cfg.num_nonterminals, cfg.max_rhs_len, cfg.max_rules, cfg.max_depth,
-                  cfg.terminal_weight, cfg.max_terminals)
+    names = AR_FIELDS if cfg.task == "ar" else (*PCFG_FIELDS, "max_terminals")
+    params = tuple(getattr(cfg, name) for name in names)
     return (cfg.task, params, cfg.holdout, cfg.data_seed, cfg.train_size, cfg.eval_size)
 
 
@@ -209,15 +193,12 @@ def _data_key(cfg):
 def _make_data(key):
     task, params, holdout, seed, train_size, eval_size = key
     if task == "ar":
-        k, v, m = params
-        make = lambda n, split: tasks.make_ar(n, num_keys=k, num_values=v, num_pairs=m, seed=seed,
+        make = lambda n, split: tasks.make_ar(n, **dict(zip(AR_FIELDS, params)), seed=seed,
                                               split=split, holdout=holdout)
     else:
-        s, nt, rhs, rules, depth, weight, longest = params
-        grammar = tasks.PCFG(num_terminals=s, num_nonterminals=nt, max_rhs_len=rhs, max_rules=rules,
-                             max_depth=depth, terminal_weight=weight, seed=seed)
+        grammar = tasks.PCFG(**dict(zip(PCFG_FIELDS, params)), seed=seed)
         make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=holdout, seed=seed,
-                                               max_terminals=longest)
+                                               max_terminals=params[-1])
     # the SAME seed for every split: tasks.py mixes the split name into the document stream
     try:
         train, dev = make(train_size, "train"), make(eval_size, "dev")
@@ -228,14 +209,14 @@ def _make_data(key):
         raise ValueError(f"{task} task {params} with {train_size} training documents: too large to "
                          f"allocate ({' '.join(str(e).split())[:120]})") from None
     novel = None
-    if task == "atr":          # README, difference 8: accuracy also on documents not seen in training
-        novel = {"eval": novel_mask(train, dev), **({"test": novel_mask(train, test)} if test else {})}
+    if task == "atr":          # README, difference 8: accuracy also on documents unseen in training
+        novel = {name: novel_mask(train, ds) for name, ds in [("eval", dev), ("test", test)] if ds}
     return Data(train, dev, test, train.vocab_size, novel)
 
 
 def make_data(cfg, data=None):
-    """The Data of cfg (cached in-process: a sweep's runs share their documents), or `data` when given;
-    either way checked to fit cfg's model (check_length), so that a bad run fails before step 0."""
+    """cfg's Data (cached in-process: a sweep's runs share it), or `data` checked to be cfg's;
+    either way checked to fit cfg's model (check_length): a bad run fails before step 0."""
     if data is not None:
         check_data(cfg, data)      # data passed in must be cfg's task: its record will say so
     data = data or _make_data(_data_key(cfg))
@@ -246,9 +227,8 @@ def make_data(cfg, data=None):
 # --- The recipe: learning-rate schedule, loss, evaluation.
 
 def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
-    """The learning rate of optimizer step `step` (0-based) of `total` (HuggingFace's schedule):
-    linear warmup from 0 (step 0 uses lr 0, as the reference) over int(warmup_frac * total) steps,
-    then cosine (or linear) decay that reaches 0 at step == total."""
+    """The lr of step `step` (0-based) of `total`, HuggingFace's schedule: linear warmup from 0
+    (step 0: lr 0) over int(warmup_frac * total) steps, then cosine (or linear) decay to 0."""
     warmup = int(warmup_frac * total)
     if step < warmup:
         return peak * step / warmup
@@ -259,20 +239,21 @@ def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
 
 
 def answer_loss(model, tokens, queries, answers):
-    """Cross-entropy of the answer token only, read at the query position (mean over the batch), in
-    float32 at least. The head sees the query rows alone. `model`: any callable model(tokens, readout=)."""
-    logits = model(tokens, readout=queries)                 # (b, l) -> (b, v); an Ensemble's: (r, b, v)
+    """Cross-entropy of the answer at the query position (the head reads those rows alone), mean
+    over the batch, float32 at least. An Ensemble's: one per member (r,), its failed ones 0."""
+    logits = model(tokens, readout=queries)         # (b, l) -> (b, v); an Ensemble's: (r, b, v)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if logits.dim() == 3:       # an Ensemble: one mean over the batch per member (r,), its failed ones 0
-        losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1), reduction="none")
+    if logits.dim() == 3:
+        losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
+                                 reduction="none")                               # (r, b)
         return model.drop_failed(losses.mean(1))
     return F.cross_entropy(logits, answers)
 
 
 @torch.no_grad()
 def evaluate(model, dataset, batch_size=64):
-    """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the full vocabulary at the query position
-    == answer; mean softmax probability of the answer; mean cross-entropy."""
+    """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the whole vocabulary at the query ==
+    answer; mean softmax probability of the answer; mean cross-entropy."""
     models.check_dataset(model, dataset)
     n = len(dataset)
     if n == 0:
@@ -283,11 +264,11 @@ def evaluate(model, dataset, batch_size=64):
     correct, prob, loss = 0, 0.0, 0.0
     for i in range(0, n, batch_size):
         rows = slice(i, i + batch_size)
-        width = int(dataset.lengths[rows].max())            # causal models: trailing padding is irrelevant
+        width = int(dataset.lengths[rows].max())            # causal: trailing padding is irrelevant
         tokens = dataset.tokens[rows, :width].to(device)    # (b, l)
         answers = dataset.answers[rows].to(device)          # (b,)
-        logits = model(tokens, readout=dataset.positions["query"][rows].to(device)).float()  # (b, v)
-        logp = logits.log_softmax(-1).gather(1, answers[:, None]).squeeze(1)                  # (b,)
+        logits = model(tokens, readout=dataset.positions["query"][rows].to(device)).float()
+        logp = logits.log_softmax(-1).gather(1, answers[:, None]).squeeze(1)             # (b,)
         correct += (logits.argmax(-1) == answers).sum().item()
         prob += logp.exp().sum().item()
         loss -= logp.sum().item()
@@ -298,37 +279,35 @@ def evaluate(model, dataset, batch_size=64):
 # --- One training run: the loop, written out (as nanoGPT's train.py writes it).
 
 def train(cfg, *, data=None, log=None):
-    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe) holds
-    config, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final
-    (the final model's metrics), history (one entry per evaluation), wall_s, steps_per_s, steps_done,
-    total_steps, timeline_s."""
-    [cfg], data = setup([cfg], data)       # data checked against cfg: documents it cannot take fail here
-    log = log or (lambda msg: print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] {msg}",
-                                    file=sys.stderr))
-    torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone (on a CPU: the same run)
+    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe):
+    config, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device,
+    final (the final model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
+    [cfg], data = setup([cfg], data)       # documents cfg's model cannot take fail here
+    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] ")
+    torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone
     model = build(cfg, data.vocab_size)    # on cfg's device
     return fit([cfg], model, adamw(model, cfg.lr), data, log)[0]
 
 
 def fit(cfgs, model, optimizer, data, log):
-    """train()'s loop: AdamW at lr_at(step) on batch(step), evaluated every eval_every steps and after
-    the last one. cfgs is [cfg] for one model; for an Ensemble (train_group) it lists its members, and
-    the loss is one per member (r,). Returns [(result, model)], one per config."""
+    """train()'s loop: AdamW at lr_at(step) on batch(step), evaluated every eval_every steps and at
+    the end. cfgs: [cfg], or an Ensemble's members (train_group; then the loss is (r,)). Returns
+    [(result, model)], one per config."""
     cfg, total, start = cfgs[0], cfgs[0].total_steps(), time.time()
     batch = training_batches(cfg, data)
     histories, loss_sum, n_losses, error = [[] for _ in cfgs], 0.0, 0, None
     model.train()
     for step in range(total + 1):
-        if step % cfg.eval_every == 0 or step == total:          # evaluate: step 0, every eval_every, the end
+        if step % cfg.eval_every == 0 or step == total:             # evaluate
             mean_loss = loss_sum / n_losses if n_losses else None
             log(record_evaluation(model, cfgs, data, step, mean_loss, histories, start))
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break
-        for group, c in zip(optimizer.param_groups, cfgs):          # the schedule (one group per member)
+        for group, c in zip(optimizer.param_groups, cfgs):          # the schedule, per member
             group["lr"] = lr_at(step, total, c.warmup_frac, c.schedule, c.lr)
-        loss = answer_loss(model, *batch(step))  # forward: (), or (r,) for an Ensemble (its failed members: 0)
-        if not torch.isfinite(loss).all():       # a NaN/inf loss would poison every later step: stop here
+        loss = answer_loss(model, *batch(step))                     # forward: () or (r,)
+        if not torch.isfinite(loss).all():          # a NaN/inf would poison every later step
             error = f"loss is {loss.item()} at step {step} (lr {cfg.lr:g}); run stopped"
             log(f"FAILED: {error}")
             break
@@ -340,8 +319,7 @@ def fit(cfgs, model, optimizer, data, log):
 
 
 def setup(configs, data=None):
-    """(configs resolved and checked, their Data from make_data). More than one must differ only in
-    lr and seed (train_group)."""
+    """(configs resolved and checked, their Data); several must differ only in lr and seed."""
     cfgs = [c.resolved().check() for c in configs]
     if not cfgs or len({group_key(c) for c in cfgs}) > 1:
         raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
@@ -351,19 +329,17 @@ def setup(configs, data=None):
 
 
 def adamw(model, lr):
-    """The paper's optimizer: AdamW (0.9, 0.999), eps 1e-8, no weight decay; fused (one kernel for all
-    parameters) when all are floating-point on cpu or cuda. On one CPU thread, attention's 690k
-    parameters: 2.2 ms a step for the for-loop form, 0.54 fused (H3's 1.08M: 3.3, 0.9); the same update
-    up to float rounding (test_fused_adamw_agrees_with_the_for_loop_form)."""
+    """The paper's AdamW (0.9, 0.999), eps 1e-8, no weight decay; fused (one kernel, 4x faster on a
+    CPU; the same update up to rounding) when every parameter is floating-point on cpu or cuda."""
     params = list(model.parameters())
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params) or None
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused)
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                             fused=fused or None)
 
 
 def training_batches(cfg, data):
-    """The fixed training set on cfg's device, walked in order as the reference walks it: batch(step) is
-    (tokens, queries, answers) of rows [s*B, s*B + B) with s = step mod S (S = steps_per_epoch), the
-    tokens trimmed to the batch's longest document."""
+    """The training set on cfg's device, walked in order as the reference does: batch(step) is
+    (tokens trimmed to the longest, queries, answers) of rows [s*B, s*B + B), s = step mod S."""
     B, S, device = cfg.batch_size, cfg.steps_per_epoch(), resolve_device(cfg.device)
     tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
     queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
@@ -389,17 +365,30 @@ def build(cfg, vocab_size):
 
 
 def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
-    """Append each member's history_entry at `step` to its history; returns the log line (progress)."""
+    """Append each member's history_entry at `step` to its history; returns the log line,
+    'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     losses = train_loss.reshape(-1).tolist() if train_loss is not None else [None] * len(cfgs)
     for cfg, member, history, loss in zip(cfgs, members, histories, losses):
         history.append(history_entry(member, data, cfg, step, loss))
-    return progress(step, cfgs[0].total_steps(), start, histories)
+    total, rate = cfgs[0].total_steps(), step / max(time.time() - start, 1e-9)
+    eta = fmt_time((total - step) / rate) if step else "?"
+    if len(histories) > 1:
+        accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
+        return (f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s "
+                f"({len(histories) * rate:.1f} model-steps/s) | ETA {eta}")
+    entry = histories[0][-1]
+    loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
+    value, query = fmt_attrib(entry, "attrib_value"), fmt_attrib(entry, "attrib_query")
+    return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
+            + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
+            + (f" | attrib V {value} Q {query}" if "attrib_value" in entry else "")
+            + f" | {rate:.1f} steps/s | ETA {eta}")
 
 
 def run_results(model, cfgs, histories, step, error, wall):
-    """[(record, model)] of fit's runs. A failed run (a lone run's error at `step`, or an Ensemble
-    member's) keeps the history up to the step it failed at."""
+    """[(record, model)] of fit's runs; a failed one (a lone run's error at `step`, or an Ensemble
+    member's) keeps its history up to the step it failed at."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     failures = model.failures() if isinstance(model, Ensemble) else [(step, error) if error else None]
     out = []
@@ -413,32 +402,16 @@ def run_results(model, cfgs, histories, step, error, wall):
             "error": error, "n_params": models.count_parameters(member),
             "device": resolve_device(cfg.device), "final": final, "history": history,
             "wall_s": round(wall, 2), "steps_done": steps_done, "total_steps": cfg.total_steps(),
-            "steps_per_s": round(steps_done / max(wall, 1e-9), 2), "timeline_s": round(timeline_s, 3)}),
-            member))
+            "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
+            "timeline_s": round(timeline_s, 3)}), member))
     return out
 
 
 def stderr_log(prefix=""):
-    """A log function printing one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
+    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
     def log(msg):
         print(f"{prefix}{msg}", file=sys.stderr, flush=True)
     return log
-
-
-def progress(step, total, start, histories):
-    """The log line of an evaluation: 'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
-    rate = step / max(time.time() - start, 1e-9)
-    eta = fmt_time((total - step) / rate) if step else "?"
-    if len(histories) > 1:
-        accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
-        return (f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s "
-                f"({len(histories) * rate:.1f} model-steps/s) | ETA {eta}")
-    entry = histories[0][-1]
-    loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
-    return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
-            + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
-            + (f" | attrib V {fmt_attrib(entry, 'attrib_value')} Q {fmt_attrib(entry, 'attrib_query')}"
-               if "attrib_value" in entry else "") + f" | {rate:.1f} steps/s | ETA {eta}")
 
 
 def fmt_time(seconds):
@@ -455,32 +428,30 @@ def fmt_attrib(entry, key):
 # --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
 
 def history_entry(model, data, cfg, step, train_loss):
-    """One evaluation during training: {step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}
-    and, when cfg.timeline_docs > 0, the headline pair on the first timeline_docs evaluation
-    documents (interventions.headline): attrib_value, attrib_query, attrib_gap (p_clean - p_corrupt),
-    attrib_low_signal (gap <= cfg.gap_filter) and timeline_s (run_results sums and removes it)."""
+    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)} and, if cfg.timeline_docs, the
+    headline pair on that many eval documents (interventions.headline): attrib_value, attrib_query,
+    attrib_gap, attrib_low_signal, timeline_s (its seconds; run_results sums and removes it)."""
     total = cfg.total_steps()
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
              "train_loss": train_loss, **evaluate_all(model, data)}
     if cfg.timeline_docs:
-        import interventions
         start = time.time()
-        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
+        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs,
+                                      threshold=cfg.gap_filter)
         entry.update(attrib_value=head["value"], attrib_query=head["query"], attrib_gap=head["gap"],
                      attrib_low_signal=head["low_signal"], timeline_s=time.time() - start)
     return entry
 
 
 def evaluate_all(model, data):
-    """Flat metrics over the eval (dev) set, plus test_* with a held-out split and novel_* for the
+    """Flat metrics on the eval (dev) set, plus test_* with a held-out split and novel_* for the
     documents not seen verbatim in training (data.novel, ATR only)."""
     _check_is_data(data)
     metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
     if data.test is not None:
         metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
     for split, mask in (data.novel or {}).items():
-        ds = data.eval if split == "eval" else data.test
-        prefix = "" if split == "eval" else "test_"
+        prefix, ds = ("", data.eval) if split == "eval" else ("test_", data.test)
         metrics[f"{prefix}novel_acc"] = evaluate(model, ds.subset(mask.nonzero().squeeze(1)))["acc"]
         metrics[f"{prefix}novel_frac"] = mask.float().mean().item()
     return metrics
@@ -501,11 +472,10 @@ def check_data(cfg, data):
     if data.train.task != cfg.task:
         raise ValueError(f"data holds {data.train.task} documents, but cfg.task is {cfg.task!r}.")
     if cfg.task == "ar":
-        made = {k: meta.get(k) for k in ("num_keys", "num_values", "num_pairs")}
+        made = {k: meta.get(k) for k in AR_FIELDS}
     else:
         grammar = meta.get("grammar") or {}
-        made = {k: grammar.get(k) for k in ("num_terminals", "num_nonterminals", "max_rhs_len",
-                                            "max_rules", "max_depth", "terminal_weight")}
+        made = {k: grammar.get(k) for k in PCFG_FIELDS}
         made.update(data_seed=grammar.get("seed"), max_terminals=meta.get("max_terminals"))
     made["holdout"] = meta.get("holdout")
     for name, value in made.items():
@@ -520,12 +490,10 @@ def check_length(cfg, data=None):
     unless max_terminals + 5 fits, the longest one of `data` (cfg's, made and cached, when None)."""
     cfg = cfg.resolved()
     limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
-    if limit is None:
+    if limit is None or cfg.task != "ar" and cfg.max_terminals + 5 <= limit:
         return
     if cfg.task == "ar":
         length = 2 * cfg.num_pairs + 5
-    elif cfg.max_terminals + 5 <= limit:
-        return
     else:
         data = data or _make_data(_data_key(cfg))
         length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
@@ -541,7 +509,7 @@ def probe_task(cfg):
 
 
 def novel_mask(train, dataset):
-    """(n,) bool: the documents of `dataset` (unpadded rows) not verbatim in `train` (difference 8)."""
+    """(n,) bool: the documents of `dataset` not verbatim in `train` (README, difference 8)."""
     seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
     return torch.tensor([row[:n].tobytes() not in seen for row, n in
                          zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
@@ -557,13 +525,13 @@ class CheckpointError(ValueError):
 
 
 def _mismatch(built, build_args, state):
-    """How a model described by (build_args, state: its state_dict) differs from `built`, in one line,
-    or None: every build argument but the seed, then the state_dict's keys and shapes."""
+    """How a model of (build_args, state_dict) differs from `built`, in one line, or None: every
+    build argument but the seed, then the state_dict's keys and shapes."""
     if not isinstance(build_args, dict) or not isinstance(state, dict):
         return "its build_args or state_dict is not a dict"
     ours = built.build_args
     for k in dict.fromkeys([*ours, *build_args]):
-        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: its default (None or False)
+        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: None or False
         if (k == "seed" or a == b or (k not in ours and b in (None, False))
                 or (k not in build_args and a in (None, False))):
             continue
@@ -581,11 +549,11 @@ def _mismatch(built, build_args, state):
 
 
 def save(model, cfg, path):
-    """torch.save {format, config, build_args, state_dict} to path, atomically (temp file + os.replace).
+    """torch.save {format, config, build_args, state_dict} to path atomically (temp + os.replace);
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
-    replace(cfg, device="cpu").check()                  # a run may be saved where its device is absent
+    replace(cfg, device="cpu").check()                  # saved where its device is absent: valid
     vocab = getattr(model, "build_args", {}).get("vocab_size")
     probe = _make_data.__wrapped__(_data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))
     if vocab != probe.vocab_size:
@@ -609,9 +577,8 @@ def save(model, cfg, path):
 
 
 def load(path, device="cpu"):
-    """(model, cfg) from a checkpoint written by save(). CheckpointError (a ValueError, one line) for a
-    truncated, corrupt or mismatched file. The model is built from the checkpoint's config (exactly
-    Config's fields, valid), which must agree with the saved build_args and weights."""
+    """(model, cfg) from a checkpoint of save(), built from its config (exactly Config's fields,
+    valid) that must agree with its build_args and weights; else a one-line CheckpointError."""
     def fail(what):
         return CheckpointError(f"checkpoint {path}: {what}")
 
@@ -622,7 +589,7 @@ def load(path, device="cpu"):
         raise fail("no such file")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:   # truncated zip, garbage bytes, pickle errors: all mean "not a checkpoint"
+    except Exception as e:   # truncated zip, garbage bytes, pickle errors: "not a checkpoint"
         raise fail(f"unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
     if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
         raise fail(f"not a {CHECKPOINT_FORMAT} checkpoint")
@@ -653,12 +620,12 @@ def load(path, device="cpu"):
         model = build(cfg, task_vocab)
         what = _mismatch(model, blob.get("build_args"), blob.get("state_dict"))
         if what is None:
-            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree, so this is rare
+            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         what = f"{type(e).__name__}: {oneline(e)[:200]}"
     if what:
         raise fail(f"does not rebuild its model ({what})")
-    model.task = cfg.task                               # models.check_dataset refuses other tasks' data
+    model.task = cfg.task                               # check_dataset refuses other tasks' data
     return model.to(resolve_device(device)), cfg
 
 
@@ -666,11 +633,10 @@ def load(path, device="cpu"):
 # launches; r runs as one model do r times the work per launch (`run.py bench`, part 5).
 
 class Ensemble:
-    """r models of one architecture and shape trained as one: their parameters are the rows of ONE
-    (r, P) leaf, their logits torch.func.vmap over functional_call of one base module (the PyTorch
-    model-ensembling tutorial), one StackedAdamW step for all. The summed loss gives each row exactly
-    its member's gradient. A member whose loss is not finite is dead from that step on (drop_failed),
-    its weights those of the step that failed (where a lone run stops)."""
+    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their
+    parameters are the rows of ONE (r, P) leaf, their logits a vmap of functional_call on one base
+    module, the summed loss gives each row its member's gradient, one StackedAdamW step for all. A
+    member whose loss is not finite is dead from that step on, its weights those of that step."""
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
@@ -683,8 +649,9 @@ class Ensemble:
                     not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
                 raise ValueError("Ensemble: the members must share their parameter names and buffers")
         with torch.no_grad():
-            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()]) for m in self.modules])
-        self.flat = flat.requires_grad_()                               # (r, P): the one trainable leaf
+            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()])
+                                for m in self.modules])
+        self.flat = flat.requires_grad_()                               # (r, P): the trainable leaf
         r = len(self.modules)
         self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
         self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: not failed
@@ -693,9 +660,10 @@ class Ensemble:
 
     def __call__(self, tokens, readout):
         """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
-        def member_logits(row):
-            return torch.func.functional_call(self.base, self.params(row), (tokens,), {"readout": readout})
-        return torch.func.vmap(member_logits)(self.flat)
+        def logits(row):
+            return torch.func.functional_call(self.base, self.params(row), (tokens,),
+                                              {"readout": readout})
+        return torch.func.vmap(logits)(self.flat)
 
     def params(self, row):
         """One member's named parameters, views of its row (P,) of the stacked leaf."""
@@ -704,8 +672,8 @@ class Ensemble:
                 for n, shape, x in zip(self.names, self.shapes, pieces)}
 
     def drop_failed(self, losses):
-        """losses (r,) with the members that failed (now or before) set to 0; a non-finite loss marks
-        its member failed at this step. No host sync: failures() reads it at the end."""
+        """losses (r,), those of failed members 0; a non-finite loss fails its member at this step
+        (no host sync: failures() reads it at the end)."""
         step, finite = self.optimizer.n_steps, torch.isfinite(losses.detach())
         newly = self.alive & ~finite
         self.failed_step = torch.where(newly, step, self.failed_step)
@@ -723,7 +691,7 @@ class Ensemble:
         self.base.train()
 
     def members(self):
-        """The members as ordinary modules: each row of the stacked leaf copied into its own module."""
+        """The members as ordinary modules, each row of the stacked leaf copied into its own."""
         with torch.no_grad():
             for m, row in zip(self.modules, self.flat):
                 for p, x in zip(m.parameters(), row.split(self.sizes)):
@@ -732,17 +700,18 @@ class Ensemble:
 
 
 class StackedAdamW:
-    """torch.optim.AdamW's single-tensor step (betas 0.9/0.999, eps 1e-8, no weight decay) on an
-    Ensemble's (r, P) leaf, op for op, one param group (learning rate) per member, so that each member
-    follows its lone run to rounding. A dead member's row steps by 0; so does a parameter without a
-    gradient (frozen, or unused: zeros here instead of None), as torch's skips it."""
+    """torch.optim.AdamW's single-tensor step (0.9, 0.999, eps 1e-8, no weight decay), op for op, on
+    an Ensemble's (r, P) leaf, a param group (lr) per member: each follows its lone run to rounding.
+    A dead member's row steps by 0; so does a parameter without a gradient (frozen, or unused: zeros
+    here, not None), as torch's skips it."""
 
     BETAS, EPS = (0.9, 0.999), 1e-8
 
     def __init__(self, ensemble):
         self.ensemble, flat = ensemble, ensemble.flat
         self.param_groups = [{"lr": 0.0, "lr_peak": 0.0} for _ in ensemble.modules]
-        self.exp_avg, self.exp_avg_sq, self.n_steps = torch.zeros_like(flat), torch.zeros_like(flat), 0
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)
+        self.n_steps = 0
 
     def zero_grad(self, set_to_none=True):
         self.ensemble.flat.grad = None
@@ -763,14 +732,14 @@ class StackedAdamW:
 
 def group_key(cfg):
     """What the runs of one group share: every Config field but lr and seed."""
-    return json.dumps({k: v for k, v in sorted(asdict(cfg.resolved()).items()) if k not in ("lr", "seed")})
+    shared = {k: v for k, v in asdict(cfg.resolved()).items() if k not in ("lr", "seed")}
+    return json.dumps(shared, sort_keys=True)
 
 
 def train_group(configs, *, data=None, log=None):
-    """Train configs that differ only in lr and seed as one batched model (Ensemble) with train()'s
-    loop. Returns [(result, model)], one per config in order, each what train(cfg) returns for it (to
-    rounding), plus "group": {"size", "index"}; wall_s and steps_per_s are the group's. A member whose
-    loss goes NaN/inf is "failed" at that step, and the others go on undisturbed."""
+    """Train configs that differ only in lr and seed as one Ensemble with train()'s loop:
+    [(result, model)], each what train(cfg) returns (to rounding) plus "group": {"size", "index"};
+    wall_s is the group's. A member whose loss goes NaN/inf fails there; the others go on."""
     cfgs, data = setup(configs, data)
     cfg, r = cfgs[0], len(cfgs)
     log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
