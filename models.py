@@ -213,8 +213,8 @@ def taylor_features(a):
 
 class BasedAttention(Mixer):
     """Based linear attention, Taylor feature map, no biases (zoology/mixers/based.py): out = y W_o^T,
-    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps). `mix`: the quadratic
-    view (what the paper trained); `step`: the recurrent one, S_t = sum phi(k_s) v_s^T, z_t = sum phi(k_s)."""
+    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), the quadratic view the paper
+    trained; as a recurrence y_t = phi(q_t) S_t / (phi(q_t) z_t + eps), S_t = sum phi(k_s) v_s^T."""
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, **options):
@@ -241,27 +241,6 @@ class BasedAttention(Mixer):
         num = torch.einsum("bhts,bshk->bthk", pattern, v)       # (b,l,h,k)
         den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
         return self.proj_o(self.hook_y((num / (den + self.eps)).reshape(b, l, d)))
-
-    def init_state(self, batch, device=None, dtype=None):
-        h, d = self.n_heads, self.proj_v.out_features
-        n_features = 1 + self.feature_dim + self.feature_dim ** 2
-        S = torch.zeros(batch, h, n_features, d // h, device=device, dtype=dtype)  # sum phi(k) v^T
-        z = torch.zeros(batch, h, n_features, device=device, dtype=dtype)          # sum phi(k)
-        return S, z
-
-    def step(self, x_t, state):
-        """One token of the recurrent view, no hooks: x_t (b, d) -> (y_t (b, d), state)."""
-        b, d = x_t.shape
-        S, z = state
-        h, f = self.n_heads, self.feature_dim
-        phi_q = taylor_features(self.proj_q(x_t).view(b, h, f))     # (b,h,F)
-        phi_k = taylor_features(self.proj_k(x_t).view(b, h, f))
-        v = self.proj_v(x_t).view(b, h, d // h)                     # (b,h,k)
-        S = S + phi_k[..., None] * v[..., None, :]                  # (b,h,F,k)
-        z = z + phi_k
-        num = torch.einsum("bhf,bhfk->bhk", phi_q, S)
-        den = (phi_q * z).sum(-1, keepdim=True)                     # (b,h,1)
-        return self.proj_o((num / (den + self.eps)).reshape(b, d)), (S, z)
 
 
 class H3(Mixer):
@@ -348,29 +327,6 @@ class H3(Mixer):
         o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)  # read out with the query
         y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,m,h) -> (b,l,d): channel j*H+h
         return self.output_linear(y)
-
-    def init_state(self, batch, device=None, dtype=None):
-        """The shift register (b, d, n) and the diagonal SSM's complex modes (b, h, m, m, n/2)."""
-        d, n, h, m = self.shift_B.shape[0], self.d_state, self.n_heads, self.head_dim
-        dtype = dtype or self.shift_B.dtype
-        complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-        return {"shift": torch.zeros(batch, d, n, device=device, dtype=dtype),
-                "diag": torch.zeros(batch, h, m, m, n // 2, device=device, dtype=complex_dtype)}
-
-    def step(self, x_t, state):
-        """One token, no hooks: x_t (b, d) -> (y_t (b, d), next state)."""
-        b, d = x_t.shape
-        h, m = self.n_heads, self.head_dim
-        q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)                # (b, d)
-        shift = F.pad(state["shift"][..., :-1], (1, 0)) + self.shift_B * k[..., None]  # (b, d, n)
-        k_tilde = (self.shift_C * shift).sum(-1) + self.shift_D * k                    # (b, d)
-        kv = k_tilde.view(b, h, m, 1) * v.view(b, h, 1, m)  # (b, h, m, m)
-        A_bar, W = self.diag_modes()                                                   # (h, n/2)
-        diag = A_bar[:, None, None] * state["diag"] + kv[..., None]  # (b, h, m, m, n/2)
-        w = 2 * (W[:, None, None] * diag).sum(-1).real + self.diag_D[:, None, None] * kv
-        o = torch.einsum("bhi,bhij->bhj", q.view(b, h, m), w)                          # (b, h, m)
-        y = o.transpose(1, 2).reshape(b, d)  # channel j*H + h
-        return self.output_linear(y), {"shift": shift, "diag": diag}
 
 
 class HyenaFilter(nn.Module):

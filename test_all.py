@@ -724,28 +724,6 @@ def test_every_hook_output_is_used(arch, options):
                 assert (patched - clean).abs().max() > 1e-8, name
 
 
-# ---------------------------------------------------------------------------------------------- recurrent form
-
-def _loop_steps(mixer, x):
-    state = mixer.init_state(x.shape[0], x.device, x.dtype)
-    outputs = []
-    for x_t in x.unbind(1):
-        y_t, state = mixer.step(x_t, state)
-        outputs.append(y_t)
-    return torch.stack(outputs, dim=1)
-
-
-@pytest.mark.parametrize("mixer_factory", [
-    lambda: models.BasedAttention(D, 1, 2), lambda: models.BasedAttention(D, 1, 2, n_heads=4),
-], ids=["based", "based-4heads"])
-def test_recurrent_step_matches_parallel_forward(mixer_factory):
-    torch.manual_seed(0)
-    mixer = mixer_factory().double()
-    x = torch.randn(2, 13, D, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(_loop_steps(mixer, x), mixer(x), rtol=1e-10, atol=1e-12)
-
-
 # ---------------------------------------------------------------------------------------------- init & pieces
 
 def test_mamba_dt_bias_and_init():
@@ -832,7 +810,6 @@ MIXER_VARIANTS = {
     "deltanet_h2": (DeltaNet, {"n_heads": 2}),
     "deltanet_noconv": (DeltaNet, {"n_heads": 2, "d_conv": 0}),
 }
-RECURRENT = [name for name, (cls, _) in MIXER_VARIANTS.items() if hasattr(cls, "step")]
 
 
 def make(name, d=16, reference=False, seed=0):
@@ -901,17 +878,6 @@ def test_mixer_causality(name):
         y2 = mixer(x2)
         assert torch.allclose(y2[:, :t], y[:, :t], atol=1e-12)
         assert not torch.allclose(y2[:, t], y[:, t])
-
-
-@pytest.mark.parametrize("name", RECURRENT)
-def test_step_equals_mix(name):
-    mixer, x = make(name), inputs(l=9)
-    state = mixer.init_state(x.shape[0], x.device, x.dtype)
-    outputs = []
-    for x_t in x.unbind(1):
-        y_t, state = mixer.step(x_t, state)
-        outputs.append(y_t)
-    assert torch.allclose(torch.stack(outputs, 1), mixer(x), atol=1e-10)
 
 
 def test_delta_rule_parallel_equals_loop_with_gradients():
