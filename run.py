@@ -1,33 +1,31 @@
 """run.py: the driver. Train the architectures of one experiment of the paper, patch them, report.
 
-Replicates "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
-2505.15105): accuracy alone does not tell how a model retrieves; interchange interventions do
-(attention/based: induction through the value token; mamba: direct retrieval at the query). The
-recipe of one run is mechsm.py's (paper Sec. 4, App. C); the patching is interventions.py's (Sec. 3-4).
-This file holds what serves many runs: the experiments, the sweep (resume, shards, worker processes),
-the report (tables, results/*.md, figures) and the benchmark.
+Replicates "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
+arXiv 2505.15105): accuracy alone does not tell how a model retrieves; interchange interventions
+do (attention/based: induction through the value token; mamba: direct retrieval at the query).
+One run's recipe is mechsm.py's (paper Sec. 4, App. C), the patching interventions.py's (Sec. 3-4).
+This file holds what serves many runs: the experiments, the sweep (resume, shards, worker
+processes), the report (tables, results/*.md, figures) and the benchmark.
 
 CPU examples:
-  python run.py                                    # the quick `ar` experiment: 7 archs, one job per core
+  python run.py                                    # the quick `ar` experiment: 7 archs, a job/core
   python run.py --experiment atr-medium            # one result of the paper; --list shows them all
   python run.py --arch attention,mamba --d-model 32,64 --lr 1e-3,3e-3 --seeds 0-2
-  python run.py --shard 0/4                        # every 4th run of the grid (SLURM arrays: automatic)
+  python run.py --shard 0/4                        # every 4th run of the grid (SLURM: automatic)
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
   python run.py --figures results/                 # redraw the figures of a results folder
   OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references
 GPU examples:
   python run.py --device cuda                      # quick preset, one job on the GPU
-  python run.py --preset paper --device cuda       # the paper's grid, each cell's lrs and seeds as one
-                                                   # batched model (--group-size K if memory runs short)
+  python run.py --preset paper --device cuda       # the paper's grid, a cell's lrs and seeds as
+                                                   # one batched model (--group-size K: smaller)
 
-Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard): a JSON
-line per finished run (config, metrics, history, the full patching table); reruns skip what is there,
-reading every results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
+Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard), a JSON
+line per finished run (config, metrics, history, the patching table); reruns skip what is there,
+reading all results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
 <experiment>_*.png (figures, with matplotlib), ckpt/ (checkpoints). Bad input prints one line
-"error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers and keep every finished run.
+"error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers, keeping every finished run.
 """
-
-import argparse
 
 import argparse
 import difflib
@@ -57,12 +55,14 @@ import mechsm  # noqa: E402
 import models  # noqa: E402
 from mechsm import Config  # noqa: E402
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 # ==============================================================================================
 # The experiments: one per result of the paper, each with a "quick" grid (sized for a 2-core CPU,
 # aiming at 20 minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs,
-# "runs": Config fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"},
-# the last three {arch: ...} where the arch "*" is the default.
+# "runs": Config fields per family of runs (each names its arch), "widths", "lrs", "seeds",
+# "steps"}, the last three {arch: ...} where the arch "*" is the default.
 # ==============================================================================================
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
@@ -112,6 +112,16 @@ def convs(arch, sizes, **fields_):
     return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
 
 
+NOPE_PE = archs("attention", pos_emb=False) + archs("attention", pos_emb=True)
+# ar-vocab: every arch at 512 and 1,024 keys and values, then attention, Based and Mamba probes
+VOCAB_RUNS = ([dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
+              + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
+              + [dict(arch=a, num_keys=256, num_values=256, **f) for a, f in [
+                  ("attention", dict(lr=5e-4)), ("attention", dict(lr=1e-3)),
+                  ("attention", dict(lr=5e-4, steps=32_000)), ("based", dict(steps=16_000)),
+                  ("mamba", {})]])
+
+
 @dataclass(frozen=True)
 class Experiment:
     name: str
@@ -129,8 +139,9 @@ EXPERIMENTS = {e.name: e for e in [
                {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
                 "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
                 "h3": "direct retrieval"},
-               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv")
-                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),   # difference 19
+               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based",
+                                     "base_conv")
+                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds={"mamba": [0, 1, 2], "*": [0]}),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
@@ -139,14 +150,16 @@ EXPERIMENTS = {e.name: e for e in [
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
-               quick(QUICK_AR, archs("attention", pos_emb=False) + archs("attention", pos_emb=True)),
-               paper(PAPER_AR, archs("attention", pos_emb=False) + archs("attention", pos_emb=True))),
-    Experiment("ar-layers", "App. D.2, D.3", "AR with 1 and 3 layers (1-layer Mamba still learns it)",
+               quick(QUICK_AR, NOPE_PE), paper(PAPER_AR, NOPE_PE)),
+    Experiment("ar-layers", "App. D.2, D.3",
+               "AR with 1 and 3 layers (1-layer Mamba still learns it)",
                {"mamba (1 layer)": "96.25%"},
-               quick(QUICK_AR, archs("mamba", "attention", n_layers=1) + archs("mamba", "attention")),
+               quick(QUICK_AR, archs("mamba", "attention", n_layers=1)
+                     + archs("mamba", "attention")),
                paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3),
                      lrs=LR7)),
-    Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
+    Experiment("mamba-conv", "Sec. 5.4",
+               "Mamba with short-conv sizes 0-4: it needs the conv for AR",
                {"mamba (d_conv 0)": "fails without the conv",
                 "mamba (default conv)": "91.25% (d 256; conv 4)"},
                quick(QUICK_AR, convs("mamba", (0, None))),   # CPU budget: 0 and 4
@@ -192,13 +205,8 @@ EXPERIMENTS = {e.name: e for e in [
     # The probes that chose the quick settings (README, difference 19): run before any table.
     Experiment("ar-vocab", "probe",
                "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
-               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
-                          + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
-                          + [dict(arch=a, num_keys=256, num_values=256, **f) for a, f in [
-                              ("attention", dict(lr=5e-4)), ("attention", dict(lr=1e-3)),
-                              ("attention", dict(lr=5e-4, steps=32_000)), ("based", dict(steps=16_000)),
-                              ("mamba", {})]],
-                          seeds={"mamba": [0, 1], "*": [0]}, steps=PROBE_STEPS),
+               dict(quick(QUICK_AR, VOCAB_RUNS, seeds={"mamba": [0, 1], "*": [0]},
+                          steps=PROBE_STEPS),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
                None, probe=True),
     Experiment("atr-budget", "probe",
@@ -220,18 +228,19 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
         raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
-    grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick    # a probe is its own paper grid
+    grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
     runs = grid["runs"]
     if archs is not None:
         runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
                                                           if a not in {r["arch"] for r in runs}]
-    pick = lambda table, arch: table.get(arch, table.get("*", [1e-3] if table is grid["lrs"] else None))
+    pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
     configs = []
     for run in runs:
         steps = pick(grid.get("steps", {}), run["arch"])
         base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_})
+        run_lrs = [run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"], [1e-3])
         for width in widths or grid["widths"]:
-            for lr in lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"])):
+            for lr in lrs or run_lrs:
                 for seed in seeds or pick(grid["seeds"], run["arch"]):
                     configs.append(replace(base, d_model=width, lr=float(lr), seed=seed))
     return configs
@@ -239,14 +248,11 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
-    words = {"d_model": lambda: f"d {value}", "n_layers": lambda: f"{value} layer{'s' * (value != 1)}",
-             "pos_emb": lambda: "PE" if value else "NoPE",
-             "long_only": lambda: "long convs only" if value else None,
-             "d_conv": lambda: "default conv" if value is None else f"d_conv {value}",
-             "num_keys": lambda: f"{value} keys", "steps": lambda: f"{value} steps",
-             "lr": lambda: f"lr {value:g}", "seed": lambda: f"seed {value}",
-             "holdout": lambda: f"holdout {value:g}"}
-    return words.get(name, lambda: f"{name} {value}")()
+    words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
+             "pos_emb": "PE" if value else "NoPE", "long_only": "long convs only" if value else None,
+             "d_conv": "default conv" if value is None else f"d_conv {value}",
+             "num_keys": f"{value} keys", "steps": f"{value} steps"}
+    return words.get(name, f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
 
 
 def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
@@ -254,10 +260,9 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
     e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
-    parts = [describe(name, getattr(cfg, name)) for name in fields_
-             if len({getattr(c, name) for c in same_arch}) > 1
-             and not (name == "d_conv" and cfg.long_only)]
-    parts = [p for p in parts if p]
+    parts = list(filter(None, [describe(name, getattr(cfg, name)) for name in fields_
+                               if len({getattr(c, name) for c in same_arch}) > 1
+                               and not (name == "d_conv" and cfg.long_only)]))
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
@@ -294,9 +299,9 @@ def default_jobs(device, n_runs):
     except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
         free_gib = float("inf")
     fit = max(1, int(free_gib // WORKER_GIB))
-    why = (f"{cores} CPU cores" + (f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores
-                                   else "") + (f", {n_runs} runs" if n_runs < min(cores, fit) else ""))
-    return max(1, min(cores, fit, n_runs)), why
+    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
+    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
+    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
 def fmt_hours(seconds):
@@ -304,7 +309,7 @@ def fmt_hours(seconds):
 
 
 def catalogue():
-    """`run.py --list`: every experiment, its claim, the paper's numbers, each preset's runs and time."""
+    """`run.py --list`: each experiment, its claim, the paper's numbers, each preset's runs, time."""
     lines = []
     for name, exp in EXPERIMENTS.items():
         times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
@@ -332,11 +337,11 @@ class Parser(argparse.ArgumentParser):
         known = list(self._option_string_actions)
         for token in args[:args.index("--")] if "--" in args else args:
             name = token.split("=", 1)[0]
-            if not token.startswith("-") or token == "-" or token[1] in "0123456789." or name in known:
+            if token[:1] != "-" or token == "-" or token[1] in "0123456789." or name in known:
                 continue
             close = difflib.get_close_matches(name, known, n=1)
-            raise ValueError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else "")
-                             + "; see run.py --help")
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"unknown option {name}{hint}; see run.py --help")
         return super().parse_known_args(args, namespace)
 
 
@@ -344,48 +349,46 @@ class Once(argparse.Action):
     """Store an option's value, refusing a second occurrence (give one comma list instead)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if option_string in getattr(namespace, "_given", {}):
-            raise ValueError(f"{option_string}: given twice; give it once (a comma list for several "
-                             "values)")
-        namespace._given = {**getattr(namespace, "_given", {}), option_string: values}
+        given = getattr(namespace, "_given", {})
+        if option_string in given:
+            raise ValueError(f"{option_string}: given twice; give it once (a comma list for "
+                             "several values)")
+        namespace._given = {**given, option_string: values}
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
 
 
-def parse_value(kind, text):
-    """One value of a flag: int (at most 2**62), float (finite) or non-empty str."""
-    text = text.strip()
-    if not text:
-        raise argparse.ArgumentTypeError("empty value")
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} is out of range")
-    return value
-
-
 def typed(kind, many=False):
-    """An argparse type: one value, or with many a comma list ("1e-3,3e-3"; ints also "0-4")."""
+    """An argparse type: one int (at most 2**62), float (finite) or non-empty str; with many a
+    comma list ("1e-3,3e-3"; ints also "0-4")."""
+    def one(text):
+        text = text.strip()
+        if not text:
+            raise argparse.ArgumentTypeError("empty value")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range")
+        return value
+
     def parse(text):
-        if not many:
-            return parse_value(kind, text)
         values = []
         for part in text.split(","):
             lo, dash, hi = part.strip().partition("-")
             if dash and kind is int and lo:           # a range of seeds, e.g. 0-4
-                values += range(parse_value(int, lo), parse_value(int, hi) + 1)
+                values += range(one(lo), one(hi) + 1)
             else:
-                values.append(parse_value(kind, part))
+                values.append(one(part))
         return values
-    return parse
+    return parse if many else one
 
 
 def build_parser():
-    p = Parser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog="Options left unset take their value from the experiment's preset (README: what "
-               "each runs).")
+    p = Parser(prog="run.py", description=__doc__, epilog="Options left unset take their value "
+               "from the experiment's preset (README: what each runs).",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def a(flag, kind=None, many=False, **kw):
         if kind is not None:
@@ -394,54 +397,50 @@ def build_parser():
 
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
-    a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a result of the paper (default: ar)")
+    a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a paper result (default ar)")
     a("--list", switch=True, help="print the catalogue of experiments and exit")
-    a("--preset", choices=PRESETS, help="quick (default: CPU-sized grids; --list gives their times) or paper")
+    a("--preset", choices=PRESETS, help="quick (default: CPU-sized grids, see --list) or paper")
     a("--task", choices=mechsm.TASKS, help="ar or atr: the same as --experiment ar / atr")
     # the grid
-    a("--arch", str, True, help="one architecture or a comma list, or 'all' (" + ", ".join(ALL_ARCHS) + ")")
+    a("--arch", str, True, help="an arch, a comma list or 'all' (" + ", ".join(ALL_ARCHS) + ")")
     a("--d-model", int, True, help="width(s), e.g. 64 or 16,32,64")
     a("--lr", float, True, help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
     a("--seeds", int, True, help="model seed(s): 42, or 0,1,2, or 0-4")
-    # the model, the task, training: each sets the Config field of the same name (--layers: n_layers)
-    for flag, kind, text in [
-            ("--layers", int, "number of blocks (paper: 2)"), ("--heads", int, "attention heads (paper: 1)"),
-            ("--d-conv", int, "short-conv size of the archs that have one (mamba: 0 removes it)"),
-            ("--num-keys", int, "AR keys (paper: 4096)"), ("--num-values", int, "AR values (paper: 4096)"),
-            ("--num-pairs", int, "AR key-value pairs per document (paper: 16)"),
-            ("--num-terminals", int, "ATR terminals |Σ| (paper: 20 or 8192)"),
-            ("--max-rhs-len", int, "ATR L_max (paper: 5 or 10)"), ("--max-depth", int, "ATR d_max (paper: 10)"),
-            ("--holdout", float, "fraction of pairs held out for a test split (paper: 0.2)"),
-            ("--data-seed", int, "language seed: grammar, held-out pairs, documents (default 42)"),
-            ("--steps", int, "total optimizer steps (beats --epochs; the training set is walked "
-             "cyclically)"),
-            ("--epochs", int, "passes over the training set (paper: 16 AR, 32 ATR)"),
-            ("--train-size", int, "documents in the fixed training set (paper: 100,032)"),
-            ("--batch-size", int, "batch size (paper: 32)"),
-            ("--eval-every", int, "steps between evaluations (paper: 200); the last step is always "
-             "evaluated"),
-            ("--eval-size", int, "evaluation documents (paper: 320)")]:
-        a(flag, kind, help=text)
-    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: the archs that use them)")
+    # model, task, training: each sets the Config field of its name (--layers: n_layers)
+    for flag, text in [
+            ("--layers", "number of blocks (paper: 2)"), ("--heads", "attention heads (paper: 1)"),
+            ("--d-conv", "short-conv size of the archs that have one (mamba: 0 removes it)"),
+            ("--num-keys", "AR keys (paper: 4096)"), ("--num-values", "AR values (paper: 4096)"),
+            ("--num-pairs", "AR key-value pairs per document (paper: 16)"),
+            ("--num-terminals", "ATR terminals |Σ| (paper: 20 or 8192)"),
+            ("--max-rhs-len", "ATR L_max (paper: 5, 10)"), ("--max-depth", "ATR d_max (paper: 10)"),
+            ("--holdout", "fraction of pairs held out for a test split (paper: 0.2)"),
+            ("--data-seed", "language seed: grammar, held-out pairs, documents (default 42)"),
+            ("--steps", "total optimizer steps (beats --epochs; the training set cycles)"),
+            ("--epochs", "passes over the training set (paper: 16 AR, 32 ATR)"),
+            ("--train-size", "documents in the fixed training set (paper: 100,032)"),
+            ("--batch-size", "batch size (paper: 32)"),
+            ("--eval-every", "steps between evaluations (paper: 200), and always the last"),
+            ("--eval-size", "evaluation documents (paper: 320)")]:
+        a(flag, float if flag == "--holdout" else int, help=text)
+    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: per arch)")
     a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
-    a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup: cosine (paper) or linear")
+    a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
     # where and how
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
-    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; 1 on "
-      "cuda)")
-    a("--group-size", int, metavar="K", help="train up to K runs that differ only in lr and seed as one "
-      "batched model (default: 1 on a CPU, where groups do not pay; a whole (arch, width) cell on cuda)")
-    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: SLURM_ARRAY_TASK_"
-      "ID/SLURM_ARRAY_TASK_COUNT when set); every shard of one --out reads all the others' results")
+    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; "
+      "1 on cuda)")
+    a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
+      "one batched model (default: 1 on a CPU, where it does not pay; a whole cell on cuda)")
+    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: "
+      "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT); shards of one --out read each other's results")
     a("--out", str, help="output folder (default: out/)")
     a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
-    a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/"
-      "ckpt/)")
-    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) "
-      "and exit")
-    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its records "
-      "(results/: also the README's summary table) and exit")
+    a("--checkpoint", str, help="evaluate and patch this saved model (OUT/ckpt/*.pt), no training")
+    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder and exit")
+    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its "
+      "records (results/: also the README's summary table) and exit")
     return p
 
 
@@ -468,8 +467,7 @@ def applies(field, cfg):
 def grid_runs(args, name, device):
     """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, with
     each field flag set on the runs it applies to (none: an error; some: a note)."""
-    given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items()
-             if getattr(args, flag) is not None}
+    given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
     for flag in ("arch", "d_model", "lr", "seeds"):
@@ -482,21 +480,22 @@ def grid_runs(args, name, device):
     if args.epochs is not None and args.steps is None:
         given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []
-    for field, value in given.items():
+    for flag, value in given.items():
+        field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
         hit = [applies(field, c) for c in configs]
-        flag = "--" + next(f for f, v in FIELD_FLAGS.items() if v == field).replace("_", "-")
         if not any(hit):
-            raise ValueError(f"{flag}: does not apply to any run of this grid "
-                             f"({', '.join(sorted({c.arch for c in configs}))} on {configs[0].task})")
+            archs_ = ", ".join(sorted({c.arch for c in configs}))
+            raise ValueError(f"{opt}: does not apply to any run of this grid ({archs_} on "
+                             f"{configs[0].task})")
         if not all(hit):
             missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
-            notes.append(f"note: {flag} ignored for {', '.join(missed)}, which do not have it")
+            notes.append(f"note: {opt} ignored for {', '.join(missed)}, which do not have it")
         configs = [replace(c, **{field: value}) if h else c for c, h in zip(configs, hit)]
     return configs, notes
 
 
 def shard_of(text):
-    """(I, N) from --shard "I/N", or from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
+    """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
     if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
         text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
     if text is None:
@@ -558,8 +557,8 @@ def read_results(out, warn=True):
     """The run records of one results file, or of every results*.jsonl in the folder `out`, in a
     fixed order; a line that is not a whole record is skipped with one warning."""
     records = []
-    paths = sorted(glob.glob(os.path.join(out, "results*.jsonl"))) if os.path.isdir(out) else glob.glob(out)
-    for path in paths:
+    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
+    for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
@@ -589,7 +588,7 @@ def append_result(path, record):
 
 
 def has_checkpoint(record, out):
-    return bool(record.get("checkpoint")) and os.path.isfile(os.path.join(out, record["checkpoint"]))
+    return os.path.isfile(os.path.join(out, record.get("checkpoint") or ""))
 
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
@@ -605,19 +604,17 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
     i, n = shard
     mine = [key for j, key in enumerate(unique) if j % n == i]
-    wants = dict(patch=patch, save=save)
     done = {run_key(r["config"]): r for r in read_results(out)}
-    complete = lambda r: r["status"] != "ok" or (not patch or r.get("mechanism_table") is not None) \
-        and (not save or has_checkpoint(r, out))         # a failed run is complete
+    has_table = lambda r: not patch or r.get("mechanism_table") is not None
+    complete = lambda r: r["status"] != "ok" or has_table(r) and (not save or has_checkpoint(r, out))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and has_checkpoint(done[k], out)]
-    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + [
-        ("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable],
-                                                  group_size)]
+    patchable = [k for k in todo if k in done and has_checkpoint(done[k], out)]   # all "ok"
+    train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
+    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + [("train", g) for g in train]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
-    for records in run_jobs(jobs_list, out, wants, jobs):
+    for records in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
         for record in records:
             append_result(results, record)
     latest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
@@ -634,8 +631,8 @@ def check_runs(configs):
     for cfg in configs:
         mechsm.check_length(cfg)
         shape = (mechsm._data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
-            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv", "long_only",
-            "freeze_features")))
+            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv",
+            "long_only", "freeze_features")))
         if shape not in built:                   # a model too large to allocate is bad input
             mechsm.build(replace(cfg, device="cpu"), vocab[mechsm._data_key(cfg)])
             built.add(shape)
@@ -649,8 +646,8 @@ def make_groups(configs, group_size=None):
     cells = {}
     for cfg in configs:
         cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
-    size = lambda cell: group_size or len(cell)
-    return [cell[i:i + size(cell)] for cell in cells.values() for i in range(0, len(cell), size(cell))]
+    return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
+            for i in range(0, len(cell), group_size or len(cell))]
 
 
 def run_jobs(jobs_list, out, wants, jobs):
@@ -660,19 +657,19 @@ def run_jobs(jobs_list, out, wants, jobs):
         for kind, payload in jobs_list:
             yield do_job(kind, payload, out, wants)
         return
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
-                               initargs=(os.getpid(),), mp_context=multiprocessing.get_context("spawn"))
+                               initargs=(os.getpid(),), mp_context=get_context("spawn"))
     try:
         futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
         for future in as_completed(futures):
             yield future.result()
     except BrokenProcessPool:
         stop_workers(pool)
-        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished runs "
-                         f"are kept in {out}; rerun to continue") from None
+        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
+                         f"runs are kept in {out}; rerun to continue") from None
     except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
         stop_workers(pool)
         raise
@@ -707,13 +704,13 @@ def do_job(kind, payload, out, wants):
         import traceback
         traceback.print_exc()
         name = payload[0] if kind == "train" else payload[0][0].name()
-        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries it)",
-              file=sys.stderr)
+        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
+              "it)", file=sys.stderr)
         return []
 
 
 def save_checkpoint(model, cfg, out):
-    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) when it fails."""
+    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) on failure."""
     path = os.path.join("ckpt", file_name(cfg) + ".pt")
     try:
         mechsm.save(model, cfg, os.path.join(out, path))
@@ -740,15 +737,16 @@ def patched(model, cfg, dataset):
 def provenance():
     """Where and with what a record was made: date, machine, torch, the code's git commit."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=HERE, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "torch": torch.__version__, "commit": commit or None}
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine, "torch": torch.__version__,
+            "commit": commit or None}
 
 
-def worker_init(parent=None):
+def worker_init(parent):
     """A sweep worker: one torch thread, SIGINT ignored (the parent stops the workers), and a
     watchdog that ends it when its parent is gone."""
     torch.set_num_threads(1)
@@ -763,10 +761,8 @@ def worker_init(parent=None):
 
 def stop_workers(pool):
     """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())   # no public API before 3.14
-    masking = threading.current_thread() is threading.main_thread()
-    if masking:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         for process in processes:
             process.terminate()
@@ -777,8 +773,7 @@ def stop_workers(pool):
                 process.join(5)
         pool.shutdown(wait=False, cancel_futures=True)
     finally:
-        if masking:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class WorkerLost(RuntimeError):
@@ -786,7 +781,7 @@ class WorkerLost(RuntimeError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay recorded."""
+    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
 
 
 def raise_terminated(signum, frame):
@@ -1115,7 +1110,7 @@ def run(argv=None):
     return 1 if missing and shard[1] == 1 else 0
 
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")
 
