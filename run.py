@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 # Before torch's first allocation: the CPU allocator then backs tensors of 2 MB and more with huge
 # pages (filling fresh 4 KB pages cost a Mamba scan more than its arithmetic). 0 turns it off.
@@ -793,15 +794,15 @@ def raise_terminated(signum, frame):
 # numbers, the timeline, results/<experiment>.md and the README's summary table.
 # ==============================================================================================
 
-def best_by_lr(records, metric="acc"):
+def best_by_lr(records):
     """Per group of runs differing only in lr and seed, the row of the lr with the best mean final
-    `metric` over seeds (a failed run never wins): arch, d_model, best_lr, mean, std, n_seeds,
-    values, per_lr, runs (of best_lr), best (the best run; with a held-out split, test_mean)."""
+    accuracy over seeds (a failed run never wins): arch, d_model, best_lr, mean, std, n_seeds,
+    runs (of best_lr), best (the group's best run)."""
     groups = {}
     for r in {run_key(r["config"]): r for r in records}.values():
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
-    score = lambda r, m=metric: (r.get("final") or {}).get(m) or 0.0
+    score = lambda r: r["final"].get("acc") or 0.0
     rows = []
     for per_lr in groups.values():
         means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
@@ -809,16 +810,14 @@ def best_by_lr(records, metric="acc"):
         best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
         runs = per_lr[best_lr]
         values = [score(r) for r in runs]
-        row = {"arch": runs[0]["config"]["arch"], "d_model": runs[0]["config"]["d_model"], "best_lr": best_lr,
-               "mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-               "n_seeds": len(values), "values": values, "per_lr": dict(sorted(means.items())), "runs": runs,
-               "best": max((r for rs in per_lr.values() for r in rs), key=lambda r: (
-                   r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))}
-        if any("test_acc" in (r.get("final") or {}) for r in runs):
-            row["test_mean"] = statistics.fmean(score(r, "test_acc") for r in runs)
-        rows.append(row)
+        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
+            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
+        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
+                     "best_lr": best_lr, "runs": runs, "best": best, "n_seeds": len(values),
+                     "mean": statistics.fmean(values),
+                     "std": statistics.stdev(values) if len(values) > 1 else 0.0})
     order = {a: i for i, a in enumerate(ALL_ARCHS)}
-    return sorted(rows, key=lambda row: (order.get(row["arch"], len(order)), row["arch"], row["d_model"]))
+    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
 
 
 def fmt_pct(mean, std=None, n=1):
@@ -833,14 +832,15 @@ def fmt_num(x):
 def markdown(cells, columns=None):
     """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
     columns = columns or list(dict.fromkeys(k for c in cells for k in c))
-    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-                     + ["| " + " | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) + " |"
-                        for r in cells])
+    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
+    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+                     + [f"| {row} |" for row in rows])
 
 
 def attribs(mech):
     """The Attrib@Key/Value/Query cells of a mechanism summary."""
-    return {f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}")) for k in ("key", "value", "query")}
+    return {f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}"))
+            for k in ("key", "value", "query")}
 
 
 def result_table(rows, paper_numbers=None):
@@ -849,19 +849,18 @@ def result_table(rows, paper_numbers=None):
     cells = []
     for row in rows:
         best = row["best"]
-        final, mech = best.get("final") or {}, best.get("mechanism") or {}
+        final, mech = best["final"], best.get("mechanism") or {}
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}",
              "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
         if any(r["n_seeds"] > 1 for r in rows):
-            c["over seeds"] = fmt_pct(row["mean"], row["std"], row["n_seeds"]) + f" ({row['n_seeds']})"
+            c["over seeds"] = f"{fmt_pct(row['mean'], row['std'], row['n_seeds'])} ({row['n_seeds']})"
         for key, name in (("test_acc", "test accuracy"), ("novel_acc", "novel accuracy")):
             if key in final:
                 c[name] = fmt_pct(final[key])
         c.update(attribs(mech))
-        for name in mech:
-            if "@" in name:     # the mixer class's extra numbers (conv@next_key), per seed; '-': no signal
-                c[name] = " / ".join("-" if (r.get("mechanism") or {}).get("low_signal") else
-                                     fmt_num((r.get("mechanism") or {}).get(name)) for r in row["runs"])
+        mechs = [r.get("mechanism") or {} for r in row["runs"]]
+        for name in [k for k in mech if "@" in k]:   # the mixer's extra numbers, per seed
+            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
         c["verdict"] = mech.get("verdict") or "-"
         if paper_numbers is not None:
             c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
@@ -872,28 +871,29 @@ def result_table(rows, paper_numbers=None):
 def runs_table(records):
     """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
     configs, cells = [config_of(r) for r in records], []
-    for r, cfg in sorted(zip(records, configs), key=lambda p: (p[1].num_keys, p[1].arch, p[1].steps,
-                                                                p[1].lr, p[1].seed)):
+    by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
+    for r, cfg in sorted(zip(records, configs), key=by):
         mech = r.get("mechanism") or {}
         cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
-                      "accuracy": fmt_pct((r.get("final") or {}).get("acc")), **attribs(mech),
+                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs(mech),
                       **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
-                      "verdict": mech.get("verdict") or "-", "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
+                      "verdict": mech.get("verdict") or "-",
+                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
     return markdown(cells)
 
 
-def timeline_text(row, max_rows=6):
-    """The best run's history in one line: at most max_rows evaluations (the last kept)."""
+def timeline_text(row):
+    """The best run's history in one line: at most 6 evaluations (the last kept)."""
     history = row["best"].get("history") or []
-    keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
+    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
     steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {mechsm.fmt_attrib(h, 'attrib_value')}/"
              f"{mechsm.fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
     return f"- {row['label']}: " + "; ".join(steps)
 
 
-def labelled_rows(records, configs=None):
-    """best_by_lr of records, each row labelled by row_label against `configs` (default: the records')."""
-    rows, configs = best_by_lr(records), configs or [config_of(r) for r in records]
+def labelled_rows(records):
+    """best_by_lr of records, each row labelled by row_label against the records' configs."""
+    rows, configs = best_by_lr(records), [config_of(r) for r in records]
     for row in rows:
         row["label"] = row_label(config_of(row["best"]), configs)
     return rows
@@ -907,110 +907,93 @@ def render(name, preset, records, folder=None):
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
     made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
                                            for r in records if r.get("provenance")})]
+    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
+                     f"commit {m.get('commit')}" for m in made)
     wall = sum(r.get("wall_s") or 0 for r in records)
-    figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")
-               if folder is None or os.path.exists(os.path.join(folder, f"{name}_{kind}.png"))]
+    kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
+             if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
     timing = os.path.join(folder or "", f"{name}.command.json")
-    command = json.load(open(timing)) if folder and os.path.exists(timing) else None
+    c = json.load(open(timing)) if folder and os.path.exists(timing) else None
     return rows, "\n".join([
         f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
-        f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the best run of the "
-        f"row (learning rate: {chosen}); Attrib@X: its restoration of the clean answer probability when the "
-        f"block input of layer 1 is patched at X (README: what the sites mean); paper: {exp.section}.", "",
-        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': too little "
-        "signal to read):", *[timeline_text(row) for row in rows], "",
-        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, summed), made "
-        + "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at commit "
-                    f"{m.get('commit')}" for m in made) + "."
-        + (f" The command `{command['command']}` trained {command['trained']} of them in "
-           f"{command['wall_s'] / 60:.1f} minutes of wall time with {command['jobs']} job(s), "
-           f"{command['date']}, {command['machine']}, {command['load']}." if command else ""),
-        "", *figures, ""])
-
-
-def write_report(name, preset, records, folder, command=None):
-    """folder/<name>.jsonl (the records), the figures, <name>.command.json (when it trained some) and
-    <name>.md."""
-    with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
-        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    only = ("scatter",) if EXPERIMENTS[name].probe else None     # a probe's many runs: the scatter alone
-    if draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"], only) is None:
-        print(FIGURES_HINT, file=sys.stderr)
-    if command and command["trained"]:
-        with open(os.path.join(folder, f"{name}.command.json"), "w") as f:
-            json.dump(command, f, indent=1)
-    rows, text = render(name, preset, records, folder)
-    with open(os.path.join(folder, f"{name}.md"), "w") as f:
-        f.write(text)
-    return rows, text
+        f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the "
+        f"best run of the row (learning rate: {chosen}); Attrib@X: its restoration of the clean "
+        "answer probability when the block input of layer 1 is patched at X (README: what the "
+        f"sites mean); paper: {exp.section}.", "",
+        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
+        "too little signal to read):", *[timeline_text(row) for row in rows], "",
+        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
+        f"summed), made {made}."
+        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
+           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
+           f"{c['load']}." if c else ""),
+        "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
 
 
 def holds(paper_text, row):
     """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable' when the row
     has too little signal), or fails where it says "fails"; '-' where the paper gives only a number."""
-    final, verdict = row["best"].get("final") or {}, (row["best"].get("mechanism") or {}).get("verdict")
+    verdict = (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
             return "unreadable" if verdict == "no signal" else "yes" if verdict == word else "no"
     if "fails" in paper_text:
-        return "yes" if (final.get("acc") or 0) < 0.5 else "no"
+        return "yes" if (row["best"]["final"].get("acc") or 0) < 0.5 else "no"
     return "-"
 
 
 def summary_table(folder="results"):
-    """The README's summary: per experiment with records in `folder`, each row the paper quotes: the
-    paper's number, ours (accuracy, verdict) and whether the claim holds; then how long `python
-    run.py` (the `ar` experiment) took, and the probes that chose the quick settings."""
-    lines, rel = [], os.path.relpath(folder, os.path.dirname(README))   # links relative to the README
+    """The README's summary: each row the paper quotes, the paper's number beside ours (accuracy,
+    verdict) and whether the claim holds; then the `ar` timing and the probes' tables."""
+    rel = os.path.relpath(folder, HERE)                           # links relative to the README
+    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+               for name in EXPERIMENTS}
+    rows = {name: labelled_rows(records[name]) for name, e in EXPERIMENTS.items() if not e.probe}
+    lines = []
     for name, exp in EXPERIMENTS.items():
-        records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
-        for row in labelled_rows(records) if records and not exp.probe else []:
+        for row in rows.get(name, []):
             text = exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
             if text:
-                final, mech = row["best"].get("final") or {}, row["best"].get("mechanism") or {}
+                mech = row["best"].get("mechanism") or {}
                 first = not lines or not lines[-1]["experiment"].startswith(f"[{name}]")
-                lines.append({"experiment": f"[{name}]({rel}/{name}.md)" + (f": {exp.finding}" if first else ""),
+                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
+                              + (f": {exp.finding}" if first else ""),
                               "row": row["label"], "paper": text, "holds?": holds(text, row),
-                              "ours": f"{fmt_pct(final.get('acc'))}, {mech.get('verdict') or '-'}"})
+                              "ours": f"{fmt_pct(row['best']['final'].get('acc'))}, "
+                                      f"{mech.get('verdict') or '-'}"})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
     extras = []
-    for row in labelled_rows(read_results(os.path.join(folder, "ar.jsonl"), warn=False)):
+    for row in rows["ar"]:
         for name in [k for k in (row["best"].get("mechanism") or {}) if "@" in k]:
-            seen = [fmt_num(r["mechanism"][name]) for r in row["runs"] if not r["mechanism"].get("low_signal")]
+            seen = [fmt_num(r["mechanism"][name]) for r in row["runs"]
+                    if not r["mechanism"].get("low_signal")]
             extras.append(f"{row['label']}: {', '.join(seen) or 'none'}")
     if extras:
-        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that learned: "
-                   + "; ".join(extras) + ".")
+        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that "
+                   "learned: " + "; ".join(extras) + ".")
     timing = os.path.join(folder, "ar.command.json")
     if os.path.exists(timing):
         c = json.load(open(timing))
-        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
-                   f"{c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
+        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
+                   f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
     for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
-        records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
-        if records:
-            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): accuracy, verdict\n\n"
-                       + pivot(records, across))
+        if records[name]:
+            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): "
+                       "accuracy, verdict\n\n" + pivot(records[name], across))
     return "\n".join(out)
 
 
 def pivot(records, across):
-    """A probe's runs as one line per (arch, lr, seed, other fields) and one column per value of `across`."""
+    """A probe's runs: one line per (arch, lr, seed, other fields), a column per value of `across`."""
     configs, cells = [config_of(r) for r in records], {}
     for r, cfg in zip(records, configs):
         label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
         mech = r.get("mechanism") or {}
         cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct((r.get('final') or {}).get('acc'))} {mech.get('verdict') or '-'}"
+            f"{fmt_pct(r['final'].get('acc'))} {mech.get('verdict') or '-'}"
     columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
     return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
-
-
-def experiment_records(name, preset, records):
-    """The records of `records` that are runs of the experiment's grid (by run identity)."""
-    keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name, preset)}
-    return [r for r in records if run_key(r["config"]) in keys]
 
 
 def evaluate_checkpoint(args):
@@ -1028,14 +1011,13 @@ def evaluate_checkpoint(args):
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    with open(os.path.join(folder, "result.json"), "w") as f:
-        json.dump(mechsm.json_safe(record), f, indent=1)
-    print(result_table([{"arch": cfg.arch, "label": cfg.arch, "best": record, "runs": [record], "n_seeds": 1}]))
+    Path(folder, "result.json").write_text(json.dumps(mechsm.json_safe(record), indent=1))
+    row = dict(arch=cfg.arch, label=cfg.arch, best=record, runs=[record], n_seeds=1)
+    print(result_table([row]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
               + interventions.render_heatmap(record["mechanism_table"]))
     print(f"\nresult in {folder}/result.json", file=sys.stderr)
-    return 0
 
 
 def run(argv=None):
@@ -1053,15 +1035,16 @@ def run(argv=None):
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
     if command == "bench":
         bench(args.device or "auto")
-        return 0
-    if command == "list":
+    elif command == "list":
         print(catalogue())
-        return 0
-    if command != "train":
-        return {"checkpoint": evaluate_checkpoint, "figures": redraw_figures, "report": report_folder}[
+    elif command != "train":
+        {"checkpoint": evaluate_checkpoint, "figures": redraw_figures, "report": report_folder}[
             command](args if command == "checkpoint" else getattr(args, command))
+    if command != "train":
+        return 0
     if args.experiment and args.task:
-        raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
+        raise ValueError("--task and --experiment: give one of them (--task atr is --experiment "
+                         "atr)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
     device = mechsm.resolve_device(args.device or "auto")
     configs, notes = grid_runs(args, name, device)
@@ -1073,40 +1056,49 @@ def run(argv=None):
             raise ValueError(f"{flag}: got {value}, expected a positive integer")
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:                                             # an unwritable --out fails now, not after training
+    try:                                             # an unwritable --out fails now, not at the end
         os.makedirs(out, exist_ok=True)
         open(os.path.join(out, ".write_test"), "w").close()
         os.remove(os.path.join(out, ".write_test"))
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | {len(configs)} runs"
-          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | "
+          f"{len(configs)} runs" + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    expected = f" | expected ~{fmt_hours(estimate_seconds(configs, jobs) / shard[1])} on a 2-core CPU" \
-        if device == "cpu" else ""
+    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
+    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
     before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
                     save=not args.no_save, group_size=group_size)
     if not records:
         raise ValueError("no run finished; nothing to report")
-    command = {"command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "trained": sum(before.get(run_key(r["config"])) != r for r in records), "jobs": jobs,
-               "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-               "machine": provenance()["machine"],
-               "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
-    rows, text = write_report(name, preset, records, out, command)
+    trained = sum(before.get(run_key(r["config"])) != r for r in records)
+    Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
+                                                  for r in records))
+    only = ("scatter",) if EXPERIMENTS[name].probe else None   # a probe's many runs: the scatter
+    if draw_figures(records, labelled_rows(records), name, out, records[0]["config"]["task"],
+                    only) is None:
+        print(FIGURES_HINT, file=sys.stderr)
+    if trained:
+        Path(out, f"{name}.command.json").write_text(json.dumps({
+            "command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
+            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+    rows, text = render(name, preset, records, out)
+    Path(out, f"{name}.md").write_text(text)
     print(text.split("\n", 2)[2].split("\n![")[0])
-    patched = [row for row in rows if row["best"].get("mechanism_table")]
-    if patched:
-        pick = max(patched, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                             (row["best"].get("final") or {}).get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most "
-              "accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
     missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (f"; {missing} still to train "
-          "(other shards, or runs that crashed)" if missing else "") + f" | total wall time "
-          f"{time.time() - t0:.1f}s", file=sys.stderr)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
+        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
     return 1 if missing and shard[1] == 1 else 0
 
 
@@ -1122,39 +1114,37 @@ def readme_with_summary(text, folder="results"):
 
 
 def report_folder(folder):
-    """--report FOLDER: FOLDER/<experiment>.md for every FOLDER/<experiment>.jsonl (results/: also
+    """--report FOLDER: FOLDER/<experiment>.md of each FOLDER/<experiment>.jsonl (results/: also
     the README's summary table)."""
     written = [name for name in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{name}.jsonl"))]
     for name in written:
-        with open(os.path.join(folder, f"{name}.md"), "w") as f:
-            f.write(render(name, "quick", read_results(os.path.join(folder, f"{name}.jsonl")), folder)[1])
-    if os.path.abspath(folder) == os.path.join(os.path.dirname(README), "results"):
-        text = open(README).read()
-        with open(README, "w") as f:
-            f.write(readme_with_summary(text, folder))
-    print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" if written else ""))
-    return 0
+        records = read_results(os.path.join(folder, f"{name}.jsonl"))
+        Path(folder, f"{name}.md").write_text(render(name, "quick", records, folder)[1])
+    if os.path.abspath(folder) == os.path.join(HERE, "results"):
+        Path(README).write_text(readme_with_summary(Path(README).read_text(), folder))
+    print(f"{len(written)} reports written to {folder}/"
+          + (" and the README's summary" if written else ""))
 
 
 def redraw_figures(folder):
     """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (its
-    <experiment>.jsonl, else its results*.jsonl)."""
+    <experiment>.jsonl, else the experiment's runs among its results*.jsonl)."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print(FIGURES_HINT)
-        return 0
+        return
     found = 0
-    for name in EXPERIMENTS:
+    for name, exp in EXPERIMENTS.items():
         path = os.path.join(folder, f"{name}.jsonl")
-        records = read_results(path) if os.path.exists(path) else \
-            experiment_records(name, "quick", read_results(folder, warn=False))
+        keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
+        records = read_results(path) if os.path.exists(path) else [
+            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
         if records:
             draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"],
-                         ("scatter",) if EXPERIMENTS[name].probe else None)
+                         ("scatter",) if exp.probe else None)
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
-    return 0
 
 
 def main(argv=None):
@@ -1163,14 +1153,14 @@ def main(argv=None):
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         return run(argv)
-    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be generated, ...
+    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1 if isinstance(e, WorkerLost) else 2
     except KeyboardInterrupt as e:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C now cannot cut this short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
         sigterm = isinstance(e, Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in the "
-              "results files; rerun to continue", file=sys.stderr)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in "
+              "the results files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
