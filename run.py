@@ -222,9 +222,8 @@ LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdou
 
 def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
                        **fields_):
-    """The Configs of one experiment's grid (runs -> widths -> lrs -> seeds), with `fields_` set on
-    every run; archs / widths / lrs / seeds narrow or replace the grid's (an arch the grid lacks
-    gets a plain run)."""
+    """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
+    run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
@@ -239,11 +238,10 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     for run in runs:
         steps = pick(grid.get("steps", {}), run["arch"])
         base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_})
-        run_lrs = [run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"], [1e-3])
-        for width in widths or grid["widths"]:
-            for lr in lrs or run_lrs:
-                for seed in seeds or pick(grid["seeds"], run["arch"]):
-                    configs.append(replace(base, d_model=width, lr=float(lr), seed=seed))
+        run_lrs = lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"], [1e-3]))
+        configs += [replace(base, d_model=width, lr=float(lr), seed=seed)
+                    for width in widths or grid["widths"] for lr in run_lrs
+                    for seed in seeds or pick(grid["seeds"], run["arch"])]
     return configs
 
 
@@ -267,12 +265,8 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
-# ----------------------------------------------------------------------------------------------
-# The planner: expected CPU time of a grid, from measured step rates.
-# ----------------------------------------------------------------------------------------------
-
-# Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `python run.py bench` part 3
-# (results/bench.txt: 2 cores shared with two training runs, so low); estimate_seconds scales them.
+# The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
+# part 3 (results/bench.txt: 2 cores shared with two training runs, so low), scaled per grid.
 CPU_STEPS_PER_S = {"attention": 60.4, "base_conv": 63.9, "based": 70.0, "h3": 24.7, "hyena": 42.1,
                    "mamba": 26.7, "deltanet": 53.5}
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
@@ -326,36 +320,32 @@ def catalogue():
 # ==============================================================================================
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors raise ValueError (main prints them) and that names an unknown option
-    (argparse would hand the value after a typo'd flag to the optional command); a token starting
-    with '-' is a value when a digit or '.' follows."""
+    """argparse whose errors raise ValueError (main prints them), that names an unknown option
+    (argparse would hand the value after a typo'd flag to the optional command) and refuses one
+    given twice; a token starting with '-' is a value when a digit or '.' follows."""
 
     def error(self, message):
         raise ValueError(message)
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
-        known = list(self._option_string_actions)
+        known, given, twice = self._option_string_actions, set(), []
         for token in args[:args.index("--")] if "--" in args else args:
             name = token.split("=", 1)[0]
-            if token[:1] != "-" or token == "-" or token[1] in "0123456789." or name in known:
+            if token[:1] != "-" or token == "-" or token[1] in "0123456789.":
                 continue
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"unknown option {name}{hint}; see run.py --help")
-        return super().parse_known_args(args, namespace)
-
-
-class Once(argparse.Action):
-    """Store an option's value, refusing a second occurrence (give one comma list instead)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        given = getattr(namespace, "_given", {})
-        if option_string in given:
-            raise ValueError(f"{option_string}: given twice; give it once (a comma list for "
-                             "several values)")
-        namespace._given = {**given, option_string: values}
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+            if name not in known:
+                close = difflib.get_close_matches(name, list(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"unknown option {name}{hint}; see run.py --help")
+            twice += [name] if known[name].dest in given else []
+            given.add(known[name].dest)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if twice:
+            raise ValueError(f"{twice[0]}: given twice; give it once (a comma list for several "
+                             "values)")
+        namespace.given = given                        # the options given, by their dest
+        return namespace, extras
 
 
 def typed(kind, many=False):
@@ -374,16 +364,10 @@ def typed(kind, many=False):
             raise argparse.ArgumentTypeError(f"{text} is out of range")
         return value
 
-    def parse(text):
-        values = []
-        for part in text.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            if dash and kind is int and lo:           # a range of seeds, e.g. 0-4
-                values += range(one(lo), one(hi) + 1)
-            else:
-                values.append(one(part))
-        return values
-    return parse if many else one
+    def span(part):                                   # ints also a range of seeds, e.g. 0-4
+        lo, dash, hi = part.strip().partition("-")
+        return range(one(lo), one(hi) + 1) if dash and kind is int and lo else [one(part)]
+    return (lambda text: [v for part in text.split(",") for v in span(part)]) if many else one
 
 
 def build_parser():
@@ -391,10 +375,10 @@ def build_parser():
                "from the experiment's preset (README: what each runs).",
                formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(flag, kind=None, many=False, **kw):
+    def a(flag, kind=None, many=False, switch=False, **kw):
         if kind is not None:
             kw["type"] = typed(kind, many)
-        p.add_argument(flag, action=Once, **({"nargs": 0} if kw.pop("switch", False) else {}), **kw)
+        p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
 
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
@@ -449,8 +433,8 @@ def build_parser():
 FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
     "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
     "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
-TASK_FIELDS = {"ar": {"num_keys", "num_values", "num_pairs"},
-               "atr": {"num_terminals", "max_rhs_len", "max_depth"}}
+TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),
+           **dict.fromkeys(["num_terminals", "max_rhs_len", "max_depth"], "atr")}
 # the options each command takes; any other option given with it is refused, never silently ignored
 COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}, "report": {"report"},
                    "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
@@ -459,9 +443,8 @@ COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}
 def applies(field, cfg):
     """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv,
     long_only, n_heads only the archs whose mixer takes that option."""
-    for task, names in TASK_FIELDS.items():
-        if field in names:
-            return cfg.task == task
+    if field in TASK_OF:
+        return cfg.task == TASK_OF[field]
     return field not in ("d_conv", "long_only", "n_heads") or models.takes_option(cfg.arch, field)
 
 
@@ -484,12 +467,11 @@ def grid_runs(args, name, device):
     for flag, value in given.items():
         field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
         hit = [applies(field, c) for c in configs]
+        missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
         if not any(hit):
-            archs_ = ", ".join(sorted({c.arch for c in configs}))
-            raise ValueError(f"{opt}: does not apply to any run of this grid ({archs_} on "
-                             f"{configs[0].task})")
-        if not all(hit):
-            missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
+            raise ValueError(f"{opt}: does not apply to any run of this grid ({', '.join(missed)} "
+                             f"on {configs[0].task})")
+        if missed:
             notes.append(f"note: {opt} ignored for {', '.join(missed)}, which do not have it")
         configs = [replace(c, **{field: value}) if h else c for c, h in zip(configs, hit)]
     return configs, notes
@@ -1027,10 +1009,9 @@ def run(argv=None):
     args = build_parser().parse_args(argv)
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
-    given = {flag.lstrip("-").replace("-", "_") for flag in getattr(args, "_given", {})}
     flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
-    if command != "train" and given - COMMAND_OPTIONS[command]:
-        raise ValueError(f"{flags(given - COMMAND_OPTIONS[command])}: cannot be used with "
+    if command != "train" and args.given - COMMAND_OPTIONS[command]:
+        raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
                          f"{'bench' if command == 'bench' else '--' + command} (it takes "
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
     if command == "bench":
