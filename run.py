@@ -59,12 +59,11 @@ from mechsm import Config  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ==============================================================================================
-# The experiments: one per result of the paper, each with a "quick" grid (sized for a 2-core CPU,
-# aiming at 20 minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs,
-# "runs": Config fields per family of runs (each names its arch), "widths", "lrs", "seeds",
-# "steps"}, the last three {arch: ...} where the arch "*" is the default.
-# ==============================================================================================
+# ============================================ The experiments
+# One per result of the paper, each with a "quick" grid (sized for a 2-core CPU, aiming at 20
+# minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
+# fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
+# three {arch: ...} where the arch "*" is the default.
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
 PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
@@ -248,15 +247,14 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
     words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
-             "pos_emb": "PE" if value else "NoPE", "long_only": "long convs only" if value else None,
-             "d_conv": "default conv" if value is None else f"d_conv {value}",
-             "num_keys": f"{value} keys", "steps": f"{value} steps"}
+             "pos_emb": "PE" if value else "NoPE", "num_keys": f"{value} keys",
+             "long_only": "long convs only" if value else None, "steps": f"{value} steps",
+             "d_conv": "default conv" if value is None else f"d_conv {value}"}
     return words.get(name, f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
 
 
 def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
-    """cfg's arch plus every field of `fields_` that differs between the same arch's `configs`,
-    e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
+    """cfg's arch and each of `fields_` varying among its arch's `configs`: 'mamba (d_conv 0)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
     parts = list(filter(None, [describe(name, getattr(cfg, name)) for name in fields_
@@ -304,7 +302,7 @@ def fmt_hours(seconds):
 
 
 def catalogue():
-    """`run.py --list`: each experiment, its claim, the paper's numbers, each preset's runs, time."""
+    """`--list`: each experiment, its claim, the paper's numbers, each preset's runs and time."""
     lines = []
     for name, exp in EXPERIMENTS.items():
         times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
@@ -315,9 +313,8 @@ def catalogue():
     return "\n".join(lines)
 
 
-# ==============================================================================================
-# The command line. Every mistake becomes one "error: ..." line (exit 2), before anything runs.
-# ==============================================================================================
+# ============================================ The command line
+# Every mistake becomes one "error: ..." line (exit 2), before anything runs.
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors raise ValueError (main prints them), that names an unknown option
@@ -349,8 +346,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def typed(kind, many=False):
-    """An argparse type: one int (at most 2**62), float (finite) or non-empty str; with many a
-    comma list ("1e-3,3e-3"; ints also "0-4")."""
+    """An argparse type: an int (|x| <= 2**62), a finite float or a non-empty str, or a list."""
     def one(text):
         text = text.strip()
         if not text:
@@ -489,9 +485,8 @@ def shard_of(text):
     return int(i), int(n)
 
 
-# ==============================================================================================
-# The sweep: train every run of a grid that is not recorded yet, one JSON line per finished run.
-# ==============================================================================================
+# ============================================ The sweep
+# Train every run of a grid that is not recorded yet, one JSON line per finished run.
 
 # Where a run happens does not change what it is: a rerun differing only in these finds it done.
 KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
@@ -588,14 +583,14 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     i, n = shard
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
-    has_table = lambda r: not patch or r.get("mechanism_table") is not None
-    complete = lambda r: r["status"] != "ok" or has_table(r) and (not save or has_checkpoint(r, out))
+    tabled = lambda r: not patch or r.get("mechanism_table") is not None
+    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or has_checkpoint(r, out))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and has_checkpoint(done[k], out)]   # all "ok"
     train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + [("train", g) for g in train]
+    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
     for records in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
         for record in records:
@@ -605,7 +600,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
 
 
 def check_runs(configs):
-    """Raise ValueError (one line) for the first bad run of `configs`, before a long sweep starts."""
+    """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
         cfg.check()
     vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
@@ -622,8 +617,7 @@ def check_runs(configs):
 
 
 def make_groups(configs, group_size=None):
-    """configs -> lists of configs that differ only in lr and seed, at most group_size each (None:
-    a whole cell per group)."""
+    """configs -> lists differing only in lr and seed, group_size at most (None: a whole cell)."""
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
     cells = {}
@@ -660,11 +654,11 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 
 def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint; return the records.
-    A crash is printed and gives no record (a rerun retries it)."""
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records (none,
+    the error printed, on a crash: a rerun retries it)."""
     try:
         if kind == "patch":
-            (cfg, record), = payload
+            cfg, record = payload
             model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
                                        device=mechsm.resolve_device(cfg.device))
             if run_key(asdict(saved.resolved())) != run_key(record["config"]):
@@ -686,7 +680,7 @@ def do_job(kind, payload, out, wants):
     except Exception as e:
         import traceback
         traceback.print_exc()
-        name = payload[0] if kind == "train" else payload[0][0].name()
+        name = payload[0] if kind == "train" else payload[0].name()
         print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
               "it)", file=sys.stderr)
         return []
@@ -730,8 +724,7 @@ def provenance():
 
 
 def worker_init(parent):
-    """A sweep worker: one torch thread, SIGINT ignored (the parent stops the workers), and a
-    watchdog that ends it when its parent is gone."""
+    """A sweep worker: one thread, SIGINT ignored (the parent stops it), gone with its parent."""
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -771,10 +764,9 @@ def raise_terminated(signum, frame):
     raise Terminated()
 
 
-# ==============================================================================================
-# The report: the best run per row (the paper reports the best learning rate) beside the paper's
-# numbers, the timeline, results/<experiment>.md and the README's summary table.
-# ==============================================================================================
+# ============================================ The report
+# The best run per row (the paper reports the best learning rate) beside the paper's numbers, the
+# timeline, results/<experiment>.md and the README's summary table.
 
 def best_by_lr(records):
     """Per group of runs differing only in lr and seed, the row of the lr with the best mean final
@@ -826,8 +818,7 @@ def attribs(mech):
 
 
 def result_table(rows, paper_numbers=None):
-    """Per labelled row of best_by_lr: the best run's accuracy and patching summary, the spread over
-    seeds, the extra sites' attributions and the paper's number."""
+    """Per labelled row of best_by_lr: the best run's accuracy, patching and the paper's number."""
     cells = []
     for row in rows:
         best = row["best"]
@@ -914,8 +905,8 @@ def render(name, preset, records, folder=None):
 
 
 def holds(paper_text, row):
-    """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable' when the row
-    has too little signal), or fails where it says "fails"; '-' where the paper gives only a number."""
+    """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable': too little
+    signal), or fails where it says "fails"; '-' where the paper gives only a number."""
     verdict = (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
@@ -967,7 +958,7 @@ def summary_table(folder="results"):
 
 
 def pivot(records, across):
-    """A probe's runs: one line per (arch, lr, seed, other fields), a column per value of `across`."""
+    """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
     configs, cells = [config_of(r) for r in records], {}
     for r, cfg in zip(records, configs):
         label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
@@ -979,8 +970,7 @@ def pivot(records, across):
 
 
 def evaluate_checkpoint(args):
-    """--checkpoint: evaluate (and patch) one saved model on its own task into
-    OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/."""
+    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     device = mechsm.resolve_device(args.device or "auto")
     model, cfg = mechsm.load(args.checkpoint, device=device)
     cfg = replace(cfg, device=device, eval_size=args.eval_size or cfg.eval_size).check()
@@ -1003,8 +993,7 @@ def evaluate_checkpoint(args):
 
 
 def run(argv=None):
-    """The command line: bench, --list, --figures, --report or --checkpoint, else the experiment's
-    grid, plan, sweep, tables, heatmap and report."""
+    """The command line: bench, --list, --figures, --report, --checkpoint, or train a grid."""
     t0 = time.time()
     args = build_parser().parse_args(argv)
     command = "bench" if args.command == "bench" else next(
@@ -1095,8 +1084,7 @@ def readme_with_summary(text, folder="results"):
 
 
 def report_folder(folder):
-    """--report FOLDER: FOLDER/<experiment>.md of each FOLDER/<experiment>.jsonl (results/: also
-    the README's summary table)."""
+    """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the README too)."""
     written = [name for name in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{name}.jsonl"))]
     for name in written:
         records = read_results(os.path.join(folder, f"{name}.jsonl"))
@@ -1108,8 +1096,7 @@ def report_folder(folder):
 
 
 def redraw_figures(folder):
-    """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (its
-    <experiment>.jsonl, else the experiment's runs among its results*.jsonl)."""
+    """--figures FOLDER: each experiment's figures from <experiment>.jsonl, else results*.jsonl."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
