@@ -95,8 +95,9 @@ ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)   # grammar seed 124: lengths n
 
 
 def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
+    steps = steps or (QUICK_ATR_STEPS if config["task"] == "atr" else QUICK_STEPS)
     return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs=QUICK_LRS,
-                seeds=seeds or {"*": [0]}, steps=steps or QUICK_STEPS)
+                seeds=seeds or {"*": [0]}, steps=steps)
 
 
 def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
@@ -174,22 +175,20 @@ EXPERIMENTS = {e.name: e for e in [
                {"attention": "induction-like: the parent's token holds the association",
                 "mamba": "direct retrieval at the query", "h3": "direct retrieval",
                 "hyena": "direct retrieval", "based": "induction-like"},
-               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
-                     steps=QUICK_ATR_STEPS),
+               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv")),
                paper(PAPER_ATR, archs(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
-               quick(QUICK_ATR, archs("mamba", "attention"), steps=QUICK_ATR_STEPS, **ATR_MEDIUM),
+               quick(QUICK_ATR, archs("mamba", "attention"), **ATR_MEDIUM),
                paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"),
                      **ATR_MEDIUM)),
     Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
-               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, num_terminals=8192),
+               quick(QUICK_ATR, archs("attention"), num_terminals=8192),
                paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
     Experiment("atr-generalisation", "Sec. 5.3",
                "ATR on held-out (parent, child) label pairs: dev against test",
                {"attention": "95.62% dev / 68.12% test (d 256)"},
-               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2,
-                     gap_filter=0.01),
+               quick(QUICK_ATR, archs("attention"), holdout=0.2, gap_filter=0.01),
                paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
     Experiment("ar-generalisation", "the paper's notebook (not in its text)",
                "AR on held-out (key, value) pairs: dev against test", {},
@@ -199,8 +198,7 @@ EXPERIMENTS = {e.name: e for e in [
                "Mamba without its short conv learns attention-like induction on ATR",
                {"mamba (d_conv 0)": "induction (high Attrib@Value)",
                 "mamba (default conv)": "direct retrieval"},
-               quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")],
-                     steps=QUICK_ATR_STEPS),
+               quick(QUICK_ATR, convs("mamba", (0, None))),
                paper(PAPER_ATR, convs("mamba", (0, None)))),
     # The probes that chose the quick settings (README, difference 19): run before any table.
     Experiment("ar-vocab", "probe",
