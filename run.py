@@ -54,7 +54,6 @@ import torch  # noqa: E402  (after the allocator setting above)
 import interventions  # noqa: E402
 import mechsm  # noqa: E402
 import models  # noqa: E402
-from mechsm import Config  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -234,9 +233,9 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     configs = []
     for run in runs:
         steps = pick(grid.get("steps", {}), run["arch"])
-        base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_})
+        base = {**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_}
         run_lrs = lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"], [1e-3]))
-        configs += [replace(base, d_model=width, lr=float(lr), seed=seed)
+        configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
                     for width in widths or grid["widths"] for lr in run_lrs
                     for seed in seeds or pick(grid["seeds"], run["arch"])]
     return configs
@@ -503,8 +502,8 @@ def file_name(cfg):
 
 def config_of(record):
     """The Config of a record (fields that Config no longer has are dropped)."""
-    known = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in record["config"].items() if k in known})
+    known = {f.name for f in fields(mechsm.Config)}
+    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
 
 
 def is_record(x):
@@ -563,10 +562,6 @@ def append_result(path, record):
         os.fsync(f.fileno())
 
 
-def has_checkpoint(record, out):
-    return os.path.isfile(os.path.join(out, record.get("checkpoint") or ""))
-
-
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=mechsm.stderr_log()):
     """Train the runs of `configs` (this shard's: every N-th unique run from I) not yet complete in
@@ -581,12 +576,13 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     i, n = shard
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
+    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
     tabled = lambda r: not patch or r.get("mechanism_table") is not None
-    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or has_checkpoint(r, out))
+    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and has_checkpoint(done[k], out)]   # all "ok"
+    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
@@ -757,9 +753,9 @@ class WorkerLost(RuntimeError):
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
 
-
-def raise_terminated(signum, frame):
-    raise Terminated()
+    @staticmethod
+    def raise_(signum, frame):
+        raise Terminated()
 
 
 # ============================================ The report
@@ -1116,7 +1112,7 @@ def redraw_figures(folder):
 def main(argv=None):
     """Exit status: 0 ok, 1 a run crashed (or a worker died), 2 bad input (one line on stderr),
     130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = signal.signal(signal.SIGTERM, Terminated.raise_)
     try:
         return run(argv)
     except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
