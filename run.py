@@ -270,8 +270,7 @@ WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 
 def estimate_seconds(configs, jobs=1):
     """Rough CPU wall time of training `configs` with `jobs` one-thread workers."""
     total = 0.0
-    for cfg in configs:
-        cfg = cfg.resolved()
+    for cfg in (c.resolved() for c in configs):
         tokens = 2 * cfg.num_pairs + 5 if cfg.task == "ar" else min(cfg.max_terminals, 64) + 5
         rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 21 / tokens / max(1.0, cfg.d_model / 64)
                 * 2 / cfg.n_layers * 32 / cfg.batch_size)
@@ -698,10 +697,9 @@ def patched(model, cfg, dataset):
     output for 1-layer models; the verdict; the extra sites' numbers)."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
-    summary = {"attrib_key": head.get("key"), "attrib_value": head.get("value"),
-               "attrib_query": head.get("query"), "verdict": table.get("verdict"),
-               "p_clean": table.get("p_clean"), "p_corrupt": table.get("p_corrupt"),
-               "low_signal": table.get("low_signal"), **table.get("extra", {})}
+    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
+               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
+               **table.get("extra", {})}
     return mechsm.json_safe({"mechanism": summary, "mechanism_table": table})
 
 
@@ -997,14 +995,11 @@ def run(argv=None):
         raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
                          f"{'bench' if command == 'bench' else '--' + command} (it takes "
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
-    if command == "bench":
-        bench(args.device or "auto")
-    elif command == "list":
-        print(catalogue())
-    elif command != "train":
-        {"checkpoint": evaluate_checkpoint, "figures": redraw_figures, "report": report_folder}[
-            command](args if command == "checkpoint" else getattr(args, command))
     if command != "train":
+        {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
+         "checkpoint": lambda: evaluate_checkpoint(args),
+         "figures": lambda: redraw_figures(args.figures),
+         "report": lambda: report_folder(args.report)}[command]()
         return 0
     if args.experiment and args.task:
         raise ValueError("--task and --experiment: give one of them (--task atr is --experiment "
