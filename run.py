@@ -313,9 +313,8 @@ def catalogue():
 # Every mistake becomes one "error: ..." line (exit 2), before anything runs.
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors raise ValueError (main prints them), that names an unknown option
-    (argparse would hand the value after a typo'd flag to the optional command) and refuses one
-    given twice; a token starting with '-' is a value when a digit or '.' follows."""
+    """argparse raising ValueError (main prints it), naming an unknown option (argparse would give
+    a typo'd flag's value to the command) or a repeated one; '-' then a digit or '.' is a value."""
 
     def error(self, message):
         raise ValueError(message)
@@ -433,8 +432,7 @@ COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}
 
 
 def applies(field, cfg):
-    """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv,
-    long_only, n_heads only the archs whose mixer takes that option."""
+    """Whether Config field `field` changes cfg (a task's or a mixer's field: only its runs)."""
     if field in TASK_OF:
         return cfg.task == TASK_OF[field]
     return field not in ("d_conv", "long_only", "n_heads") or models.takes_option(cfg.arch, field)
@@ -506,8 +504,7 @@ def config_of(record):
 
 
 def is_record(x):
-    """Whether a parsed results line is a run record the report can read (the types of the fields
-    it reads; a checkpoint path inside its folder)."""
+    """Whether a parsed line is a record the report can read (field types; a relative ckpt)."""
     number = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
     if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
             and x.get("status") in ("ok", "failed")):
@@ -518,9 +515,8 @@ def is_record(x):
             and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
             and isinstance(x.get("n_params"), int) and isinstance(final, dict)
             and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(history, list)
-            and all(isinstance(h, dict) and number(h.get("step")) and number(h.get("acc"))
-                    for h in history)
+            and isinstance(history, list) and all(isinstance(h, dict) and number(h.get("step"))
+                                                  and number(h.get("acc")) for h in history)
             and isinstance(mech, dict) and isinstance(x.get("mechanism_table") or {}, dict)
             and all(number(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
             and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
@@ -563,10 +559,9 @@ def append_result(path, record):
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=mechsm.stderr_log()):
-    """Train the runs of `configs` (this shard's: every N-th unique run from I) not yet complete in
-    `out`, appending each record as it finishes; return the grid's records in `out`, in grid order.
-    A run recorded without its patching table is patched from its checkpoint (retrained without
-    one); `jobs` worker processes; runs differing in lr and seed batched group_size at a time."""
+    """Train the runs of `configs` (this shard's: every N-th from I) not complete in `out`, each
+    record appended as it finishes; return the grid's records in `out`. A run lacking its patching
+    table is patched from its checkpoint (else retrained); lr/seed twins batched group_size each."""
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
@@ -692,9 +687,8 @@ def save_checkpoint(model, cfg, out):
 
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: the full interventions.mechanism table of `dataset`, and the few
-    numbers the summary table shows (the headline site's Attrib@Key/Value/Query, the layer-0 mixer
-    output for 1-layer models; the verdict; the extra sites' numbers)."""
+    """A record's patching fields: interventions.mechanism's table of `dataset` and the numbers the
+    tables show (the headline site's Attrib@X, a 1-layer model's mixer output; verdict; extras)."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
@@ -761,9 +755,8 @@ class Terminated(KeyboardInterrupt):
 # timeline, results/<experiment>.md and the README's summary table.
 
 def best_by_lr(records):
-    """Per group of runs differing only in lr and seed, the row of the lr with the best mean final
-    accuracy over seeds (a failed run never wins): arch, d_model, best_lr, mean, std, n_seeds,
-    runs (of best_lr), best (the group's best run)."""
+    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
+    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best (run)."""
     groups = {}
     for r in {run_key(r["config"]): r for r in records}.values():
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
@@ -1116,8 +1109,8 @@ def main(argv=None):
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
         sigterm = isinstance(e, Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in "
-              "the results files; rerun to continue", file=sys.stderr)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
+              "in the results files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
