@@ -1,33 +1,31 @@
 """run.py: the driver. Train the architectures of one experiment of the paper, patch them, report.
 
-Replicates "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025, arXiv
-2505.15105): accuracy alone does not tell how a model retrieves; interchange interventions do
-(attention/based: induction through the value token; mamba: direct retrieval at the query). The
-recipe of one run is mechsm.py's (paper Sec. 4, App. C); the patching is interventions.py's (Sec. 3-4).
-This file holds what serves many runs: the experiments, the sweep (resume, shards, worker processes),
-the report (tables, results/*.md, figures) and the benchmark.
+Replicates "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
+arXiv 2505.15105): accuracy alone does not tell how a model retrieves; interchange interventions
+do (attention/based: induction through the value token; mamba: direct retrieval at the query).
+One run's recipe is mechsm.py's (paper Sec. 4, App. C), the patching interventions.py's (Sec. 3-4).
+This file holds what serves many runs: the experiments, the sweep (resume, shards, worker
+processes), the report (tables, results/*.md, figures) and the benchmark.
 
 CPU examples:
-  python run.py                                    # the quick `ar` experiment: 7 archs, one job per core
+  python run.py                                    # the quick `ar` experiment: 7 archs, a job/core
   python run.py --experiment atr-medium            # one result of the paper; --list shows them all
   python run.py --arch attention,mamba --d-model 32,64 --lr 1e-3,3e-3 --seeds 0-2
-  python run.py --shard 0/4                        # every 4th run of the grid (SLURM arrays: automatic)
+  python run.py --shard 0/4                        # every 4th run of the grid (SLURM: automatic)
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
   python run.py --figures results/                 # redraw the figures of a results folder
   OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references
 GPU examples:
   python run.py --device cuda                      # quick preset, one job on the GPU
-  python run.py --preset paper --device cuda       # the paper's grid, each cell's lrs and seeds as one
-                                                   # batched model (--group-size K if memory runs short)
+  python run.py --preset paper --device cuda       # the paper's grid, a cell's lrs and seeds as
+                                                   # one batched model (--group-size K: smaller)
 
-Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard): a JSON
-line per finished run (config, metrics, history, the full patching table); reruns skip what is there,
-reading every results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
+Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard), a JSON
+line per finished run (config, metrics, history, the patching table); reruns skip what is there,
+reading all results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
 <experiment>_*.png (figures, with matplotlib), ckpt/ (checkpoints). Bad input prints one line
-"error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers and keep every finished run.
+"error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers, keeping every finished run.
 """
-
-import argparse
 
 import argparse
 import difflib
@@ -44,6 +42,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 # Before torch's first allocation: the CPU allocator then backs tensors of 2 MB and more with huge
 # pages (filling fresh 4 KB pages cost a Mamba scan more than its arithmetic). 0 turns it off.
@@ -55,15 +54,15 @@ import torch  # noqa: E402  (after the allocator setting above)
 import interventions  # noqa: E402
 import mechsm  # noqa: E402
 import models  # noqa: E402
-from mechsm import Config  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ==============================================================================================
-# The experiments: one per result of the paper, each with a "quick" grid (sized for a 2-core CPU,
-# aiming at 20 minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs,
-# "runs": Config fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"},
-# the last three {arch: ...} where the arch "*" is the default.
-# ==============================================================================================
+# ============================================ The experiments
+# One per result of the paper, each with a "quick" grid (sized for a 2-core CPU, aiming at 20
+# minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
+# fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
+# three {arch: ...} where the arch "*" is the default.
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
 PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
@@ -95,8 +94,9 @@ ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)   # grammar seed 124: lengths n
 
 
 def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
+    steps = steps or (QUICK_ATR_STEPS if config["task"] == "atr" else QUICK_STEPS)
     return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs=QUICK_LRS,
-                seeds=seeds or {"*": [0]}, steps=steps or QUICK_STEPS)
+                seeds=seeds or {"*": [0]}, steps=steps)
 
 
 def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
@@ -110,6 +110,16 @@ def archs(*names, **fields_):
 
 def convs(arch, sizes, **fields_):
     return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
+
+
+NOPE_PE = archs("attention", pos_emb=False) + archs("attention", pos_emb=True)
+# ar-vocab: every arch at 512 and 1,024 keys and values, then attention, Based and Mamba probes
+VOCAB_RUNS = ([dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
+              + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
+              + [dict(arch=a, num_keys=256, num_values=256, **f) for a, f in [
+                  ("attention", dict(lr=5e-4)), ("attention", dict(lr=1e-3)),
+                  ("attention", dict(lr=5e-4, steps=32_000)), ("based", dict(steps=16_000)),
+                  ("mamba", {})]])
 
 
 @dataclass(frozen=True)
@@ -129,8 +139,9 @@ EXPERIMENTS = {e.name: e for e in [
                {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
                 "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
                 "h3": "direct retrieval"},
-               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based", "base_conv")
-                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),   # difference 19
+               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based",
+                                     "base_conv")
+                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds={"mamba": [0, 1, 2], "*": [0]}),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
@@ -139,14 +150,16 @@ EXPERIMENTS = {e.name: e for e in [
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
-               quick(QUICK_AR, archs("attention", pos_emb=False) + archs("attention", pos_emb=True)),
-               paper(PAPER_AR, archs("attention", pos_emb=False) + archs("attention", pos_emb=True))),
-    Experiment("ar-layers", "App. D.2, D.3", "AR with 1 and 3 layers (1-layer Mamba still learns it)",
+               quick(QUICK_AR, NOPE_PE), paper(PAPER_AR, NOPE_PE)),
+    Experiment("ar-layers", "App. D.2, D.3",
+               "AR with 1 and 3 layers (1-layer Mamba still learns it)",
                {"mamba (1 layer)": "96.25%"},
-               quick(QUICK_AR, archs("mamba", "attention", n_layers=1) + archs("mamba", "attention")),
+               quick(QUICK_AR, archs("mamba", "attention", n_layers=1)
+                     + archs("mamba", "attention")),
                paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3),
                      lrs=LR7)),
-    Experiment("mamba-conv", "Sec. 5.4", "Mamba with short-conv sizes 0-4: it needs the conv for AR",
+    Experiment("mamba-conv", "Sec. 5.4",
+               "Mamba with short-conv sizes 0-4: it needs the conv for AR",
                {"mamba (d_conv 0)": "fails without the conv",
                 "mamba (default conv)": "91.25% (d 256; conv 4)"},
                quick(QUICK_AR, convs("mamba", (0, None))),   # CPU budget: 0 and 4
@@ -161,22 +174,20 @@ EXPERIMENTS = {e.name: e for e in [
                {"attention": "induction-like: the parent's token holds the association",
                 "mamba": "direct retrieval at the query", "h3": "direct retrieval",
                 "hyena": "direct retrieval", "based": "induction-like"},
-               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
-                     steps=QUICK_ATR_STEPS),
+               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv")),
                paper(PAPER_ATR, archs(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
-               quick(QUICK_ATR, archs("mamba", "attention"), steps=QUICK_ATR_STEPS, **ATR_MEDIUM),
+               quick(QUICK_ATR, archs("mamba", "attention"), **ATR_MEDIUM),
                paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"),
                      **ATR_MEDIUM)),
     Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
-               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, num_terminals=8192),
+               quick(QUICK_ATR, archs("attention"), num_terminals=8192),
                paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
     Experiment("atr-generalisation", "Sec. 5.3",
                "ATR on held-out (parent, child) label pairs: dev against test",
                {"attention": "95.62% dev / 68.12% test (d 256)"},
-               quick(QUICK_ATR, archs("attention"), steps=QUICK_ATR_STEPS, holdout=0.2,
-                     gap_filter=0.01),
+               quick(QUICK_ATR, archs("attention"), holdout=0.2, gap_filter=0.01),
                paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
     Experiment("ar-generalisation", "the paper's notebook (not in its text)",
                "AR on held-out (key, value) pairs: dev against test", {},
@@ -186,19 +197,13 @@ EXPERIMENTS = {e.name: e for e in [
                "Mamba without its short conv learns attention-like induction on ATR",
                {"mamba (d_conv 0)": "induction (high Attrib@Value)",
                 "mamba (default conv)": "direct retrieval"},
-               quick(QUICK_ATR, [dict(arch="mamba", d_conv=0), dict(arch="mamba")],
-                     steps=QUICK_ATR_STEPS),
+               quick(QUICK_ATR, convs("mamba", (0, None))),
                paper(PAPER_ATR, convs("mamba", (0, None)))),
     # The probes that chose the quick settings (README, difference 19): run before any table.
     Experiment("ar-vocab", "probe",
                "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
-               dict(quick(QUICK_AR, [dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
-                          + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
-                          + [dict(arch=a, num_keys=256, num_values=256, **f) for a, f in [
-                              ("attention", dict(lr=5e-4)), ("attention", dict(lr=1e-3)),
-                              ("attention", dict(lr=5e-4, steps=32_000)), ("based", dict(steps=16_000)),
-                              ("mamba", {})]],
-                          seeds={"mamba": [0, 1], "*": [0]}, steps=PROBE_STEPS),
+               dict(quick(QUICK_AR, VOCAB_RUNS, seeds={"mamba": [0, 1], "*": [0]},
+                          steps=PROBE_STEPS),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
                None, probe=True),
     Experiment("atr-budget", "probe",
@@ -213,60 +218,50 @@ LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdou
 
 def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
                        **fields_):
-    """The Configs of one experiment's grid (runs -> widths -> lrs -> seeds), with `fields_` set on
-    every run; archs / widths / lrs / seeds narrow or replace the grid's (an arch the grid lacks
-    gets a plain run)."""
+    """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
+    run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run)."""
     if name not in EXPERIMENTS:
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
         raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
-    grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick    # a probe is its own paper grid
+    grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
     runs = grid["runs"]
     if archs is not None:
         runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
                                                           if a not in {r["arch"] for r in runs}]
-    pick = lambda table, arch: table.get(arch, table.get("*", [1e-3] if table is grid["lrs"] else None))
+    pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
     configs = []
     for run in runs:
         steps = pick(grid.get("steps", {}), run["arch"])
-        base = Config(**{**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_})
-        for width in widths or grid["widths"]:
-            for lr in lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"])):
-                for seed in seeds or pick(grid["seeds"], run["arch"]):
-                    configs.append(replace(base, d_model=width, lr=float(lr), seed=seed))
+        base = {**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_}
+        run_lrs = lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"], [1e-3]))
+        configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
+                    for width in widths or grid["widths"] for lr in run_lrs
+                    for seed in seeds or pick(grid["seeds"], run["arch"])]
     return configs
 
 
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
-    words = {"d_model": lambda: f"d {value}", "n_layers": lambda: f"{value} layer{'s' * (value != 1)}",
-             "pos_emb": lambda: "PE" if value else "NoPE",
-             "long_only": lambda: "long convs only" if value else None,
-             "d_conv": lambda: "default conv" if value is None else f"d_conv {value}",
-             "num_keys": lambda: f"{value} keys", "steps": lambda: f"{value} steps",
-             "lr": lambda: f"lr {value:g}", "seed": lambda: f"seed {value}",
-             "holdout": lambda: f"holdout {value:g}"}
-    return words.get(name, lambda: f"{name} {value}")()
+    words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
+             "pos_emb": "PE" if value else "NoPE", "num_keys": f"{value} keys",
+             "long_only": "long convs only" if value else None, "steps": f"{value} steps",
+             "d_conv": "default conv" if value is None else f"d_conv {value}"}
+    return words.get(name, f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
 
 
 def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
-    """cfg's arch plus every field of `fields_` that differs between the same arch's `configs`,
-    e.g. 'mamba', 'mamba (d_conv 0)', 'attention (NoPE)'."""
+    """cfg's arch and each of `fields_` varying among its arch's `configs`: 'mamba (d_conv 0)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
-    parts = [describe(name, getattr(cfg, name)) for name in fields_
-             if len({getattr(c, name) for c in same_arch}) > 1
-             and not (name == "d_conv" and cfg.long_only)]
-    parts = [p for p in parts if p]
+    parts = list(filter(None, [describe(name, getattr(cfg, name)) for name in fields_
+                               if len({getattr(c, name) for c in same_arch}) > 1
+                               and not (name == "d_conv" and cfg.long_only)]))
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
-# ----------------------------------------------------------------------------------------------
-# The planner: expected CPU time of a grid, from measured step rates.
-# ----------------------------------------------------------------------------------------------
-
-# Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `python run.py bench` part 3
-# (results/bench.txt: 2 cores shared with two training runs, so low); estimate_seconds scales them.
+# The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
+# part 3 (results/bench.txt: 2 cores shared with two training runs, so low), scaled per grid.
 CPU_STEPS_PER_S = {"attention": 60.4, "base_conv": 63.9, "based": 70.0, "h3": 24.7, "hyena": 42.1,
                    "mamba": 26.7, "deltanet": 53.5}
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
@@ -275,8 +270,7 @@ WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 
 def estimate_seconds(configs, jobs=1):
     """Rough CPU wall time of training `configs` with `jobs` one-thread workers."""
     total = 0.0
-    for cfg in configs:
-        cfg = cfg.resolved()
+    for cfg in (c.resolved() for c in configs):
         tokens = 2 * cfg.num_pairs + 5 if cfg.task == "ar" else min(cfg.max_terminals, 64) + 5
         rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 21 / tokens / max(1.0, cfg.d_model / 64)
                 * 2 / cfg.n_layers * 32 / cfg.batch_size)
@@ -294,9 +288,9 @@ def default_jobs(device, n_runs):
     except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
         free_gib = float("inf")
     fit = max(1, int(free_gib // WORKER_GIB))
-    why = (f"{cores} CPU cores" + (f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores
-                                   else "") + (f", {n_runs} runs" if n_runs < min(cores, fit) else ""))
-    return max(1, min(cores, fit, n_runs)), why
+    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
+    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
+    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
 def fmt_hours(seconds):
@@ -304,7 +298,7 @@ def fmt_hours(seconds):
 
 
 def catalogue():
-    """`run.py --list`: every experiment, its claim, the paper's numbers, each preset's runs and time."""
+    """`--list`: each experiment, its claim, the paper's numbers, each preset's runs and time."""
     lines = []
     for name, exp in EXPERIMENTS.items():
         times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
@@ -315,133 +309,114 @@ def catalogue():
     return "\n".join(lines)
 
 
-# ==============================================================================================
-# The command line. Every mistake becomes one "error: ..." line (exit 2), before anything runs.
-# ==============================================================================================
+# ============================================ The command line
+# Every mistake becomes one "error: ..." line (exit 2), before anything runs.
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors raise ValueError (main prints them) and that names an unknown option
-    (argparse would hand the value after a typo'd flag to the optional command); a token starting
-    with '-' is a value when a digit or '.' follows."""
+    """argparse raising ValueError (main prints it), naming an unknown option (argparse would give
+    a typo'd flag's value to the command) or a repeated one; '-' then a digit or '.' is a value."""
 
     def error(self, message):
         raise ValueError(message)
 
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
-        known = list(self._option_string_actions)
+        known, given, twice = self._option_string_actions, set(), []
         for token in args[:args.index("--")] if "--" in args else args:
             name = token.split("=", 1)[0]
-            if not token.startswith("-") or token == "-" or token[1] in "0123456789." or name in known:
+            if token[:1] != "-" or token == "-" or token[1] in "0123456789.":
                 continue
-            close = difflib.get_close_matches(name, known, n=1)
-            raise ValueError(f"unknown option {name}" + (f" (did you mean {close[0]}?)" if close else "")
-                             + "; see run.py --help")
-        return super().parse_known_args(args, namespace)
-
-
-class Once(argparse.Action):
-    """Store an option's value, refusing a second occurrence (give one comma list instead)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string in getattr(namespace, "_given", {}):
-            raise ValueError(f"{option_string}: given twice; give it once (a comma list for several "
+            if name not in known:
+                close = difflib.get_close_matches(name, list(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"unknown option {name}{hint}; see run.py --help")
+            twice += [name] if known[name].dest in given else []
+            given.add(known[name].dest)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if twice:
+            raise ValueError(f"{twice[0]}: given twice; give it once (a comma list for several "
                              "values)")
-        namespace._given = {**getattr(namespace, "_given", {}), option_string: values}
-        setattr(namespace, self.dest, True if self.nargs == 0 else values)
-
-
-def parse_value(kind, text):
-    """One value of a flag: int (at most 2**62), float (finite) or non-empty str."""
-    text = text.strip()
-    if not text:
-        raise argparse.ArgumentTypeError("empty value")
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} is out of range")
-    return value
+        namespace.given = given                        # the options given, by their dest
+        return namespace, extras
 
 
 def typed(kind, many=False):
-    """An argparse type: one value, or with many a comma list ("1e-3,3e-3"; ints also "0-4")."""
-    def parse(text):
-        if not many:
-            return parse_value(kind, text)
-        values = []
-        for part in text.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            if dash and kind is int and lo:           # a range of seeds, e.g. 0-4
-                values += range(parse_value(int, lo), parse_value(int, hi) + 1)
-            else:
-                values.append(parse_value(kind, part))
-        return values
-    return parse
+    """An argparse type: an int (|x| <= 2**62), a finite float or a non-empty str, or a list."""
+    def one(text):
+        text = text.strip()
+        if not text:
+            raise argparse.ArgumentTypeError("empty value")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is out of range")
+        return value
+
+    def span(part):                                   # ints also a range of seeds, e.g. 0-4
+        lo, dash, hi = part.strip().partition("-")
+        return range(one(lo), one(hi) + 1) if dash and kind is int and lo else [one(part)]
+    return (lambda text: [v for part in text.split(",") for v in span(part)]) if many else one
 
 
 def build_parser():
-    p = Parser(prog="run.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-               epilog="Options left unset take their value from the experiment's preset (README: what "
-               "each runs).")
+    p = Parser(prog="run.py", description=__doc__, epilog="Options left unset take their value "
+               "from the experiment's preset (README: what each runs).",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(flag, kind=None, many=False, **kw):
+    def a(flag, kind=None, many=False, switch=False, **kw):
         if kind is not None:
             kw["type"] = typed(kind, many)
-        p.add_argument(flag, action=Once, **({"nargs": 0} if kw.pop("switch", False) else {}), **kw)
+        p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
 
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
-    a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a result of the paper (default: ar)")
+    a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a paper result (default ar)")
     a("--list", switch=True, help="print the catalogue of experiments and exit")
-    a("--preset", choices=PRESETS, help="quick (default: CPU-sized grids; --list gives their times) or paper")
+    a("--preset", choices=PRESETS, help="quick (default: CPU-sized grids, see --list) or paper")
     a("--task", choices=mechsm.TASKS, help="ar or atr: the same as --experiment ar / atr")
     # the grid
-    a("--arch", str, True, help="one architecture or a comma list, or 'all' (" + ", ".join(ALL_ARCHS) + ")")
+    a("--arch", str, True, help="an arch, a comma list or 'all' (" + ", ".join(ALL_ARCHS) + ")")
     a("--d-model", int, True, help="width(s), e.g. 64 or 16,32,64")
     a("--lr", float, True, help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
     a("--seeds", int, True, help="model seed(s): 42, or 0,1,2, or 0-4")
-    # the model, the task, training: each sets the Config field of the same name (--layers: n_layers)
-    for flag, kind, text in [
-            ("--layers", int, "number of blocks (paper: 2)"), ("--heads", int, "attention heads (paper: 1)"),
-            ("--d-conv", int, "short-conv size of the archs that have one (mamba: 0 removes it)"),
-            ("--num-keys", int, "AR keys (paper: 4096)"), ("--num-values", int, "AR values (paper: 4096)"),
-            ("--num-pairs", int, "AR key-value pairs per document (paper: 16)"),
-            ("--num-terminals", int, "ATR terminals |Σ| (paper: 20 or 8192)"),
-            ("--max-rhs-len", int, "ATR L_max (paper: 5 or 10)"), ("--max-depth", int, "ATR d_max (paper: 10)"),
-            ("--holdout", float, "fraction of pairs held out for a test split (paper: 0.2)"),
-            ("--data-seed", int, "language seed: grammar, held-out pairs, documents (default 42)"),
-            ("--steps", int, "total optimizer steps (beats --epochs; the training set is walked "
-             "cyclically)"),
-            ("--epochs", int, "passes over the training set (paper: 16 AR, 32 ATR)"),
-            ("--train-size", int, "documents in the fixed training set (paper: 100,032)"),
-            ("--batch-size", int, "batch size (paper: 32)"),
-            ("--eval-every", int, "steps between evaluations (paper: 200); the last step is always "
-             "evaluated"),
-            ("--eval-size", int, "evaluation documents (paper: 320)")]:
-        a(flag, kind, help=text)
-    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: the archs that use them)")
+    # model, task, training: each sets the Config field of its name (--layers: n_layers)
+    for flag, text in [
+            ("--layers", "number of blocks (paper: 2)"), ("--heads", "attention heads (paper: 1)"),
+            ("--d-conv", "short-conv size of the archs that have one (mamba: 0 removes it)"),
+            ("--num-keys", "AR keys (paper: 4096)"), ("--num-values", "AR values (paper: 4096)"),
+            ("--num-pairs", "AR key-value pairs per document (paper: 16)"),
+            ("--num-terminals", "ATR terminals |Σ| (paper: 20 or 8192)"),
+            ("--max-rhs-len", "ATR L_max (paper: 5, 10)"), ("--max-depth", "ATR d_max (paper: 10)"),
+            ("--holdout", "fraction of pairs held out for a test split (paper: 0.2)"),
+            ("--data-seed", "language seed: grammar, held-out pairs, documents (default 42)"),
+            ("--steps", "total optimizer steps (beats --epochs; the training set cycles)"),
+            ("--epochs", "passes over the training set (paper: 16 AR, 32 ATR)"),
+            ("--train-size", "documents in the fixed training set (paper: 100,032)"),
+            ("--batch-size", "batch size (paper: 32)"),
+            ("--eval-every", "steps between evaluations (paper: 200), and always the last"),
+            ("--eval-size", "evaluation documents (paper: 320)")]:
+        a(flag, float if flag == "--holdout" else int, help=text)
+    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: per arch)")
     a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
-    a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup: cosine (paper) or linear")
+    a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
     # where and how
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
-    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; 1 on "
-      "cuda)")
-    a("--group-size", int, metavar="K", help="train up to K runs that differ only in lr and seed as one "
-      "batched model (default: 1 on a CPU, where groups do not pay; a whole (arch, width) cell on cuda)")
-    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: SLURM_ARRAY_TASK_"
-      "ID/SLURM_ARRAY_TASK_COUNT when set); every shard of one --out reads all the others' results")
+    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; "
+      "1 on cuda)")
+    a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
+      "one batched model (default: 1 on a CPU, where it does not pay; a whole cell on cuda)")
+    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: "
+      "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT); shards of one --out read each other's results")
     a("--out", str, help="output folder (default: out/)")
     a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
-    a("--checkpoint", str, help="skip training: evaluate and patch this saved model (a .pt from OUT/"
-      "ckpt/)")
-    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder (e.g. results/) "
-      "and exit")
-    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its records "
-      "(results/: also the README's summary table) and exit")
+    a("--checkpoint", str, help="evaluate and patch this saved model (OUT/ckpt/*.pt), no training")
+    a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder and exit")
+    a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its "
+      "records (results/: also the README's summary table) and exit")
     return p
 
 
@@ -449,27 +424,24 @@ def build_parser():
 FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
     "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
     "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
-TASK_FIELDS = {"ar": {"num_keys", "num_values", "num_pairs"},
-               "atr": {"num_terminals", "max_rhs_len", "max_depth"}}
+TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),
+           **dict.fromkeys(["num_terminals", "max_rhs_len", "max_depth"], "atr")}
 # the options each command takes; any other option given with it is refused, never silently ignored
 COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}, "report": {"report"},
                    "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
 
 
 def applies(field, cfg):
-    """Whether Config field `field` changes run cfg: a task's fields only its task; d_conv,
-    long_only, n_heads only the archs whose mixer takes that option."""
-    for task, names in TASK_FIELDS.items():
-        if field in names:
-            return cfg.task == task
+    """Whether Config field `field` changes cfg (a task's or a mixer's field: only its runs)."""
+    if field in TASK_OF:
+        return cfg.task == TASK_OF[field]
     return field not in ("d_conv", "long_only", "n_heads") or models.takes_option(cfg.arch, field)
 
 
 def grid_runs(args, name, device):
     """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, with
     each field flag set on the runs it applies to (none: an error; some: a note)."""
-    given = {field: getattr(args, flag) for flag, field in FIELD_FLAGS.items()
-             if getattr(args, flag) is not None}
+    given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
     for flag in ("arch", "d_model", "lr", "seeds"):
@@ -482,21 +454,21 @@ def grid_runs(args, name, device):
     if args.epochs is not None and args.steps is None:
         given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []
-    for field, value in given.items():
+    for flag, value in given.items():
+        field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
         hit = [applies(field, c) for c in configs]
-        flag = "--" + next(f for f, v in FIELD_FLAGS.items() if v == field).replace("_", "-")
+        missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
         if not any(hit):
-            raise ValueError(f"{flag}: does not apply to any run of this grid "
-                             f"({', '.join(sorted({c.arch for c in configs}))} on {configs[0].task})")
-        if not all(hit):
-            missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
-            notes.append(f"note: {flag} ignored for {', '.join(missed)}, which do not have it")
+            raise ValueError(f"{opt}: does not apply to any run of this grid ({', '.join(missed)} "
+                             f"on {configs[0].task})")
+        if missed:
+            notes.append(f"note: {opt} ignored for {', '.join(missed)}, which do not have it")
         configs = [replace(c, **{field: value}) if h else c for c, h in zip(configs, hit)]
     return configs, notes
 
 
 def shard_of(text):
-    """(I, N) from --shard "I/N", or from SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
+    """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
     if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
         text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
     if text is None:
@@ -507,9 +479,8 @@ def shard_of(text):
     return int(i), int(n)
 
 
-# ==============================================================================================
-# The sweep: train every run of a grid that is not recorded yet, one JSON line per finished run.
-# ==============================================================================================
+# ============================================ The sweep
+# Train every run of a grid that is not recorded yet, one JSON line per finished run.
 
 # Where a run happens does not change what it is: a rerun differing only in these finds it done.
 KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
@@ -528,13 +499,12 @@ def file_name(cfg):
 
 def config_of(record):
     """The Config of a record (fields that Config no longer has are dropped)."""
-    known = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in record["config"].items() if k in known})
+    known = {f.name for f in fields(mechsm.Config)}
+    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
 
 
 def is_record(x):
-    """Whether a parsed results line is a run record the report can read (the types of the fields
-    it reads; a checkpoint path inside its folder)."""
+    """Whether a parsed line is a record the report can read (field types; a relative ckpt)."""
     number = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
     if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
             and x.get("status") in ("ok", "failed")):
@@ -545,9 +515,8 @@ def is_record(x):
             and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
             and isinstance(x.get("n_params"), int) and isinstance(final, dict)
             and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(history, list)
-            and all(isinstance(h, dict) and number(h.get("step")) and number(h.get("acc"))
-                    for h in history)
+            and isinstance(history, list) and all(isinstance(h, dict) and number(h.get("step"))
+                                                  and number(h.get("acc")) for h in history)
             and isinstance(mech, dict) and isinstance(x.get("mechanism_table") or {}, dict)
             and all(number(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
             and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
@@ -558,8 +527,8 @@ def read_results(out, warn=True):
     """The run records of one results file, or of every results*.jsonl in the folder `out`, in a
     fixed order; a line that is not a whole record is skipped with one warning."""
     records = []
-    paths = sorted(glob.glob(os.path.join(out, "results*.jsonl"))) if os.path.isdir(out) else glob.glob(out)
-    for path in paths:
+    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
+    for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 if not line.strip():
@@ -588,16 +557,11 @@ def append_result(path, record):
         os.fsync(f.fileno())
 
 
-def has_checkpoint(record, out):
-    return bool(record.get("checkpoint")) and os.path.isfile(os.path.join(out, record["checkpoint"]))
-
-
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=mechsm.stderr_log()):
-    """Train the runs of `configs` (this shard's: every N-th unique run from I) not yet complete in
-    `out`, appending each record as it finishes; return the grid's records in `out`, in grid order.
-    A run recorded without its patching table is patched from its checkpoint (retrained without
-    one); `jobs` worker processes; runs differing in lr and seed batched group_size at a time."""
+    """Train the runs of `configs` (this shard's: every N-th from I) not complete in `out`, each
+    record appended as it finishes; return the grid's records in `out`. A run lacking its patching
+    table is patched from its checkpoint (else retrained); lr/seed twins batched group_size each."""
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
@@ -605,19 +569,18 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
     i, n = shard
     mine = [key for j, key in enumerate(unique) if j % n == i]
-    wants = dict(patch=patch, save=save)
     done = {run_key(r["config"]): r for r in read_results(out)}
-    complete = lambda r: r["status"] != "ok" or (not patch or r.get("mechanism_table") is not None) \
-        and (not save or has_checkpoint(r, out))         # a failed run is complete
+    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
+    tabled = lambda r: not patch or r.get("mechanism_table") is not None
+    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and done[k]["status"] == "ok" and has_checkpoint(done[k], out)]
-    jobs_list = [("patch", [(unique[k], done[k])]) for k in patchable] + [
-        ("train", group) for group in make_groups([unique[k] for k in todo if k not in patchable],
-                                                  group_size)]
+    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
+    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
-    for records in run_jobs(jobs_list, out, wants, jobs):
+    for records in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
         for record in records:
             append_result(results, record)
     latest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
@@ -625,7 +588,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
 
 
 def check_runs(configs):
-    """Raise ValueError (one line) for the first bad run of `configs`, before a long sweep starts."""
+    """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
         cfg.check()
     vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
@@ -634,23 +597,22 @@ def check_runs(configs):
     for cfg in configs:
         mechsm.check_length(cfg)
         shape = (mechsm._data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
-            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv", "long_only",
-            "freeze_features")))
+            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv",
+            "long_only", "freeze_features")))
         if shape not in built:                   # a model too large to allocate is bad input
             mechsm.build(replace(cfg, device="cpu"), vocab[mechsm._data_key(cfg)])
             built.add(shape)
 
 
 def make_groups(configs, group_size=None):
-    """configs -> lists of configs that differ only in lr and seed, at most group_size each (None:
-    a whole cell per group)."""
+    """configs -> lists differing only in lr and seed, group_size at most (None: a whole cell)."""
     if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
         raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
     cells = {}
     for cfg in configs:
         cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
-    size = lambda cell: group_size or len(cell)
-    return [cell[i:i + size(cell)] for cell in cells.values() for i in range(0, len(cell), size(cell))]
+    return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
+            for i in range(0, len(cell), group_size or len(cell))]
 
 
 def run_jobs(jobs_list, out, wants, jobs):
@@ -660,19 +622,19 @@ def run_jobs(jobs_list, out, wants, jobs):
         for kind, payload in jobs_list:
             yield do_job(kind, payload, out, wants)
         return
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
-                               initargs=(os.getpid(),), mp_context=multiprocessing.get_context("spawn"))
+                               initargs=(os.getpid(),), mp_context=get_context("spawn"))
     try:
         futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
         for future in as_completed(futures):
             yield future.result()
     except BrokenProcessPool:
         stop_workers(pool)
-        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished runs "
-                         f"are kept in {out}; rerun to continue") from None
+        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
+                         f"runs are kept in {out}; rerun to continue") from None
     except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
         stop_workers(pool)
         raise
@@ -680,11 +642,11 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 
 def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint; return the records.
-    A crash is printed and gives no record (a rerun retries it)."""
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records (none,
+    the error printed, on a crash: a rerun retries it)."""
     try:
         if kind == "patch":
-            (cfg, record), = payload
+            cfg, record = payload
             model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
                                        device=mechsm.resolve_device(cfg.device))
             if run_key(asdict(saved.resolved())) != run_key(record["config"]):
@@ -706,14 +668,14 @@ def do_job(kind, payload, out, wants):
     except Exception as e:
         import traceback
         traceback.print_exc()
-        name = payload[0] if kind == "train" else payload[0][0].name()
-        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries it)",
-              file=sys.stderr)
+        name = payload[0] if kind == "train" else payload[0].name()
+        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
+              "it)", file=sys.stderr)
         return []
 
 
 def save_checkpoint(model, cfg, out):
-    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) when it fails."""
+    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) on failure."""
     path = os.path.join("ckpt", file_name(cfg) + ".pt")
     try:
         mechsm.save(model, cfg, os.path.join(out, path))
@@ -725,32 +687,30 @@ def save_checkpoint(model, cfg, out):
 
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: the full interventions.mechanism table of `dataset`, and the few
-    numbers the summary table shows (the headline site's Attrib@Key/Value/Query, the layer-0 mixer
-    output for 1-layer models; the verdict; the extra sites' numbers)."""
+    """A record's patching fields: interventions.mechanism's table of `dataset` and the numbers the
+    tables show (the headline site's Attrib@X, a 1-layer model's mixer output; verdict; extras)."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
-    summary = {"attrib_key": head.get("key"), "attrib_value": head.get("value"),
-               "attrib_query": head.get("query"), "verdict": table.get("verdict"),
-               "p_clean": table.get("p_clean"), "p_corrupt": table.get("p_corrupt"),
-               "low_signal": table.get("low_signal"), **table.get("extra", {})}
+    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
+               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
+               **table.get("extra", {})}
     return mechsm.json_safe({"mechanism": summary, "mechanism_table": table})
 
 
 def provenance():
     """Where and with what a record was made: date, machine, torch, the code's git commit."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=HERE, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "torch": torch.__version__, "commit": commit or None}
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    return {"date": time.strftime("%Y-%m-%d"), "machine": machine, "torch": torch.__version__,
+            "commit": commit or None}
 
 
-def worker_init(parent=None):
-    """A sweep worker: one torch thread, SIGINT ignored (the parent stops the workers), and a
-    watchdog that ends it when its parent is gone."""
+def worker_init(parent):
+    """A sweep worker: one thread, SIGINT ignored (the parent stops it), gone with its parent."""
     torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -763,10 +723,8 @@ def worker_init(parent=None):
 
 def stop_workers(pool):
     """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())   # no public API before 3.14
-    masking = threading.current_thread() is threading.main_thread()
-    if masking:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         for process in processes:
             process.terminate()
@@ -777,8 +735,7 @@ def stop_workers(pool):
                 process.join(5)
         pool.shutdown(wait=False, cancel_futures=True)
     finally:
-        if masking:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class WorkerLost(RuntimeError):
@@ -786,27 +743,25 @@ class WorkerLost(RuntimeError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay recorded."""
+    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
+
+    @staticmethod
+    def raise_(signum, frame):
+        raise Terminated()
 
 
-def raise_terminated(signum, frame):
-    raise Terminated()
+# ============================================ The report
+# The best run per row (the paper reports the best learning rate) beside the paper's numbers, the
+# timeline, results/<experiment>.md and the README's summary table.
 
-
-# ==============================================================================================
-# The report: the best run per row (the paper reports the best learning rate) beside the paper's
-# numbers, the timeline, results/<experiment>.md and the README's summary table.
-# ==============================================================================================
-
-def best_by_lr(records, metric="acc"):
-    """Per group of runs differing only in lr and seed, the row of the lr with the best mean final
-    `metric` over seeds (a failed run never wins): arch, d_model, best_lr, mean, std, n_seeds,
-    values, per_lr, runs (of best_lr), best (the best run; with a held-out split, test_mean)."""
+def best_by_lr(records):
+    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
+    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best (run)."""
     groups = {}
     for r in {run_key(r["config"]): r for r in records}.values():
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
-    score = lambda r, m=metric: (r.get("final") or {}).get(m) or 0.0
+    score = lambda r: r["final"].get("acc") or 0.0
     rows = []
     for per_lr in groups.values():
         means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
@@ -814,16 +769,14 @@ def best_by_lr(records, metric="acc"):
         best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
         runs = per_lr[best_lr]
         values = [score(r) for r in runs]
-        row = {"arch": runs[0]["config"]["arch"], "d_model": runs[0]["config"]["d_model"], "best_lr": best_lr,
-               "mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-               "n_seeds": len(values), "values": values, "per_lr": dict(sorted(means.items())), "runs": runs,
-               "best": max((r for rs in per_lr.values() for r in rs), key=lambda r: (
-                   r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))}
-        if any("test_acc" in (r.get("final") or {}) for r in runs):
-            row["test_mean"] = statistics.fmean(score(r, "test_acc") for r in runs)
-        rows.append(row)
+        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
+            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
+        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
+                     "best_lr": best_lr, "runs": runs, "best": best, "n_seeds": len(values),
+                     "mean": statistics.fmean(values),
+                     "std": statistics.stdev(values) if len(values) > 1 else 0.0})
     order = {a: i for i, a in enumerate(ALL_ARCHS)}
-    return sorted(rows, key=lambda row: (order.get(row["arch"], len(order)), row["arch"], row["d_model"]))
+    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
 
 
 def fmt_pct(mean, std=None, n=1):
@@ -838,35 +791,34 @@ def fmt_num(x):
 def markdown(cells, columns=None):
     """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
     columns = columns or list(dict.fromkeys(k for c in cells for k in c))
-    return "\n".join(["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-                     + ["| " + " | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) + " |"
-                        for r in cells])
+    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
+    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+                     + [f"| {row} |" for row in rows])
 
 
 def attribs(mech):
     """The Attrib@Key/Value/Query cells of a mechanism summary."""
-    return {f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}")) for k in ("key", "value", "query")}
+    return {f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}"))
+            for k in ("key", "value", "query")}
 
 
 def result_table(rows, paper_numbers=None):
-    """Per labelled row of best_by_lr: the best run's accuracy and patching summary, the spread over
-    seeds, the extra sites' attributions and the paper's number."""
+    """Per labelled row of best_by_lr: the best run's accuracy, patching and the paper's number."""
     cells = []
     for row in rows:
         best = row["best"]
-        final, mech = best.get("final") or {}, best.get("mechanism") or {}
+        final, mech = best["final"], best.get("mechanism") or {}
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}",
              "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
         if any(r["n_seeds"] > 1 for r in rows):
-            c["over seeds"] = fmt_pct(row["mean"], row["std"], row["n_seeds"]) + f" ({row['n_seeds']})"
+            c["over seeds"] = f"{fmt_pct(row['mean'], row['std'], row['n_seeds'])} ({row['n_seeds']})"
         for key, name in (("test_acc", "test accuracy"), ("novel_acc", "novel accuracy")):
             if key in final:
                 c[name] = fmt_pct(final[key])
         c.update(attribs(mech))
-        for name in mech:
-            if "@" in name:     # the mixer class's extra numbers (conv@next_key), per seed; '-': no signal
-                c[name] = " / ".join("-" if (r.get("mechanism") or {}).get("low_signal") else
-                                     fmt_num((r.get("mechanism") or {}).get(name)) for r in row["runs"])
+        mechs = [r.get("mechanism") or {} for r in row["runs"]]
+        for name in [k for k in mech if "@" in k]:   # the mixer's extra numbers, per seed
+            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
         c["verdict"] = mech.get("verdict") or "-"
         if paper_numbers is not None:
             c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
@@ -877,28 +829,29 @@ def result_table(rows, paper_numbers=None):
 def runs_table(records):
     """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
     configs, cells = [config_of(r) for r in records], []
-    for r, cfg in sorted(zip(records, configs), key=lambda p: (p[1].num_keys, p[1].arch, p[1].steps,
-                                                                p[1].lr, p[1].seed)):
+    by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
+    for r, cfg in sorted(zip(records, configs), key=by):
         mech = r.get("mechanism") or {}
         cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
-                      "accuracy": fmt_pct((r.get("final") or {}).get("acc")), **attribs(mech),
+                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs(mech),
                       **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
-                      "verdict": mech.get("verdict") or "-", "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
+                      "verdict": mech.get("verdict") or "-",
+                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
     return markdown(cells)
 
 
-def timeline_text(row, max_rows=6):
-    """The best run's history in one line: at most max_rows evaluations (the last kept)."""
+def timeline_text(row):
+    """The best run's history in one line: at most 6 evaluations (the last kept)."""
     history = row["best"].get("history") or []
-    keep = sorted({round(i * (len(history) - 1) / max(1, max_rows - 1)) for i in range(max_rows)}) if history else []
+    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
     steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {mechsm.fmt_attrib(h, 'attrib_value')}/"
              f"{mechsm.fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
     return f"- {row['label']}: " + "; ".join(steps)
 
 
-def labelled_rows(records, configs=None):
-    """best_by_lr of records, each row labelled by row_label against `configs` (default: the records')."""
-    rows, configs = best_by_lr(records), configs or [config_of(r) for r in records]
+def labelled_rows(records):
+    """best_by_lr of records, each row labelled by row_label against the records' configs."""
+    rows, configs = best_by_lr(records), [config_of(r) for r in records]
     for row in rows:
         row["label"] = row_label(config_of(row["best"]), configs)
     return rows
@@ -912,115 +865,97 @@ def render(name, preset, records, folder=None):
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
     made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
                                            for r in records if r.get("provenance")})]
+    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
+                     f"commit {m.get('commit')}" for m in made)
     wall = sum(r.get("wall_s") or 0 for r in records)
-    figures = [f"![{kind}]({name}_{kind}.png)" for kind in ("scatter", "timeline", "heatmaps", "width", "box")
-               if folder is None or os.path.exists(os.path.join(folder, f"{name}_{kind}.png"))]
+    kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
+             if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
     timing = os.path.join(folder or "", f"{name}.command.json")
-    command = json.load(open(timing)) if folder and os.path.exists(timing) else None
+    c = json.load(open(timing)) if folder and os.path.exists(timing) else None
     return rows, "\n".join([
         f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
-        f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the best run of the "
-        f"row (learning rate: {chosen}); Attrib@X: its restoration of the clean answer probability when the "
-        f"block input of layer 1 is patched at X (README: what the sites mean); paper: {exp.section}.", "",
-        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': too little "
-        "signal to read):", *[timeline_text(row) for row in rows], "",
-        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, summed), made "
-        + "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at commit "
-                    f"{m.get('commit')}" for m in made) + "."
-        + (f" The command `{command['command']}` trained {command['trained']} of them in "
-           f"{command['wall_s'] / 60:.1f} minutes of wall time with {command['jobs']} job(s), "
-           f"{command['date']}, {command['machine']}, {command['load']}." if command else ""),
-        "", *figures, ""])
-
-
-def write_report(name, preset, records, folder, command=None):
-    """folder/<name>.jsonl (the records), the figures, <name>.command.json (when it trained some) and
-    <name>.md."""
-    with open(os.path.join(folder, f"{name}.jsonl"), "w") as f:
-        f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
-    only = ("scatter",) if EXPERIMENTS[name].probe else None     # a probe's many runs: the scatter alone
-    if draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"], only) is None:
-        print(FIGURES_HINT, file=sys.stderr)
-    if command and command["trained"]:
-        with open(os.path.join(folder, f"{name}.command.json"), "w") as f:
-            json.dump(command, f, indent=1)
-    rows, text = render(name, preset, records, folder)
-    with open(os.path.join(folder, f"{name}.md"), "w") as f:
-        f.write(text)
-    return rows, text
+        f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the "
+        f"best run of the row (learning rate: {chosen}); Attrib@X: its restoration of the clean "
+        "answer probability when the block input of layer 1 is patched at X (README: what the "
+        f"sites mean); paper: {exp.section}.", "",
+        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
+        "too little signal to read):", *[timeline_text(row) for row in rows], "",
+        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
+        f"summed), made {made}."
+        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
+           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
+           f"{c['load']}." if c else ""),
+        "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
 
 
 def holds(paper_text, row):
-    """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable' when the row
-    has too little signal), or fails where it says "fails"; '-' where the paper gives only a number."""
-    final, verdict = row["best"].get("final") or {}, (row["best"].get("mechanism") or {}).get("verdict")
+    """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable': too little
+    signal), or fails where it says "fails"; '-' where the paper gives only a number."""
+    verdict = (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
             return "unreadable" if verdict == "no signal" else "yes" if verdict == word else "no"
     if "fails" in paper_text:
-        return "yes" if (final.get("acc") or 0) < 0.5 else "no"
+        return "yes" if (row["best"]["final"].get("acc") or 0) < 0.5 else "no"
     return "-"
 
 
 def summary_table(folder="results"):
-    """The README's summary: per experiment with records in `folder`, each row the paper quotes: the
-    paper's number, ours (accuracy, verdict) and whether the claim holds; then how long `python
-    run.py` (the `ar` experiment) took, and the probes that chose the quick settings."""
-    lines, rel = [], os.path.relpath(folder, os.path.dirname(README))   # links relative to the README
+    """The README's summary: each row the paper quotes, the paper's number beside ours (accuracy,
+    verdict) and whether the claim holds; then the `ar` timing and the probes' tables."""
+    rel = os.path.relpath(folder, HERE)                           # links relative to the README
+    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+               for name in EXPERIMENTS}
+    rows = {name: labelled_rows(records[name]) for name, e in EXPERIMENTS.items() if not e.probe}
+    lines = []
     for name, exp in EXPERIMENTS.items():
-        records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
-        for row in labelled_rows(records) if records and not exp.probe else []:
+        for row in rows.get(name, []):
             text = exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
             if text:
-                final, mech = row["best"].get("final") or {}, row["best"].get("mechanism") or {}
+                mech = row["best"].get("mechanism") or {}
                 first = not lines or not lines[-1]["experiment"].startswith(f"[{name}]")
-                lines.append({"experiment": f"[{name}]({rel}/{name}.md)" + (f": {exp.finding}" if first else ""),
+                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
+                              + (f": {exp.finding}" if first else ""),
                               "row": row["label"], "paper": text, "holds?": holds(text, row),
-                              "ours": f"{fmt_pct(final.get('acc'))}, {mech.get('verdict') or '-'}"})
+                              "ours": f"{fmt_pct(row['best']['final'].get('acc'))}, "
+                                      f"{mech.get('verdict') or '-'}"})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
     extras = []
-    for row in labelled_rows(read_results(os.path.join(folder, "ar.jsonl"), warn=False)):
+    for row in rows["ar"]:
         for name in [k for k in (row["best"].get("mechanism") or {}) if "@" in k]:
-            seen = [fmt_num(r["mechanism"][name]) for r in row["runs"] if not r["mechanism"].get("low_signal")]
+            seen = [fmt_num(r["mechanism"][name]) for r in row["runs"]
+                    if not r["mechanism"].get("low_signal")]
             extras.append(f"{row['label']}: {', '.join(seen) or 'none'}")
     if extras:
-        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that learned: "
-                   + "; ".join(extras) + ".")
+        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that "
+                   "learned: " + "; ".join(extras) + ".")
     timing = os.path.join(folder, "ar.command.json")
     if os.path.exists(timing):
         c = json.load(open(timing))
-        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
-                   f"{c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
+        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
+                   f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
     for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
-        records = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
-        if records:
-            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): accuracy, verdict\n\n"
-                       + pivot(records, across))
+        if records[name]:
+            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): "
+                       "accuracy, verdict\n\n" + pivot(records[name], across))
     return "\n".join(out)
 
 
 def pivot(records, across):
-    """A probe's runs as one line per (arch, lr, seed, other fields) and one column per value of `across`."""
+    """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
     configs, cells = [config_of(r) for r in records], {}
     for r, cfg in zip(records, configs):
         label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
         mech = r.get("mechanism") or {}
         cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct((r.get('final') or {}).get('acc'))} {mech.get('verdict') or '-'}"
+            f"{fmt_pct(r['final'].get('acc'))} {mech.get('verdict') or '-'}"
     columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
     return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
 
 
-def experiment_records(name, preset, records):
-    """The records of `records` that are runs of the experiment's grid (by run identity)."""
-    keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name, preset)}
-    return [r for r in records if run_key(r["config"]) in keys]
-
-
 def evaluate_checkpoint(args):
-    """--checkpoint: evaluate (and patch) one saved model on its own task into
-    OUT/checkpoint_eval/<checkpoint name>-<8 hex digits of its absolute path>/."""
+    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     device = mechsm.resolve_device(args.device or "auto")
     model, cfg = mechsm.load(args.checkpoint, device=device)
     cfg = replace(cfg, device=device, eval_size=args.eval_size or cfg.eval_size).check()
@@ -1033,40 +968,35 @@ def evaluate_checkpoint(args):
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    with open(os.path.join(folder, "result.json"), "w") as f:
-        json.dump(mechsm.json_safe(record), f, indent=1)
-    print(result_table([{"arch": cfg.arch, "label": cfg.arch, "best": record, "runs": [record], "n_seeds": 1}]))
+    Path(folder, "result.json").write_text(json.dumps(mechsm.json_safe(record), indent=1))
+    row = dict(arch=cfg.arch, label=cfg.arch, best=record, runs=[record], n_seeds=1)
+    print(result_table([row]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
               + interventions.render_heatmap(record["mechanism_table"]))
     print(f"\nresult in {folder}/result.json", file=sys.stderr)
-    return 0
 
 
 def run(argv=None):
-    """The command line: bench, --list, --figures, --report or --checkpoint, else the experiment's
-    grid, plan, sweep, tables, heatmap and report."""
+    """The command line: bench, --list, --figures, --report, --checkpoint, or train a grid."""
     t0 = time.time()
     args = build_parser().parse_args(argv)
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
-    given = {flag.lstrip("-").replace("-", "_") for flag in getattr(args, "_given", {})}
     flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
-    if command != "train" and given - COMMAND_OPTIONS[command]:
-        raise ValueError(f"{flags(given - COMMAND_OPTIONS[command])}: cannot be used with "
+    if command != "train" and args.given - COMMAND_OPTIONS[command]:
+        raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
                          f"{'bench' if command == 'bench' else '--' + command} (it takes "
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
-    if command == "bench":
-        bench(args.device or "auto")
-        return 0
-    if command == "list":
-        print(catalogue())
-        return 0
     if command != "train":
-        return {"checkpoint": evaluate_checkpoint, "figures": redraw_figures, "report": report_folder}[
-            command](args if command == "checkpoint" else getattr(args, command))
+        {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
+         "checkpoint": lambda: evaluate_checkpoint(args),
+         "figures": lambda: redraw_figures(args.figures),
+         "report": lambda: report_folder(args.report)}[command]()
+        return 0
     if args.experiment and args.task:
-        raise ValueError("--task and --experiment: give one of them (--task atr is --experiment atr)")
+        raise ValueError("--task and --experiment: give one of them (--task atr is --experiment "
+                         "atr)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
     device = mechsm.resolve_device(args.device or "auto")
     configs, notes = grid_runs(args, name, device)
@@ -1078,44 +1008,53 @@ def run(argv=None):
             raise ValueError(f"{flag}: got {value}, expected a positive integer")
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:                                             # an unwritable --out fails now, not after training
+    try:                                             # an unwritable --out fails now, not at the end
         os.makedirs(out, exist_ok=True)
         open(os.path.join(out, ".write_test"), "w").close()
         os.remove(os.path.join(out, ".write_test"))
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | {len(configs)} runs"
-          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | "
+          f"{len(configs)} runs" + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    expected = f" | expected ~{fmt_hours(estimate_seconds(configs, jobs) / shard[1])} on a 2-core CPU" \
-        if device == "cpu" else ""
+    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
+    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
     before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
                     save=not args.no_save, group_size=group_size)
     if not records:
         raise ValueError("no run finished; nothing to report")
-    command = {"command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "trained": sum(before.get(run_key(r["config"])) != r for r in records), "jobs": jobs,
-               "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-               "machine": provenance()["machine"],
-               "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
-    rows, text = write_report(name, preset, records, out, command)
+    trained = sum(before.get(run_key(r["config"])) != r for r in records)
+    Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
+                                                  for r in records))
+    only = ("scatter",) if EXPERIMENTS[name].probe else None   # a probe's many runs: the scatter
+    if draw_figures(records, labelled_rows(records), name, out, records[0]["config"]["task"],
+                    only) is None:
+        print(FIGURES_HINT, file=sys.stderr)
+    if trained:
+        Path(out, f"{name}.command.json").write_text(json.dumps({
+            "command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
+            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+    rows, text = render(name, preset, records, out)
+    Path(out, f"{name}.md").write_text(text)
     print(text.split("\n", 2)[2].split("\n![")[0])
-    patched = [row for row in rows if row["best"].get("mechanism_table")]
-    if patched:
-        pick = max(patched, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                             (row["best"].get("final") or {}).get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else the most "
-              "accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
     missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (f"; {missing} still to train "
-          "(other shards, or runs that crashed)" if missing else "") + f" | total wall time "
-          f"{time.time() - t0:.1f}s", file=sys.stderr)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
+        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
     return 1 if missing and shard[1] == 1 else 0
 
 
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")
 
@@ -1127,55 +1066,51 @@ def readme_with_summary(text, folder="results"):
 
 
 def report_folder(folder):
-    """--report FOLDER: FOLDER/<experiment>.md for every FOLDER/<experiment>.jsonl (results/: also
-    the README's summary table)."""
+    """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the README too)."""
     written = [name for name in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{name}.jsonl"))]
     for name in written:
-        with open(os.path.join(folder, f"{name}.md"), "w") as f:
-            f.write(render(name, "quick", read_results(os.path.join(folder, f"{name}.jsonl")), folder)[1])
-    if os.path.abspath(folder) == os.path.join(os.path.dirname(README), "results"):
-        text = open(README).read()
-        with open(README, "w") as f:
-            f.write(readme_with_summary(text, folder))
-    print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" if written else ""))
-    return 0
+        records = read_results(os.path.join(folder, f"{name}.jsonl"))
+        Path(folder, f"{name}.md").write_text(render(name, "quick", records, folder)[1])
+    if os.path.abspath(folder) == os.path.join(HERE, "results"):
+        Path(README).write_text(readme_with_summary(Path(README).read_text(), folder))
+    print(f"{len(written)} reports written to {folder}/"
+          + (" and the README's summary" if written else ""))
 
 
 def redraw_figures(folder):
-    """--figures FOLDER: redraw the figures of every experiment with records in FOLDER (its
-    <experiment>.jsonl, else its results*.jsonl)."""
+    """--figures FOLDER: each experiment's figures from <experiment>.jsonl, else results*.jsonl."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print(FIGURES_HINT)
-        return 0
+        return
     found = 0
-    for name in EXPERIMENTS:
+    for name, exp in EXPERIMENTS.items():
         path = os.path.join(folder, f"{name}.jsonl")
-        records = read_results(path) if os.path.exists(path) else \
-            experiment_records(name, "quick", read_results(folder, warn=False))
+        keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
+        records = read_results(path) if os.path.exists(path) else [
+            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
         if records:
             draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"],
-                         ("scatter",) if EXPERIMENTS[name].probe else None)
+                         ("scatter",) if exp.probe else None)
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
-    return 0
 
 
 def main(argv=None):
     """Exit status: 0 ok, 1 a run crashed (or a worker died), 2 bad input (one line on stderr),
     130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = signal.signal(signal.SIGTERM, Terminated.raise_)
     try:
         return run(argv)
-    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be generated, ...
+    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 1 if isinstance(e, WorkerLost) else 2
     except KeyboardInterrupt as e:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C now cannot cut this short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
         sigterm = isinstance(e, Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept in the "
-              "results files; rerun to continue", file=sys.stderr)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
+              "in the results files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
