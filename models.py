@@ -1,13 +1,13 @@
 """models.py: the language model, its seven sequence mixers and their kernels, in plain PyTorch.
 
-Follows Arora et al. 2025 (arXiv 2505.15105), Sec. 4 and App. B, with the parameter names, shapes and init of
-zoology (zoology/model.py, zoology/mixers/*.py), mamba-ssm (mamba_ssm/modules/mamba_simple.py) and, for
-DeltaNet, flash-linear-attention (fla/layers/delta_net.py), plus a HookPoint on every tensor an intervention
-may patch (README, difference 10). Sections: 1 HookPoint and Mixer; 2 slow reference kernels; 3 the mixers;
-4 blocks, LM, init, registry, build_model; 5 fast kernels, each equal to a reference of 2.
+Follows Arora et al. 2025 (arXiv 2505.15105), Sec. 4 and App. B, with the parameter names, shapes
+and init of zoology (model.py, mixers/*.py), mamba-ssm (modules/mamba_simple.py) and, for DeltaNet,
+flash-linear-attention (fla/layers/delta_net.py), plus a HookPoint on every tensor an intervention
+may patch (README, difference 10). Sections: 1 HookPoint, Mixer; 2 slow reference kernels; 3 the
+mixers; 4 blocks, LM, init, registry, build_model; 5 fast kernels, each equal to a reference of 2.
 
-Shapes: b batch, l length, d d_model, e Mamba inner width (2d), n SSM state, h heads, k head width (d/h),
-f Based features, v vocabulary, c conv channels, r members of a vmapped ensemble (mechsm.train_group).
+Shapes: b batch, l length, d d_model, e Mamba inner (2d), n SSM state, h heads, k head width (d/h),
+f Based features, v vocabulary, c conv channels, r vmapped ensemble members (mechsm.train_group).
 """
 
 import contextlib
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 # ============================================ 1. Hook points and the mixer interface
 
 class HookPoint(nn.Identity):
-    """The identity, marking an intervention site (interventions.py hooks it). seq_dim: the token axis
-    (1 for (b, l, ...), 2 for (b, h, l, l) patterns), None for parameter-only tensors."""
+    """The identity, marking an intervention site (interventions.py hooks it). seq_dim: the token
+    axis (1 for (b, l, ...), 2 for (b, h, l, l) patterns), None for parameter-only tensors."""
 
     def __init__(self, seq_dim=1):
         super().__init__()
@@ -33,8 +33,8 @@ class HookPoint(nn.Identity):
 
 
 class Mixer(nn.Module):
-    """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers, reference,
-    **options), options it does not take ignored; subclasses implement `mix`. Read by generic code:"""
+    """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers,
+    reference, **options), options it does not take ignored; subclasses implement `mix`. Read by:"""
     INTERNAL_SITES = []     # the inner hooks interventions.py patches by default
     READS = {}              # extra summary numbers: name -> (inner hook, position), read in layer 0
     POS_EMB = False         # learned absolute positions (the paper's convention: attention only)
@@ -54,8 +54,8 @@ class Mixer(nn.Module):
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
-    """h_t = a_t h_{t-1} + b_t along dim 1, h_{-1} = 0: a Python loop under autograd (obviously right).
-    `unbind` (not `x[:, t]`) keeps the backward linear in l."""
+    """h_t = a_t h_{t-1} + b_t along dim 1, h_{-1} = 0: a Python loop under autograd (obviously
+    right). `unbind` (not `x[:, t]`) keeps the backward linear in l."""
     h, out = torch.zeros_like(b[:, 0]), []
     for a_t, b_t in zip(a.unbind(1), b.unbind(1)):
         h = a_t * h + b_t
@@ -73,7 +73,7 @@ def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
 
 
 def direct_conv(u, k):
-    """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b, l, d), k (l, d), by Toeplitz."""
+    """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b,l,d), k (l,d): Toeplitz."""
     t = torch.arange(u.shape[1], device=u.device)
     lag = t[:, None] - t[None, :]                         # (l, l): t - s
     toeplitz = k[lag.clamp(min=0)] * (lag >= 0)[..., None].to(k.dtype)  # (l, l, d)
@@ -92,8 +92,7 @@ def short_conv_reference(x, weight, bias=None):
     y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
     for j in range(kernel):
         shift = kernel - 1 - j                           # how many steps back tap j looks
-        shifted = _shift_right(x, shift, 0.0) if shift > 0 else x
-        y = y + weight[:, 0, j] * shifted
+        y = y + weight[:, 0, j] * (_shift_right(x, shift, 0.0) if shift > 0 else x)
     return y
 
 
@@ -113,16 +112,16 @@ def delta_rule_recurrent(q, k, v, beta):
 # ============================================ 3. The backbone pieces and the mixers
 
 class MLP(nn.Module):
-    """TransformerBlock's MLP (zoology's): GELU(x W1^T + b1) W2^T + b2, hidden width 4d, exact erf GELU."""
+    """TransformerBlock's MLP (zoology's): GELU(x W1^T + b1) W2^T + b2, width 4d, exact erf GELU."""
 
     def __init__(self, d_model):
         super().__init__()
         self.fc1 = nn.Linear(d_model, 4 * d_model)
         self.fc2 = nn.Linear(4 * d_model, d_model)  # down-scaled by the init pass
-        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's 2nd norm; before the add
+        self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the 2nd norm; before the add
 
     def forward(self, x):
-        return self.hook_out(self.fc2(F.gelu(self.fc1(self.hook_in(x)))))  # (b,l,d) -> (b,l,4d) -> (b,l,d)
+        return self.hook_out(self.fc2(F.gelu(self.fc1(self.hook_in(x)))))  # (b,l,d) via (b,l,4d)
 
 
 class RMSNorm(nn.Module):
@@ -137,8 +136,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(Mixer):
-    """Causal multi-head softmax attention (zoology MHA): q, k, v = x W_qkv^T per head;
-    z = softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. An explicit pattern (not SDPA): a site."""
+    """Causal multi-head softmax attention (zoology MHA): q, k, v = x W_qkv^T per head; z =
+    softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is explicit (a site)."""
     POS_EMB = True
     INTERNAL_SITES = ["hook_pattern", "hook_z"]
 
@@ -148,18 +147,18 @@ class Attention(Mixer):
         self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False: only here
         self.out_proj = nn.Linear(d_model, d_model)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
-        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l) query rows; (b,l,h,k)
+        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l); (b,l,h,k)
 
     def mix(self, x):
         b, l, d = x.shape
         h = self.n_heads
-        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # blocks of d, head outer: (b,l,h,k) x3
+        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # blocks of d: (b,l,h,k) x3
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
         # -inf, not upstream's -1e4: exactly zero weight (a difference of ~e^-1e4)
         future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
         pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
-        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))  # (b,h,l,l) x (b,l,h,k) -> (b,l,h,k)
+        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))  # (b,l,h,k)
         return self.out_proj(z.reshape(b, l, d))
 
 
@@ -172,23 +171,23 @@ def hyena_positional_features(n_positions):
 
 
 class BaseConv(Mixer):
-    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC_K(u) (kernel_size
-    K >= 1) or, for kernel_size=-1, LC(u; kappa) + u, the filter kappa (l, d) a ReLU MLP of features Z."""
+    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC_K(u) (kernel
+    size K >= 1) or, for kernel_size=-1, LC(u; kappa) + u, kappa (l, d) a ReLU MLP of features Z."""
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3, n_positions=1024,
-                 freeze_features=False, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3,
+                 n_positions=1024, freeze_features=False, **options):
         super().__init__(reference)
         self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
-        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()  # p, c, c*p
-        if kernel_size == -1:
-            # Z trained in the paper (README, difference 13) unless freeze_features
-            self.Z = nn.Parameter(hyena_positional_features(n_positions), requires_grad=not freeze_features)
+        self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()
+        if kernel_size == -1:  # Z trained as in the paper (README, difference 13) unless frozen
+            Z = hyena_positional_features(n_positions)
+            self.Z = nn.Parameter(Z, requires_grad=not freeze_features)
             self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
-            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa (l,d); LC
+            self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa; LC
         else:
-            self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model)  # weights, for short_conv
+            self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model)  # for short_conv
 
     def mix(self, u):
         l = u.shape[1]
@@ -212,21 +211,22 @@ def taylor_features(a):
 
 
 class BasedAttention(Mixer):
-    """Based linear attention, Taylor feature map, no biases (zoology/mixers/based.py): out = y W_o^T,
-    y_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps), the quadratic view the paper
-    trained; as a recurrence y_t = phi(q_t) S_t / (phi(q_t) z_t + eps), S_t = sum phi(k_s) v_s^T."""
+    """Based linear attention, Taylor feature map, no biases (zoology/mixers/based.py): y W_o^T,
+    y_t = sum_{s<=t} phi(q_t).phi(k_s) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps) (as trained); as
+    a recurrence y_t = phi(q_t) S_t / (phi(q_t) z_t + eps), S_t = sum phi(k_s) v_s^T."""
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8,
+                 **options):
         super().__init__(reference)
         self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, 1e-12
         self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in "qk")
         self.proj_v = nn.Linear(d_model, d_model, bias=False)
-        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # upstream's name: NOT down-scaled at init
+        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # upstream's name: NOT down-scaled
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
-        self.hook_v = HookPoint()                                        # (b,l,h,k)
-        self.hook_pattern, self.hook_y = HookPoint(seq_dim=2), HookPoint()  # phi(q).phi(k) (b,h,l,l); y
+        self.hook_v, self.hook_y = HookPoint(), HookPoint()              # (b,l,h,k); y (b,l,d)
+        self.hook_pattern = HookPoint(seq_dim=2)                         # phi(q).phi(k) (b,h,l,l)
 
     def mix(self, x):
         b, l, d = x.shape
@@ -252,16 +252,16 @@ class H3(Mixer):
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024,
                  h3_head_dim=2, **options):
         super().__init__(reference)
-        d, n, m = d_model, h3_d_state, h3_head_dim
+        d, n, m, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
         if d % m or n % 2:
-            raise ValueError(f"H3 needs d_model % h3_head_dim == 0 and an even d_state (got {d}, {m}, {n})")
-        self.d_state, self.head_dim, self.n_heads = n, m, d // m
-        h = self.n_heads
+            raise ValueError("H3 needs d_model % h3_head_dim == 0 and an even d_state "
+                             f"(got {d}, {m}, {n})")
+        self.d_state, self.head_dim, self.n_heads = n, m, h
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         # Shift SSM per channel: state = down-shift(state) + B^s k_t, output C^s . state
         self.shift_B = nn.Parameter(torch.eye(n)[0].repeat(d, 1))  # (d,n) one-hot: K^s = C^s[:,:l]
         self.shift_C = nn.Parameter(torch.empty(d, n).uniform_(-n ** -0.5, n ** -0.5))  # (d, n)
-        self.shift_D = nn.Parameter(torch.randn(d))                                 # D^k
+        self.shift_D = nn.Parameter(torch.randn(d))                                  # D^k
         # Diagonal S4D-Lin SSM per head: n/2 complex modes (their conjugates are the factor 2)
         self.log_dt = nn.Parameter(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)))
         self.log_neg_A_real = nn.Parameter(torch.full((h, n // 2), math.log(0.5)))  # Re A = -1/2
@@ -272,9 +272,8 @@ class H3(Mixer):
         self.output_linear = nn.Linear(d, d)  # not out_proj, so NOT down-scaled
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b, l, d)
         self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()
-        self.hook_k_tilde, self.hook_kv = HookPoint(), HookPoint()  # (b,l,d), (b,l,h,m,m)
+        self.hook_k_tilde, self.hook_kv, self.hook_y = HookPoint(), HookPoint(), HookPoint()
         self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()  # K^d; w
-        self.hook_y = HookPoint()                                                         # (b,l,d)
 
     def shift_kernel(self, length):
         """K^s (l, d), the shift SSM's response: K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag]."""
@@ -297,8 +296,7 @@ class H3(Mixer):
         dt = up(self.log_dt).exp()[:, None]                                         # (h, 1)
         A = torch.complex(-up(self.log_neg_A_real).exp(), up(self.A_imag))          # (h, n/2)
         half = dt * A / 2
-        B = torch.view_as_complex(up(self.diag_B))
-        C = torch.view_as_complex(up(self.diag_C))
+        B, C = torch.view_as_complex(up(self.diag_B)), torch.view_as_complex(up(self.diag_C))
         return (1 + half) / (1 - half), C * B * dt / (1 - half)
 
     def ssm_kernel(self, length):
@@ -312,8 +310,7 @@ class H3(Mixer):
     def mix(self, x):
         b, l, d = x.shape
         h, m = self.n_heads, self.head_dim
-        q = self.hook_q(self.q_proj(x))                                             # (b, l, d)
-        k = self.hook_k(self.k_proj(x))
+        q, k = self.hook_q(self.q_proj(x)), self.hook_k(self.k_proj(x))            # (b, l, d)
         v = self.hook_v(self.v_proj(x))
         shift_kernel = self.hook_shift_kernel(self.shift_kernel(l))                 # (l, d)
         shift_out = self.hook_shift_out(long_conv(k, shift_kernel, reference=self.reference))
@@ -325,8 +322,7 @@ class H3(Mixer):
         w = long_conv(kv.reshape(b, l, h * m * m), per_signal, self.reference).view(b, l, h, m, m)
         w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)  # (b, l, h, m, m)
         o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)  # read out with the query
-        y = self.hook_y(o.transpose(2, 3).reshape(b, l, d))  # (b,l,m,h) -> (b,l,d): channel j*H+h
-        return self.output_linear(y)
+        return self.output_linear(self.hook_y(o.transpose(2, 3).reshape(b, l, d)))  # channel j*H+h
 
 
 class HyenaFilter(nn.Module):
