@@ -45,6 +45,7 @@ class Mixer(nn.Module):
     def __init__(self, reference=False):
         super().__init__()
         self.reference = reference  # run the slow reference kernels of section 2
+        self.short_conv = short_conv_reference if reference else short_conv
         self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the block's norm; the output
 
     def forward(self, x):
@@ -196,8 +197,7 @@ class BaseConv(Mixer):
             kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
             c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # a built-in identity
         else:
-            conv = short_conv_reference if self.reference else short_conv
-            c = conv(u, self.conv.weight, self.conv.bias)
+            c = self.short_conv(u, self.conv.weight, self.conv.bias)
         return self.hook_gated(self.hook_conv(c) * p) + u
 
 
@@ -350,8 +350,9 @@ class HyenaFilter(nn.Module):
 
 
 class Hyena(Mixer):
-    """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC_3(x W_in + b_in), s = v x1, y = LC(s; h),
-    out = (y x2) W_out + b_out. The skip beta s is inert, as in the paper (bias=False: 0 beta; hyena_skip=True)."""
+    """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC_3(x W_in + b_in), s = v x1,
+    y = LC(s; h), out = (y x2) W_out + b_out. The skip beta s is inert, as in the paper (bias=False:
+    0 beta; hyena_skip=True)."""
     FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
 
@@ -359,15 +360,14 @@ class Hyena(Mixer):
                  hyena_order=64, hyena_skip=False, **options):
         super().__init__(reference)
         d = d_model
-        self.n_positions = n_positions
-        self.use_skip = hyena_skip
+        self.n_positions, self.use_skip = n_positions, hyena_skip
         self.in_proj = nn.Linear(d, 3 * d)
-        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)  # weights only, for short_conv
+        self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)  # for short_conv
         self.filter = HyenaFilter(d, hyena_order, n_positions)
         self.skip = nn.Parameter(torch.randn(d))   # beta
         self.out_proj = nn.Linear(d, d)             # down-scaled by the init pass
         self.hook_in_proj, self.hook_short = HookPoint(), HookPoint()  # (b, l, 3d) each
-        self.hook_pregate, self.hook_filter = HookPoint(), HookPoint(seq_dim=None)  # s (b, l, d), h (l, d)
+        self.hook_pregate, self.hook_filter = HookPoint(), HookPoint(seq_dim=None)  # s; h (l,d)
         self.hook_longconv, self.hook_postgate = HookPoint(), HookPoint()          # (b, l, d) each
 
     def mix(self, x):
@@ -375,27 +375,27 @@ class Hyena(Mixer):
         if l > self.n_positions:
             raise ValueError(f"Hyena: sequence length {l} exceeds n_positions={self.n_positions}")
         u = self.hook_in_proj(self.in_proj(x))  # (b, l, 3d)
-        conv = short_conv_reference if self.reference else short_conv
-        u = self.hook_short(conv(u, self.short_filter.weight, self.short_filter.bias))  # (b, l, 3d)
+        u = self.hook_short(self.short_conv(u, self.short_filter.weight, self.short_filter.bias))
         x1, x2, v = u.split(d, dim=-1)  # (b, l, d) each
         s = self.hook_pregate(v * x1)
-        kernel = self.hook_filter(self.filter(l))                                         # (l, d)
-        skip = self.skip if self.use_skip else 0 * self.skip  # the paper's inert skip (zero gradient)
-        y = self.hook_longconv(long_conv(s, kernel, reference=self.reference) + skip * s)  # (b, l, d)
+        kernel = self.hook_filter(self.filter(l))                                    # (l, d)
+        skip = self.skip if self.use_skip else 0 * self.skip  # the paper's inert skip (no gradient)
+        y = self.hook_longconv(long_conv(s, kernel, reference=self.reference) + skip * s)  # (b,l,d)
         return self.out_proj(self.hook_postgate(y * x2))
 
 
 class Mamba(Mixer):
-    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, 2.2.4), per token t, state h_t (b, e, n):
-      [xi | z] = x W_in^T;  u = SiLU(SC_K(xi));  [dt | B | C] = u W_x^T;  Delta = softplus(W_dt dt + b_dt);
-      h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);  out = y W_out^T,
-    A = -exp(A_log) (e, n); the recurrence is selective_scan_reference. d_conv=0 removes the short conv."""
+    """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, 2.2.4), per token t, state h_t:
+      [xi | z] = x W_in^T; u = SiLU(SC_K(xi)); [dt | B | C] = u W_x^T; Delta = softplus(W_dt dt + b);
+      h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);
+      out = y W_out^T, A = -exp(A_log) (e, n): selective_scan_reference. d_conv=0: no short conv."""
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
-    READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the short conv carrying the key forward (v3)
+    READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the conv carrying the key forward
     D_CONV = range(5)                                          # 0 removes the conv
     MAMBA_BLOCK = True
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16,
+                 expand=2, **options):
         super().__init__(reference)
         d_conv = 4 if d_conv is None else d_conv
         e, n = expand * d_model, d_state
@@ -403,10 +403,10 @@ class Mamba(Mixer):
         self.dt_rank = math.ceil(d_model / 16)
         self.in_proj = nn.Linear(d_model, 2 * e, bias=False)
         kernel = d_conv if d_conv > 0 else 4
-        self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # used through short_conv
+        self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # for short_conv
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
-        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [1e-3, 1e-1], >= 1e-4
+        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [1e-3, 1e-1]
         nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
         dt = torch.exp(torch.empty(e).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         with torch.no_grad():
@@ -416,15 +416,15 @@ class Mamba(Mixer):
         self.D = nn.Parameter(torch.ones(e))
         self.out_proj = nn.Linear(e, d_model, bias=False)
         self.hook_x, self.hook_z = HookPoint(), HookPoint()         # xi, z (b,l,e)
-        self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC_K(xi), u = SiLU(SC_K(xi)) (b,l,e)
-        self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()  # (b,l,e), (b,l,n) x2
-        self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()  # (b,l,e) each
+        self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC_K(xi), u (b,l,e)
+        # the rest (b, l, e) but B, C (b, l, n)
+        self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()
+        self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()
 
     def mix(self, x):
         xi, z = self.in_proj(x).chunk(2, dim=-1)                  # (b,l,e) each
         xi, z = self.hook_x(xi), self.hook_z(z)
-        conv = short_conv_reference if self.reference else short_conv
-        conv_out = conv(xi, self.conv1d.weight, self.conv1d.bias) if self.d_conv > 0 else xi  # SC_K, or none
+        conv_out = self.short_conv(xi, self.conv1d.weight, self.conv1d.bias) if self.d_conv else xi
         u = self.hook_u(F.silu(self.hook_conv_out(conv_out)))
         dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         delta = self.hook_delta(F.softplus(self.dt_proj(dt)))    # (b,l,e)
@@ -432,7 +432,7 @@ class Mamba(Mixer):
         work = torch.promote_types(x.dtype, torch.float32)  # the recurrence in float32 at least
         delta, B, C, u_w = delta.to(work), B.to(work), C.to(work), u.to(work)
         A = -torch.exp(self.A_log.to(work))                       # (e,n)
-        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)  # sum_n C_t h_t (b,l,e)
+        ssm_out = selective_scan(u_w, delta, A, B, C, reference=self.reference)  # sum_n C_t h_t
         y = self.hook_ssm_out(ssm_out.to(x.dtype)) + self.D * u
         return self.out_proj(self.hook_y(y * self.hook_gate(F.silu(z))))  # (b,l,e) -> (b,l,d)
 
@@ -443,40 +443,41 @@ def l2_normalize(x):
 
 
 class DeltaNet(Mixer):
-    """DeltaNet (fla/layers/delta_net.py; 1 head, K=4 convs, beta, no gate: README, difference 15): q, k, v =
-    SiLU(SC_4(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta); the delta rule stores key -> value
-    pairs; per-head RMSNorm (one weight); W_o. d_conv: the conv size (default 4; 0 removes the convs)."""
+    """DeltaNet (fla/layers/delta_net.py; 1 head, K=4 convs, beta, no gate: README, difference 15):
+    q, k, v = SiLU(SC_4(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta); the delta rule
+    stores key -> value pairs; per-head RMSNorm (one weight); W_o. d_conv: conv size (default 4)."""
     D_CONV = range(2**31)   # 0 removes the convs
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None, **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
+                 **options):
         super().__init__(reference)
         d, h = d_model, n_heads
         self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d, d, bias=False) for _ in range(3))
         self.b_proj = nn.Linear(d, h, bias=False)
         if self.conv_size > 0:  # weights only, for short_conv; torch-default init
-            self.q_conv, self.k_conv, self.v_conv = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False)
-                                                     for _ in range(3))
+            convs = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False) for _ in range(3))
+            self.q_conv, self.k_conv, self.v_conv = convs
         self.o_norm = RMSNorm(d // h)  # per head, one weight shared by the heads
         self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
-        self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b, l, h, k): after conv, SiLU and L2 norm
-        self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k), (b,l,h), o
+        self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b,l,h,k), after SiLU and L2 norm
+        self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()
 
     def mix(self, x):
         d, h = x.shape[-1], self.n_heads
-        # q, k, v and beta's logits by one matmul, q, k, v by one 3d-channel conv (fewer ops, same maths)
+        # q, k, v and beta's logits by one matmul, q, k, v by one 3d-channel conv (fewer ops)
         weight = torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.b_proj)])
-        qkv, beta = F.linear(x, weight).split([3 * d, h], -1)                       # (b, l, 3d), (b, l, h)
+        qkv, beta = F.linear(x, weight).split([3 * d, h], -1)  # (b,l,3d), (b,l,h)
         if self.conv_size > 0:
-            conv = short_conv_reference if self.reference else short_conv
-            qkv = conv(qkv, torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight]))
-        q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b, l, h, k) each
+            weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
+            qkv = self.short_conv(qkv, weight)
+        q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b,l,h,k) each
         q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
         beta = self.hook_beta(torch.sigmoid(beta))
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
         o = self.hook_o(delta_rule(q, k, v, beta))                                   # (b, l, h, k)
-        return self.o_proj(self.o_norm(o).flatten(-2))  # per-head RMSNorm, heads concatenated: (b, l, d)
+        return self.o_proj(self.o_norm(o).flatten(-2))  # per-head RMSNorm, heads concatenated
 
 
 # ============================================ 4. Blocks, the LM (zoology/model.py), init, registry
