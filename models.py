@@ -558,15 +558,13 @@ class LM(nn.Module):
         return self.logits(self.hidden(tokens), readout)
 
     def logits(self, r, readout=None):
-        """Final norm and tied head on r (b, l, d), at the readout rows if given."""
         if readout is not None:
             r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
         return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
 
 
 def check_tokens(tokens, vocab_size):
-    """A one-line ValueError unless tokens is a (b, l) integer tensor of ids in [0, vocab_size). The range is read
-    on a CPU only, outside torch.compile and vmap: no host sync per forward on a GPU (its embedding asserts)."""
+    """ValueError unless tokens are (b, l) ids in [0, vocab_size), range read on a CPU (no GPU sync)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
         raise ValueError(f"tokens must be a (batch, length) tensor of token ids; got {shape}.")
@@ -583,8 +581,7 @@ def check_tokens(tokens, vocab_size):
 
 
 def check_dataset(model, dataset, name="dataset"):
-    """A one-line ValueError naming `name` unless dataset (a tasks.Dataset) has the model's vocabulary and, if
-    the model knows it (model.task, set by mechsm.load), its task: ids in range alone would let AR score ATR."""
+    """ValueError unless dataset has the model's vocabulary and task (model.task, from mechsm.load)."""
     if not all(hasattr(dataset, a) for a in ("task", "vocab_size", "tokens", "positions", "answers")):
         raise ValueError(f"{name} must be a tasks.Dataset (e.g. mechsm.make_data(cfg).eval); "
                          f"got {type(dataset).__name__}.")
@@ -604,9 +601,9 @@ def count_parameters(model, trainable_only=False):
 
 
 def init_weights(model, n_layers, mamba_blocks):
-    """zoology's _init_weights, by name and type. Embeddings N(0, 0.02^2). Transformer blocks: Linear weights
-    N(0, 0.02^2), biases 0, out_proj and fc2 weights N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2). Mamba blocks:
-    Linear weights kept, biases 0 unless _no_reinit, out_proj torch-default / sqrt(n_layers). Convs keep theirs."""
+    """zoology's _init_weights: embeddings N(0, 0.02^2); Transformer blocks: Linear weights N(0, 0.02^2),
+    out_proj and fc2 N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2); Mamba blocks: Linear weights kept,
+    out_proj torch-default / sqrt(n_layers). Biases 0 unless _no_reinit; convs keep theirs."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             if not mamba_blocks:
@@ -675,7 +672,6 @@ def mixer_options():
 
 
 def takes_option(arch, name):
-    """Whether arch's mixer takes build option `name`."""
     return name in _keywords(MIXER_CLASSES[arch])
 
 
@@ -689,15 +685,15 @@ def _pos_emb_or_default(arch, pos_emb):
 
 
 def position_limit(arch, pos_emb, n_positions):
-    """The longest sequence arch's model accepts (None: any): positions and FIXED_LENGTH filters are tables."""
+    """The longest sequence arch's model accepts (None: any): position tables, FIXED_LENGTH filters."""
     return n_positions if _pos_emb_or_default(arch, pos_emb) or mixer_attr(arch, "FIXED_LENGTH") else None
 
 
 def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
                 d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: attention only).
-    d_conv: short-conv size; long_only: long convs only. kernels: "fast" or "reference". seed: the init's own RNG.
-    Bad arguments: a one-line ValueError naming the first."""
+    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: attention
+    only); d_conv: short-conv size; long_only: long convs only; kernels: "fast" or "reference"; seed:
+    the init's own RNG. Bad arguments: a one-line ValueError naming the first."""
     if arch not in MIXER_CLASSES:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
     for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers)):
@@ -764,13 +760,11 @@ def _one_thread():
 
 
 def _fold_into_batch(info, in_dims, tensors):
-    """A vmap rule's first half: each tensor (vmapped at in_dims[i], None: expanded) -> (r*b, ...), member-major,
-    so the plain kernel runs once on all members; the rule then unflattens its output to (r, b, ...)."""
-    folded = []
-    for x, dim in zip(tensors, in_dims):
-        x = x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)  # (r, b, ...)
-        folded.append(x.reshape(-1, *x.shape[2:]))  # (r*b, ...)
-    return folded
+    """A vmap rule's first half: each tensor (vmapped at in_dims[i], None: expanded) -> (r*b, ...),
+    member-major, so the plain kernel runs once on all members (the rule unflattens its output)."""
+    members = [x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)
+               for x, dim in zip(tensors, in_dims)]                          # (r, b, ...) each
+    return [x.reshape(-1, *x.shape[2:]) for x in members]                    # (r*b, ...) each
 
 
 def parallel_scan(a, b):
@@ -786,8 +780,7 @@ def parallel_scan(a, b):
     a_even, a_odd = a[:, 0::2], a[:, 1::2]  # steps 0, 2, 4, ... and 1, 3, 5, ...
     b_even, b_odd = b[:, 0::2], b[:, 1::2]
     h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
-    h_before_even = torch.cat([torch.zeros_like(h_odd[:, :1]), h_odd[:, :-1]], dim=1)  # h_{-1}=0, h_1, h_3, ...
-    h_even = torch.addcmul(b_even, a_even, h_before_even)          # h_0, h_2, h_4, ...
+    h_even = torch.addcmul(b_even, a_even, _shift_right(h_odd, 1, 0.0))  # h_0, h_2, ... (h_{-1} = 0)
     h = torch.stack([h_even, h_odd], dim=2).flatten(1, 2)         # interleave -> (b, l (+1), ...)
     return h[:, :length]
 
@@ -881,8 +874,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         u, delta, A, B, C = ctx.saved_tensors
-        grads = [torch.empty_like(x) for x in (u, delta, B, C)]
-        grad_u, grad_delta, grad_B, grad_C = grads
+        grad_u, grad_delta, grad_B, grad_C = (torch.empty_like(x) for x in (u, delta, B, C))
         grad_A = torch.zeros_like(A)
         with _one_thread():
             for rows in _row_chunks((*u.shape, A.shape[-1]), most=ctx.most):
@@ -917,17 +909,12 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         return y.unflatten(0, (r, -1)), 0                                  # (r, b, l, e)
 
 
-def selective_scan_loop(u, delta, A, B, C):
-    """The CPU form of selective_scan (_SelectiveScanLoopFn)."""
-    return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)
-
-
 def selective_scan(u, delta, A, B, C, reference=False):
-    """selective_scan_loop on a CPU, else the reference through parallel_scan_custom_grad."""
+    """_SelectiveScanLoopFn on a CPU, else the reference through parallel_scan_custom_grad."""
     if reference:
         return selective_scan_reference(u, delta, A, B, C)
     if u.device.type == "cpu":
-        return selective_scan_loop(u, delta, A, B, C)  # under no_grad: the forward alone
+        return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)  # in at most 8 slices
     return selective_scan_reference(u, delta, A, B, C, plain_scan=parallel_scan_custom_grad)
 
 
@@ -990,13 +977,11 @@ def fft_conv(u, k):
 
 
 def long_conv(u, k, reference=False):
-    """fft_conv, or direct_conv when reference=True."""
     return direct_conv(u, k) if reference else fft_conv(u, k)
 
 
 def short_conv(x, weight, bias=None):
-    """short_conv_reference as K multiply-adds over one padded copy of x. Speed: F.conv1d's CPU path took 1.4 ms at
-    Hyena's (32, 21, 192) forward+backward, this 0.55-0.8 ms."""
+    """short_conv_reference as K multiply-adds over one padded copy of x (~2x F.conv1d's CPU speed)."""
     length, kernel = x.shape[1], weight.shape[-1]
     padded = F.pad(x, (0, 0, kernel - 1, 0))  # (b, l+K-1, c): K-1 zeros in front
     taps = weight[:, 0].t()  # (K, c); tap j looks K-1-j steps back
@@ -1009,13 +994,11 @@ def short_conv(x, weight, bias=None):
 def delta_rule_parallel(q, k, v, beta):
     """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
     u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k)."""
-    dk = k.shape[-1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, k)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
-    gram = k @ k.transpose(-1, -2)  # (b,h,l,k) @ (b,h,k,l) -> (b,h,l,l)
-    system = torch.tril(beta * gram, diagonal=-1)      # the solver assumes a unit diagonal
+    system = torch.tril(beta * (k @ k.transpose(-1, -2)), diagonal=-1)  # (b,h,l,l); unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
     u = torch.linalg.solve_triangular(system.to(work), (beta * v).to(work), upper=False,
                                       unitriangular=True).to(v.dtype)               # (b, h, l, k)
     scores = torch.tril(q @ k.transpose(-1, -2))  # (b, h, l, l): q_t . k_j, j <= t
-    return (scores @ u / math.sqrt(dk)).transpose(1, 2)  # (b, h, l, k) -> (b, l, h, k)
+    return (scores @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, k) -> (b, l, h, k)

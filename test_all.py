@@ -417,7 +417,7 @@ def test_selective_scan_slices_of_the_batch_match_reference(per_row_A, monkeypat
     A = -rand(*((b, e, n) if per_row_A else (e, n))).abs()
     inputs = [x.requires_grad_() for x in (u, delta, A, B, C)]
     weight = rand(b, l, e)
-    out, grads = _grads(models.selective_scan_loop, inputs, weight)
+    out, grads = _grads(models.selective_scan, inputs, weight)
     if per_row_A:   # the reference takes one A: run it row by row
         reference = lambda u, d, A, B, C: torch.cat([models.selective_scan_reference(
             u[i:i + 1], d[i:i + 1], A[i], B[i:i + 1], C[i:i + 1]) for i in range(b)])
