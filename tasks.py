@@ -126,12 +126,10 @@ def sample_distinct_slow(n, m, size, gen):
 
 
 def sample_distinct(n, m, size, gen):
-    """(n, m) long: per row, m distinct ints from range(size) in uniformly random order.
-
-    Floyd's algorithm on all rows at once: at step j = size-m .. size-1 draw t in [0, j], take t,
-    or j if the row has t already: a uniform m-subset, O(n m^2) work, no (n, size) tensor. A random
-    argsort of the columns gives a uniform order. Equal in distribution to sample_distinct_slow.
-    """
+    """(n, m) long: per row, m distinct ints from range(size) in uniformly random order. Floyd's
+    algorithm on all rows at once: at step j = size-m .. size-1 draw t in [0, j], take t, or j if
+    the row has t already (a uniform m-subset, O(n m^2) work, no (n, size) tensor); a random argsort
+    of the columns gives a uniform order. Equal in distribution to sample_distinct_slow."""
     out = torch.empty(n, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
         t = torch.randint(0, j + 1, (n,), generator=gen)
@@ -166,9 +164,8 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     q, todo = torch.empty(n, dtype=torch.long), torch.arange(n)
     for _ in range(MAX_TRIES):
         k, v = sample_distinct(len(todo), m, K, gen), sample_distinct(len(todo), m, V, gen)
-        eligible = torch.ones_like(k, dtype=torch.bool)     # (r, m); argmax of score: uniform
-        if heldout is not None:
-            eligible = heldout[k, v] == (split == "test")
+        eligible = (torch.ones_like(k, dtype=torch.bool) if heldout is None   # (r, m)
+                    else heldout[k, v] == (split == "test"))  # argmax of score: uniform among them
         score = torch.rand(len(todo), m, generator=gen).masked_fill(~eligible, -1.0)
         ok = eligible.any(dim=1)
         keys[todo[ok]], values[todo[ok]], q[todo[ok]] = k[ok], v[ok], score[ok].argmax(dim=1)
@@ -209,9 +206,7 @@ class PCFG:
 
     def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5,
                  max_depth=10, terminal_weight=20, head="right", seed=0):
-        self.params = dict(num_terminals=num_terminals, num_nonterminals=num_nonterminals,
-                           max_rhs_len=max_rhs_len, max_rules=max_rules, max_depth=max_depth,
-                           terminal_weight=terminal_weight, head=head, seed=seed)
+        self.params = {k: v for k, v in locals().items() if k != "self"}  # the arguments, in order
         least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
         _check_ints(**{name: self.params[name] for name in least})
         for name, low in least.items():
@@ -245,8 +240,7 @@ class PCFG:
         self.start_cum = cum(np.full(N, 1.0 / N))
 
     def sentence_lengths(self):
-        """Exact (shortest, longest) number of terminals of a sentence: every rule and start symbol
-        has positive probability, and children are strictly deeper (acyclic)."""
+        """Exact (shortest, longest) terminal counts of a sentence (all rules have p > 0)."""
         N, low, high = self.num_nonterminals, {}, {}
         for a in sorted(range(N), key=lambda a: -self.depth[a]):       # the deepest first
             sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in r] for r in self.rules[a]]
@@ -266,12 +260,11 @@ class PCFG:
         labels, parents = [], []
         stack = [self._open(bisect.bisect_right(self.start_cum, draw()), draw)]
         while stack:
-            frame = stack[-1]
-            rhs, i = frame[0], frame[1]
+            rhs, i, head, dependents = frame = stack[-1]
             if i < len(rhs):
                 frame[1] = i + 1
                 if rhs[i] >= N:            # terminal dependent: its parent is this frame's head
-                    frame[3].append(len(labels))
+                    dependents.append(len(labels))
                     labels.append(rhs[i] - N)
                     parents.append(-1)
                 else:
@@ -279,9 +272,9 @@ class PCFG:
             else:                          # all dependents emitted: emit the head, point them at it
                 stack.pop()
                 head_pos = len(labels)
-                for c in frame[3]:
+                for c in dependents:
                     parents[c] = head_pos
-                labels.append(frame[2])
+                labels.append(head)
                 parents.append(-1)
                 if stack:
                     stack[-1][3].append(head_pos)
@@ -324,10 +317,9 @@ def eligible_queries(labels, parents, allowed=None):
 def sample_query(groups, draw):
     """(child, parent): a parent position uniformly among those with an eligible child, then one of
     its eligible children uniformly, so P(c, p) = 1 / (#parents * #eligible children of p)."""
-    ps = sorted(groups)
-    p = ps[min(int(draw() * len(ps)), len(ps) - 1)]
-    cs = groups[p]
-    return cs[min(int(draw() * len(cs)), len(cs) - 1)], p
+    pick = lambda xs: xs[min(int(draw() * len(xs)), len(xs) - 1)]
+    p = pick(sorted(groups))
+    return pick(groups[p]), p
 
 
 def atr_document(labels, child, parent):
@@ -393,10 +385,10 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     s = t(lengths - 5)
     positions = dict(key=t(child + 1), value=t(parent + 1), next_key=t(parent + 2),
                      divider=s + 1, query=s + 2, answer=s + 3)
-    tokens = torch.from_numpy(tokens)
-    answers = tokens[torch.arange(n), positions["answer"]]
+    answers = t([labels[p] + FIRST for labels, _, p in docs])
     # vocab: PAD, BOS, EOS, S terminals and the reference's 3 unused query-type ids.
-    return Dataset("atr", tokens, answers, positions, S + 6, {"key": (FIRST, FIRST + S), "value": (FIRST, FIRST + S)},
-                   t(lengths), dict(split=split, holdout=holdout, seed=seed, max_terminals=max_terminals,
-                                    grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
+    return Dataset("atr", torch.from_numpy(tokens), answers, positions, S + 6,
+                   {"key": (FIRST, FIRST + S), "value": (FIRST, FIRST + S)}, t(lengths),
+                   dict(split=split, holdout=holdout, seed=seed, max_terminals=max_terminals,
+                        grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
 
