@@ -139,15 +139,13 @@ def sample_distinct(n, m, size, gen):
 
 
 def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=None, holdout=0.0):
-    """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each).
-
-    Keys are ids 3 .. 3+K-1, values the next V ids; a document's keys are distinct, and so are its
-    values; the query is a uniformly chosen pair. The split name is mixed into the document seed:
-    use the SAME seed for all splits. With holdout > 0 each (key, value) pair is held out with that
-    probability (one matrix per (seed, K, V), never per split; a larger holdout holds out more);
-    train/dev query only pairs not held out, test only held-out ones, redrawing documents with none
-    (the reference excludes held-out pairs everywhere, so its "test" tests nothing new: README 2).
-    """
+    """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each). Keys are ids
+    3 .. 3+K-1, values the next V ids; a document's keys are distinct, and so are its values; the
+    query is a uniformly chosen pair. The split name is mixed into the document seed: use the SAME
+    seed for all splits. With holdout > 0 each (key, value) pair is held out with that probability
+    (one matrix per (seed, K, V), never per split; a larger holdout holds out more); train/dev query
+    only pairs not held out, test only held-out ones, redrawing documents with none (the reference
+    excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
     _check_common(n, split, holdout, seed)
     _check_ints(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs)
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
@@ -328,14 +326,12 @@ def atr_document(labels, child, parent):
 
 
 def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_TERMINALS):
-    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`.
-
-    Rejects sentences over max_terminals or under 3 terminals, and those without an eligible query.
-    The (parent label, child label) matrix of held-out pairs (P = holdout) is seeded by grammar.seed
-    alone: the language's, the same for every split (the reference draws it before the grammar, so
-    its split language is another PCFG: README, difference 3). train/dev query only allowed pairs,
-    test only held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar).
-    """
+    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`. Rejects sentences over
+    max_terminals or under 3 terminals, and those without an eligible query. The (parent label,
+    child label) matrix of held-out pairs (P = holdout) is seeded by grammar.seed alone: the
+    language's, the same for every split (the reference draws it before the grammar, so its split
+    language is another PCFG: README, difference 3). train/dev query only allowed pairs, test only
+    held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar)."""
     _check_common(n, split, holdout, seed)
     _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter sentences are rejected), got {max_terminals}")
     S, given = grammar.num_terminals, grammar.params
