@@ -417,9 +417,8 @@ def fmt_attrib(entry, key):
 # --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
 
 def history_entry(model, data, cfg, step, train_loss):
-    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)} and, if cfg.timeline_docs, the
-    headline pair on that many eval documents (interventions.headline): attrib_value, attrib_query,
-    attrib_gap, attrib_low_signal, timeline_s (its seconds; run_results sums and removes it)."""
+    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}; if cfg.timeline_docs, the
+    headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s (seconds)."""
     total = cfg.total_steps()
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
              "train_loss": train_loss, **evaluate_all(model, data)}
@@ -529,7 +528,6 @@ def _mismatch(built, build_args, state):
         if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape:
             shape = tuple(state[k].shape) if isinstance(state[k], torch.Tensor) else type(state[k]).__name__
             return f"{k} is {shape}, the config's model has {tuple(v.shape)}"
-    return None
 
 
 def save(model, cfg, path):
@@ -563,12 +561,8 @@ def save(model, cfg, path):
 def load(path, device="cpu"):
     """(model, cfg) from a checkpoint of save(), built from its config (exactly Config's fields,
     valid) that must agree with its build_args and weights; else a one-line CheckpointError."""
-    def fail(what):
-        return CheckpointError(f"checkpoint {path}: {what}")
-
-    def oneline(e):
-        return " ".join(str(e).split())
-
+    fail = lambda what: CheckpointError(f"checkpoint {path}: {what}")
+    oneline = lambda e: " ".join(str(e).split())
     if not os.path.isfile(path):
         raise fail("no such file")
     try:
@@ -650,9 +644,8 @@ class Ensemble:
 
     def params(self, row):
         """One member's named parameters, views of its row (P,) of the stacked leaf."""
-        pieces = row.split(self.sizes)
         return {n: (x.detach() if n in self.frozen else x).view(shape)
-                for n, shape, x in zip(self.names, self.shapes, pieces)}
+                for n, shape, x in zip(self.names, self.shapes, row.split(self.sizes))}
 
     def drop_failed(self, losses):
         """losses (r,), failed members' 0; a non-finite loss fails its member (no host sync)."""
