@@ -19,8 +19,7 @@ Verdict (thresholds below, as constants). The paper's pair is the block input of
 residual stream after layer 0, at `value` (induction: layer 0 wrote the association into the value
 token) against at `query` (direct retrieval: the association is already computed at the query).
   * 2 layers: exactly the paper's quantity.
-  * 3 layers: still layer 1 (as the paper); the later layers' block-input value/query scores are
-    reported beside it under "later_layers".
+  * 3+ layers: still layer 1 (as the paper); later block inputs' value/query in "later_layers".
   * 1 layer: there is no layer-1 block input; both paths would end inside the same block, so the
     verdict is "n/a (1 layer)" and the mixer output of layer 0 at value/query is reported instead.
 
@@ -97,11 +96,9 @@ def site_label(site):
 def default_sites(model):
     """Block-level sites then the mixer's INTERNAL_SITES, layer by layer, skipping absent ones."""
     available = hook_points(model)
-    sites = []
-    for i, block in enumerate(model.blocks):
-        inner = [*BLOCK_SITES, *("mixer." + name for name in type(block.mixer).INTERNAL_SITES)]
-        sites += [f"blocks.{i}.{s}" for s in inner if f"blocks.{i}.{s}" in available]
-    return sites
+    return [f"blocks.{i}.{s}" for i, block in enumerate(model.blocks)
+            for s in [*BLOCK_SITES, *("mixer." + name for name in type(block.mixer).INTERNAL_SITES)]
+            if f"blocks.{i}.{s}" in available]
 
 
 # --- Hooks as a context manager (hooks are global state: always remove them).
@@ -135,8 +132,7 @@ def patch(model, edits):
 
 @torch.no_grad()
 def record(model, tokens, sites, take=None):
-    """{site: activation} (a clone: the model may modify it in place later), or {site: take(site,
-    activation)}, from one forward pass on tokens (b, l)."""
+    """{site: a clone of its activation (or take(site, activation))} from one forward on tokens."""
     store = {}
 
     def keep(site):
@@ -157,21 +153,19 @@ def _answer_prob(logits, answers):
 
 
 @torch.no_grad()
-def answer_prob(model, tokens, answers, query, chunk_rows=CHUNK_ROWS):
+def answer_prob(model, tokens, answers, query):
     """Probability of answers (b,) at positions query (b,) in an unpatched forward, in chunks."""
-    return torch.cat([_answer_prob(model(tokens[a:a + chunk_rows], readout=query[a:a + chunk_rows]),
-                                   answers[a:a + chunk_rows])
-                      for a in range(0, len(tokens), chunk_rows)])
+    chunks = [slice(a, a + CHUNK_ROWS) for a in range(0, len(tokens), CHUNK_ROWS)]
+    return torch.cat([_answer_prob(model(tokens[c], readout=query[c]), answers[c]) for c in chunks])
 
 
 # --- Corruption: one token of each document replaced by another of its class.
 
 def corrupt(dataset, role="key", seed=0, strict=False):
-    """A corrupted copy of dataset.tokens (N, l): the token at positions[role] of each document is
-    replaced by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); an AR
-    value by a value, README difference 1). strict=True also excludes every token already in the
-    document, so the corrupted key cannot point to another answer. One draw per document, reused
-    for every site (README, difference 6: the paper re-drew per site)."""
+    """A corrupted copy of dataset.tokens (N, l): each document's token at positions[role] replaced
+    by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); README
+    difference 1); strict=True also excludes the document's own tokens (the corrupted key points to
+    no other answer). One draw per document, reused by every site (README, difference 6)."""
     _check_roles("role", [role], tuple(dataset.classes))
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
@@ -244,8 +238,7 @@ def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
 # --- The same, batched: every position of a site in one forward, from cached activations.
 
 def gather_positions(model, tokens, sites, positions):
-    """One forward on tokens; for each site its activation at every position in `positions`
-    ({name: (N,)}): {site: (P, N, ...)}, the position dim removed, P in dict order."""
+    """{site: its activations (P, N, ...) at positions ({name: (N,)}, P in order)}, one forward."""
     pos = torch.stack(list(positions.values()))                              # (P, N)
     rows = torch.arange(tokens.shape[0], device=tokens.device)
     hooks = hook_points(model)
@@ -258,9 +251,9 @@ def gather_positions(model, tokens, sites, positions):
 
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
-    """What interchange() reuses across sites, from four forwards: p_corrupt, the clean and
-    corrupted activations of every site at every patched position, and the corrupted residual stream
-    (resid[i] = input of block i, resid[L] = the last block's output)."""
+    """What interchange() reuses across sites, from four forwards: p_corrupt, both runs'
+    activations at every site and patched position, the corrupted residual stream (resid[i]: the
+    input of block i, resid[L]: the last block's output)."""
     L = len(model.blocks)
     stream = [f"blocks.{i}.hook_resid_pre" for i in range(L)] + [f"blocks.{L - 1}.hook_resid_post"]
     resid = record(model, corrupt_tokens, stream)
@@ -273,9 +266,8 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 
 
 def _start(site):
-    """(layer to start the forward at, whether the site IS that layer's input residual). The layers
-    before the site see only the corrupted input: the forward starts from the cached corrupted
-    residual stream; block input i and block output i-1 are both patched on its tensor."""
+    """(layer the forward starts at, whether the site IS its input residual): the layers before the
+    site see only the corrupted input (cached); block input i and output i-1 are the same tensor."""
     layer = site_layer(site)
     if layer is None:
         return 0, False
@@ -283,22 +275,14 @@ def _start(site):
     return (layer + 1 if after else layer), after or site.endswith(".hook_resid_pre")
 
 
-def _forward_from(model, layer, resid, readout):
-    """Logits (b, v) at `readout` from the residual stream (b, l, d) into block `layer` (<= L)."""
-    for block in model.blocks[layer:]:
-        resid = block(resid)                                                 # (b, l, d)
-    return model.logits(resid, readout)                                      # (b, v)
-
-
 @torch.no_grad()
 def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, query, *,
                 cache=None, chunk_rows=CHUNK_ROWS):
-    """Patch `site` at each position in `positions` ({name: (N,)}), one at a time, from the clean
-    run into the corrupted one: {name: p_patched (N,)}, the probability of `answers` at `query`;
-    cache: prepare's output covering this site (built here when None). Row p*N + r is copy p of
-    document r; its hook writes row r's clean vector at positions[p][r]. Two exact shortcuts: rows
-    whose clean vector equals the corrupted one bit for bit patch nothing (p_corrupt, no forward),
-    and the forward starts at the site's layer (_start)."""
+    """Patch `site` at each position of `positions` ({name: (N,)}) one at a time, from the clean run
+    into the corrupted one: {name: p_patched (N,)} of `answers` at `query`; cache: prepare's (built
+    here when None). Row p*N + r is copy p of document r; its hook writes row r's clean vector at
+    positions[p][r]. Exact shortcuts: rows whose clean vector equals the corrupted one bit for bit
+    patch nothing (p_corrupt, no forward); the forward starts at the site's layer (_start)."""
     model.eval()
     names = list(positions)
     P, N = len(names), corrupt_tokens.shape[0]
@@ -326,8 +310,9 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
             k = chunk["k"] = slice(a, a + chunk_rows)
             resid = cache["resid"][layer][doc[k]]                            # (b, l, d)
             resid = restore(resid) if on_residual else resid
-            logits = _forward_from(model, layer, resid, query[doc[k]])
-            probs[todo[k]] = _answer_prob(logits, answers[doc[k]])
+            for block in model.blocks[layer:]:                               # the rest of the model
+                resid = block(resid)                                         # (b, l, d)
+            probs[todo[k]] = _answer_prob(model.logits(resid, query[doc[k]]), answers[doc[k]])
     probs = probs.view(P, N)
     return {name: probs[p] for p, name in enumerate(names)}
 
@@ -340,14 +325,12 @@ def _float(x):
 
 
 def headline_site(n_layers):
-    """The headline pair's site: the block input of layer 1 (the residual stream after layer 0); a
-    one-layer model has none, so its layer-0 mixer output stands in."""
+    """The headline pair's site: layer 1's block input; a one-layer model's layer-0 mixer output."""
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
 def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
-    """The first n_docs documents on the model's device: (data, clean tokens, corrupted tokens,
-    answers, query positions), one corruption per document (reused by every site)."""
+    """(data, clean, corrupted, answers, query) of the first n_docs documents, on model's device."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
     check_dataset(model, dataset)
@@ -361,9 +344,8 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
 
 @torch.no_grad()
 def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold=LOW_SIGNAL_GAP):
-    """Only the headline pair, cheaply: Attrib@Key/Value/Query at headline_site on the first n_docs
-    documents, {"key", "value", "query", "gap", "low_signal"}, as mechanism() reports them;
-    mechsm.train calls this at every evaluation to show when the circuit forms."""
+    """Only the headline pair, cheaply (mechsm.train's timeline): Attrib@Key/Value/Query at
+    headline_site on the first n_docs documents, {"key", "value", "query", "gap", "low_signal"}."""
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
@@ -376,14 +358,13 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
     model.train(was_training)
     scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
-    gap = scores["key"]["gap"]
-    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": gap,
-            "low_signal": gap <= threshold}
+    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": scores["key"]["gap"],
+            "low_signal": scores["key"]["low_signal"]}
 
 
 @torch.no_grad()
 def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=False, sites=None,
-              positions=POSITIONS, threshold=LOW_SIGNAL_GAP, chunk_rows=CHUNK_ROWS):
+              positions=POSITIONS, threshold=LOW_SIGNAL_GAP):
     """The full attribution table (sites x layers x positions) of one model and its verdict, a
     JSON-serialisable dict: arch, n_docs, corrupt_role, p_clean, p_corrupt, gap, low_signal, rows
     [{site, label, layer, scores {position: attribution}, p_patched {position: mean}}], headline
@@ -399,8 +380,7 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     model.eval()
     docs = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
     data, clean, corrupted, answers, query = docs
-    device = clean.device
-    pos = {name: data.positions[name].to(device) for name in positions}
+    pos = {name: data.positions[name].to(clean.device) for name in positions}
     n_layers = len(model.blocks)
 
     # Sites the summary needs are always measured, even when the caller asked for fewer.
@@ -410,17 +390,16 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     sites = list(sites if sites is not None else default_sites(model))
     sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
     for name in ("key", "value", "query", *(p for _, p in reads.values())):
-        pos.setdefault(name, data.positions[name].to(device))
+        pos.setdefault(name, data.positions[name].to(clean.device))
 
-    p_clean = answer_prob(model, clean, answers, query, chunk_rows)
+    p_clean = answer_prob(model, clean, answers, query)
     cache = prepare(model, clean, corrupted, sites, pos, answers, query)
     p_corrupt = cache["p_corrupt"]
     base = attribution(p_clean, p_corrupt, p_clean, threshold)
 
     rows, score = [], {}
     for site in sites:
-        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache,
-                                chunk_rows=chunk_rows)
+        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
         row = {"site": site, "label": site_label(site), "layer": site_layer(site),
                "scores": {}, "p_patched": {}}
         for name, p in p_patched.items():
@@ -429,34 +408,29 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
             row["p_patched"][name] = a["p_patched"]
         rows.append(row)
 
-    result = {
-        "arch": getattr(model, "build_args", {}).get("arch"),
-        "build_args": getattr(model, "build_args", None),
-        "n_docs": len(data), "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
-        "positions": list(positions), "threshold": threshold,
-        "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
-        "low_signal": base["low_signal"], "rows": rows,
-    }
-    result.update(_summary(score, n_layers, base["low_signal"], threshold))
-    result["extra"] = {name: score[site, p] for name, (site, p) in reads.items()}
-    result["seconds"] = time.perf_counter() - start
-    return result
+    return {"arch": getattr(model, "build_args", {}).get("arch"),
+            "build_args": getattr(model, "build_args", None),
+            "n_docs": len(data), "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
+            "positions": list(positions), "threshold": threshold,
+            "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
+            "low_signal": base["low_signal"], "rows": rows,
+            **_summary(score, n_layers, base["low_signal"], threshold),
+            "extra": {name: score[site, p] for name, (site, p) in reads.items()},
+            "seconds": time.perf_counter() - start}
 
 
 def _summary(score, n_layers, low_signal, threshold):
-    """From the scores {(site, position): attribution}: headline (2+ layers) or mixer_out (1 layer),
-    verdict, verdict_reason, later_layers (3+ layers)."""
+    """headline (or mixer_out, 1 layer), verdict, verdict_reason, later_layers from the scores."""
     head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
     if n_layers == 1:
         return {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
                 "verdict_reason": "one layer has no layer-1 block input: induction and direct "
                                   "retrieval both end inside the same block; see mixer_out"}
-    out = {"headline": head}
     value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
-    out["verdict"], out["verdict_reason"] = verdict(value, query, low_signal, threshold)
+    name, reason = verdict(value, query, low_signal, threshold)
     later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
-    out["later_layers"] = {s: {k: score[s, k] for k in ("value", "query")} for s in later}
-    return out
+    return {"headline": head, "verdict": name, "verdict_reason": reason,
+            "later_layers": {s: {k: score[s, k] for k in ("value", "query")} for s in later}}
 
 
 # --- Output: the terminal heatmap (the PNG figures are run.py's).
@@ -469,11 +443,9 @@ def _shade(x):
 
 
 def render_heatmap(result, *, sites=None):
-    """Terminal table: rows 'L{layer} {label}', columns positions, cells attribution x 100.
-    sites: optional list of site names or labels to keep."""
+    """Terminal table: rows 'L{layer} {label}' (sites: names or labels to keep), cells score*100."""
     positions = result["positions"]
-    rows = [r for r in result["rows"]
-            if sites is None or r["site"] in sites or r["label"] in sites]
+    rows = [r for r in result["rows"] if sites is None or r["site"] in sites or r["label"] in sites]
     names = [f"L{r['layer']} {r['label']}" for r in rows]
     width = max([len(n) for n in names] + [4])
     lines = [f"{result.get('arch')}: p_clean {result['p_clean']:.3f}  p_corrupt "

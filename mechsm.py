@@ -139,13 +139,10 @@ class Config:
         pos_emb = models._pos_emb_or_default(self.arch, self.pos_emb)
         return replace(self, epochs=epochs, pos_emb=pos_emb)
 
-    def steps_per_epoch(self):
-        return self.train_size // self.batch_size    # a last partial batch is dropped
-
     def total_steps(self):
         if self.steps is not None:
             return self.steps
-        return self.steps_per_epoch() * self.resolved().epochs
+        return self.train_size // self.batch_size * self.resolved().epochs   # partial batch dropped
 
     def name(self):
         """A short human name for logs and files, e.g. 'ar_attention_d64_L2_lr0.001_s42'."""
@@ -208,15 +205,13 @@ def _make_data(key):
             raise
         raise ValueError(f"{task} task {params} with {train_size} training documents: too large to "
                          f"allocate ({' '.join(str(e).split())[:120]})") from None
-    novel = None
-    if task == "atr":          # README, difference 8: accuracy also on documents unseen in training
-        novel = {name: novel_mask(train, ds) for name, ds in [("eval", dev), ("test", test)] if ds}
+    novel = None if task == "ar" else {      # README, difference 8: documents unseen in training
+        name: novel_mask(train, ds) for name, ds in [("eval", dev), ("test", test)] if ds}
     return Data(train, dev, test, train.vocab_size, novel)
 
 
 def make_data(cfg, data=None):
-    """cfg's Data (cached in-process: a sweep's runs share it), or `data` checked to be cfg's;
-    either way checked to fit cfg's model (check_length): a bad run fails before step 0."""
+    """cfg's Data (cached: a sweep's runs share it) or `data` checked to be cfg's and to fit."""
     if data is not None:
         check_data(cfg, data)      # data passed in must be cfg's task: its record will say so
     data = data or _make_data(_data_key(cfg))
@@ -252,8 +247,7 @@ def answer_loss(model, tokens, queries, answers):
 
 @torch.no_grad()
 def evaluate(model, dataset, batch_size=64):
-    """{"acc", "prob", "loss", "n"} on `dataset`: argmax over the whole vocabulary at the query ==
-    answer; mean softmax probability of the answer; mean cross-entropy."""
+    """{"acc": argmax over the vocabulary == answer, "prob": mean P(answer), "loss": its CE, n}."""
     models.check_dataset(model, dataset)
     n = len(dataset)
     if n == 0:
@@ -291,8 +285,7 @@ def train(cfg, *, data=None, log=None):
 
 def fit(cfgs, model, optimizer, data, log):
     """train()'s loop: AdamW at lr_at(step) on batch(step), evaluated every eval_every steps and at
-    the end. cfgs: [cfg], or an Ensemble's members (train_group; then the loss is (r,)). Returns
-    [(result, model)], one per config."""
+    the end. cfgs: [cfg], or an Ensemble's (then the loss is (r,)). [(result, model)] per config."""
     cfg, total, start = cfgs[0], cfgs[0].total_steps(), time.time()
     batch = training_batches(cfg, data)
     histories, loss_sum, n_losses, error = [[] for _ in cfgs], 0.0, 0, None
@@ -338,9 +331,8 @@ def adamw(model, lr):
 
 
 def training_batches(cfg, data):
-    """The training set on cfg's device, walked in order as the reference does: batch(step) is
-    (tokens trimmed to the longest, queries, answers) of rows [s*B, s*B + B), s = step mod S."""
-    B, S, device = cfg.batch_size, cfg.steps_per_epoch(), resolve_device(cfg.device)
+    """batch(step): (tokens, queries, answers) of training rows [s*B, s*B + B), s = step mod S."""
+    B, S, device = cfg.batch_size, cfg.train_size // cfg.batch_size, resolve_device(cfg.device)
     tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
     queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
     answers = data.train.answers[: S * B].to(device)                # (S*B,)
@@ -365,8 +357,7 @@ def build(cfg, vocab_size):
 
 
 def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
-    """Append each member's history_entry at `step` to its history; returns the log line,
-    'step 200/6000 | loss 2.301 | acc 0.125 | attrib V - Q - | ...'."""
+    """Append each member's history_entry at `step`; returns the log line 'step 200/6000 | ...'."""
     members = model.members() if isinstance(model, Ensemble) else [model]
     losses = train_loss.reshape(-1).tolist() if train_loss is not None else [None] * len(cfgs)
     for cfg, member, history, loss in zip(cfgs, members, histories, losses):
@@ -387,10 +378,10 @@ def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
 
 
 def run_results(model, cfgs, histories, step, error, wall):
-    """[(record, model)] of fit's runs; a failed one (a lone run's error at `step`, or an Ensemble
-    member's) keeps its history up to the step it failed at."""
+    """[(record, model)] of fit's runs; a failed one keeps its history up to its failed step."""
+    lone = [(step, error) if error else None]
     members = model.members() if isinstance(model, Ensemble) else [model]
-    failures = model.failures() if isinstance(model, Ensemble) else [(step, error) if error else None]
+    failures = model.failures(cfgs) if isinstance(model, Ensemble) else lone
     out = []
     for cfg, member, history, failure in zip(cfgs, members, histories, failures):
         steps_done, error = failure or (cfg.total_steps(), None)
@@ -409,9 +400,7 @@ def run_results(model, cfgs, histories, step, error, wall):
 
 def stderr_log(prefix=""):
     """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
-    def log(msg):
-        print(f"{prefix}{msg}", file=sys.stderr, flush=True)
-    return log
+    return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
 
 
 def fmt_time(seconds):
@@ -428,9 +417,8 @@ def fmt_attrib(entry, key):
 # --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
 
 def history_entry(model, data, cfg, step, train_loss):
-    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)} and, if cfg.timeline_docs, the
-    headline pair on that many eval documents (interventions.headline): attrib_value, attrib_query,
-    attrib_gap, attrib_low_signal, timeline_s (its seconds; run_results sums and removes it)."""
+    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}; if cfg.timeline_docs, the
+    headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s (seconds)."""
     total = cfg.total_steps()
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
              "train_loss": train_loss, **evaluate_all(model, data)}
@@ -444,8 +432,7 @@ def history_entry(model, data, cfg, step, train_loss):
 
 
 def evaluate_all(model, data):
-    """Flat metrics on the eval (dev) set, plus test_* with a held-out split and novel_* for the
-    documents not seen verbatim in training (data.novel, ATR only)."""
+    """evaluate()'s on data.eval, plus test_* (held-out split) and novel_* (ATR: data.novel)."""
     _check_is_data(data)
     metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
     if data.test is not None:
@@ -465,8 +452,7 @@ def _check_is_data(data):
 
 
 def check_data(cfg, data):
-    """One-line ValueError unless data holds cfg's task: the settings that make its vocabulary and
-    documents. A model trained on other documents would be recorded as cfg's."""
+    """One-line ValueError unless data holds cfg's task (else its model is recorded as cfg's)."""
     _check_is_data(data)
     meta = data.train.meta
     if data.train.task != cfg.task:
@@ -485,9 +471,7 @@ def check_data(cfg, data):
 
 
 def check_length(cfg, data=None):
-    """One-line ValueError when cfg's documents are longer than its model accepts
-    (models.position_limit), before training. AR documents have 2 * num_pairs + 5 tokens; for ATR,
-    unless max_terminals + 5 fits, the longest one of `data` (cfg's, made and cached, when None)."""
+    """One-line ValueError, before training, when cfg's documents exceed models.position_limit."""
     cfg = cfg.resolved()
     limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
     if limit is None or cfg.task != "ar" and cfg.max_terminals + 5 <= limit:
@@ -525,8 +509,7 @@ class CheckpointError(ValueError):
 
 
 def _mismatch(built, build_args, state):
-    """How a model of (build_args, state_dict) differs from `built`, in one line, or None: every
-    build argument but the seed, then the state_dict's keys and shapes."""
+    """How (build_args but the seed, state_dict's keys and shapes) differ from `built`, or None."""
     if not isinstance(build_args, dict) or not isinstance(state, dict):
         return "its build_args or state_dict is not a dict"
     ours = built.build_args
@@ -545,7 +528,6 @@ def _mismatch(built, build_args, state):
         if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape:
             shape = tuple(state[k].shape) if isinstance(state[k], torch.Tensor) else type(state[k]).__name__
             return f"{k} is {shape}, the config's model has {tuple(v.shape)}"
-    return None
 
 
 def save(model, cfg, path):
@@ -579,12 +561,8 @@ def save(model, cfg, path):
 def load(path, device="cpu"):
     """(model, cfg) from a checkpoint of save(), built from its config (exactly Config's fields,
     valid) that must agree with its build_args and weights; else a one-line CheckpointError."""
-    def fail(what):
-        return CheckpointError(f"checkpoint {path}: {what}")
-
-    def oneline(e):
-        return " ".join(str(e).split())
-
+    fail = lambda what: CheckpointError(f"checkpoint {path}: {what}")
+    oneline = lambda e: " ".join(str(e).split())
     if not os.path.isfile(path):
         raise fail("no such file")
     try:
@@ -629,8 +607,7 @@ def load(path, device="cpu"):
     return model.to(resolve_device(device)), cfg
 
 
-# === For many runs at once: the batched Ensemble. On a GPU, runs this small are bound by kernel
-# launches; r runs as one model do r times the work per launch (`run.py bench`, part 5).
+# === The batched Ensemble: r runs as one model, r times the work per kernel launch (run.py bench).
 
 class Ensemble:
     """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their
@@ -654,7 +631,7 @@ class Ensemble:
         self.flat = flat.requires_grad_()                               # (r, P): the trainable leaf
         r = len(self.modules)
         self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
-        self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: not failed
+        self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: alive
         self.failed_loss = torch.zeros(r, dtype=flat.dtype, device=flat.device)
         self.optimizer = StackedAdamW(self)
 
@@ -667,13 +644,11 @@ class Ensemble:
 
     def params(self, row):
         """One member's named parameters, views of its row (P,) of the stacked leaf."""
-        pieces = row.split(self.sizes)
         return {n: (x.detach() if n in self.frozen else x).view(shape)
-                for n, shape, x in zip(self.names, self.shapes, pieces)}
+                for n, shape, x in zip(self.names, self.shapes, row.split(self.sizes))}
 
     def drop_failed(self, losses):
-        """losses (r,), those of failed members 0; a non-finite loss fails its member at this step
-        (no host sync: failures() reads it at the end)."""
+        """losses (r,), failed members' 0; a non-finite loss fails its member (no host sync)."""
         step, finite = self.optimizer.n_steps, torch.isfinite(losses.detach())
         newly = self.alive & ~finite
         self.failed_step = torch.where(newly, step, self.failed_step)
@@ -681,11 +656,10 @@ class Ensemble:
         self.alive = self.alive & finite
         return torch.where(self.alive, losses, 0.0)
 
-    def failures(self):
-        """Per member: None, or (step, error) as a lone run reports it."""
-        return [None if s < 0 else (s, f"loss is {loss} at step {s} (lr {group['lr_peak']:g}); run stopped")
-                for s, loss, group in zip(self.failed_step.tolist(), self.failed_loss.tolist(),
-                                          self.optimizer.param_groups)]
+    def failures(self, cfgs):
+        """Per member (its config in cfgs): None, or (step, error) as a lone run reports it."""
+        return [None if s < 0 else (s, f"loss is {loss} at step {s} (lr {c.lr:g}); run stopped")
+                for s, loss, c in zip(self.failed_step.tolist(), self.failed_loss.tolist(), cfgs)]
 
     def train(self):
         self.base.train()
@@ -709,7 +683,7 @@ class StackedAdamW:
 
     def __init__(self, ensemble):
         self.ensemble, flat = ensemble, ensemble.flat
-        self.param_groups = [{"lr": 0.0, "lr_peak": 0.0} for _ in ensemble.modules]
+        self.param_groups = [{"lr": 0.0} for _ in ensemble.modules]
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)
         self.n_steps = 0
 
@@ -721,13 +695,13 @@ class StackedAdamW:
         flat, alive, (beta1, beta2) = self.ensemble.flat, self.ensemble.alive, self.BETAS
         self.n_steps += 1
         bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
-        grad = torch.where(alive[:, None], flat.grad, 0.0)                  # (r, P): dead rows get 0
+        grad = torch.where(alive[:, None], flat.grad, 0.0)              # (r, P): dead rows get 0
         lrs = torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64).to(flat.device)
-        neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]        # (r, 1): 0 when dead
+        neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]    # (r, 1): 0 when dead
         self.exp_avg.lerp_(grad, 1 - beta1)
         self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
-        flat.addcdiv_(self.exp_avg * neg_step, denom)                      # p -= lr / bias1 * m / denom
+        flat.addcdiv_(self.exp_avg * neg_step, denom)                  # p -= lr / bias1 * m / denom
 
 
 def group_key(cfg):
@@ -744,8 +718,6 @@ def train_group(configs, *, data=None, log=None):
     cfg, r = cfgs[0], len(cfgs)
     log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
     ens = Ensemble([build(c, data.vocab_size) for c in cfgs])  # own seeds
-    for group, c in zip(ens.optimizer.param_groups, cfgs):
-        group["lr_peak"] = c.lr
     log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
         f"seeds {','.join(str(c.seed) for c in cfgs)}")
     pairs = fit(cfgs, ens, ens.optimizer, data, log)
@@ -756,10 +728,8 @@ def train_group(configs, *, data=None, log=None):
 
 def json_safe(x):
     """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
     if isinstance(x, dict):
         return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [json_safe(v) for v in x]
-    return x
+    return None if isinstance(x, float) and not math.isfinite(x) else x

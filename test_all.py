@@ -1192,7 +1192,7 @@ def test_layer0_key_restores_and_answer_is_zero(arch, data):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_equals_one_position_at_a_time(arch, data):
     """The stacked, chunked, prefix-reusing interchange equals patching one position at a time
-    with a full forward (this also checks _forward_from against models.LM.forward)."""
+    with a full forward (this also checks the forward from a layer against models.LM.forward)."""
     model = patching_model(arch, data.vocab_size)
     data = data.subset(slice(0, 20))
     corrupted, query, _, _ = _runs(model, data, seed=5)
