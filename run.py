@@ -313,8 +313,7 @@ def catalogue():
 # Every mistake becomes one "error: ..." line (exit 2), before anything runs.
 
 class Parser(argparse.ArgumentParser):
-    """argparse raising ValueError (main prints it), naming an unknown option (argparse would give
-    a typo'd flag's value to the command) or a repeated one; '-' then a digit or '.' is a value."""
+    """argparse that raises ValueError and refuses an unknown or repeated option ('-5': a value)."""
 
     def error(self, message):
         raise ValueError(message)
@@ -439,8 +438,7 @@ def applies(field, cfg):
 
 
 def grid_runs(args, name, device):
-    """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, with
-    each field flag set on the runs it applies to (none: an error; some: a note)."""
+    """(configs, notes): the grid narrowed by --arch/--d-model/--lr/--seeds, each field flag set."""
     given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
@@ -524,8 +522,7 @@ def is_record(x):
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out`, in a
-    fixed order; a line that is not a whole record is skipped with one warning."""
+    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
     records = []
     pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
     for path in sorted(glob.glob(pattern)):
@@ -616,8 +613,7 @@ def make_groups(configs, group_size=None):
 
 
 def run_jobs(jobs_list, out, wants, jobs):
-    """Yield the records of each job as it finishes: here, or in `jobs` spawned one-thread workers,
-    stopped on Ctrl-C, SIGTERM or a crash; a worker killed under us is a WorkerLost."""
+    """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
     if jobs <= 1 or len(jobs_list) <= 1:
         for kind, payload in jobs_list:
             yield do_job(kind, payload, out, wants)
@@ -642,8 +638,7 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 
 def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint: the records (none,
-    the error printed, on a crash: a rerun retries it)."""
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
     try:
         if kind == "patch":
             cfg, record = payload
@@ -687,8 +682,7 @@ def save_checkpoint(model, cfg, out):
 
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table of `dataset` and the numbers the
-    tables show (the headline site's Attrib@X, a 1-layer model's mixer output; verdict; extras)."""
+    """A record's patching fields: interventions.mechanism's table and the numbers tables show."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
@@ -890,8 +884,7 @@ def render(name, preset, records, folder=None):
 
 
 def holds(paper_text, row):
-    """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable': too little
-    signal), or fails where it says "fails"; '-' where the paper gives only a number."""
+    """'yes'/'no'/'unreadable': whether the row bears out the paper's text ('-': a number only)."""
     verdict = (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
@@ -902,8 +895,7 @@ def holds(paper_text, row):
 
 
 def summary_table(folder="results"):
-    """The README's summary: each row the paper quotes, the paper's number beside ours (accuracy,
-    verdict) and whether the claim holds; then the `ar` timing and the probes' tables."""
+    """The README's summary: each row the paper quotes beside ours; the `ar` timing; the probes."""
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
@@ -1116,9 +1108,8 @@ def main(argv=None):
         signal.signal(signal.SIGTERM, previous)
 
 
-# ==============================================================================================
-# Figures: the paper's plots of an experiment, from its records alone. matplotlib is optional.
-# ==============================================================================================
+# ============================================ Figures: the paper's plots, from the records alone
+# matplotlib is optional.
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
@@ -1154,8 +1145,7 @@ def grid(fig, n, cols, height):
 
 
 def plot_scatter(fig, records):
-    """Attrib@Value against Attrib@Query, every patched run (hollow: too little signal), with the
-    verdict's induction and direct-retrieval regions shaded (the paper's Fig. 3 plane)."""
+    """Attrib@Value against Attrib@Query of every patched run, the verdicts' regions (Fig. 3)."""
     runs = patched_runs(records)
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
@@ -1259,8 +1249,7 @@ def plot_box(fig, records):
 
 
 def draw_figures(records, rows, name, folder, task="ar", only=None):
-    """folder/<name>_<kind>.png for each kind with something to draw: scatter, timeline, heatmaps,
-    width (a label with several widths), box (ATR). {kind: its data}; None without matplotlib."""
+    """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1280,15 +1269,13 @@ def draw_figures(records, rows, name, folder, task="ar", only=None):
     return out
 
 
-# ==============================================================================================
-# `python run.py bench`: each fast path against its slow reference, timed in the same run (medians
-# of interleaved repeats). With OpenMP's spinning wait policy a busy second process made the loop
-# kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
-# ==============================================================================================
+# ============================================ `python run.py bench`
+# Each fast path against its slow reference, timed in the same run (medians of interleaved repeats).
+# With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
+# 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 
 def make_step(model, tokens, queries, answers, lr, forward=None):
-    """A closure: one training step of `model` (or an Ensemble) as train() steps; returns the loss.
-    forward(tokens, readout=), if given, stands in for model in the loss."""
+    """A closure: one training step of `model` (or an Ensemble, or `forward`) as train() steps."""
     optimizer = model.optimizer if isinstance(model, mechsm.Ensemble) else mechsm.adamw(model, lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -1360,8 +1347,7 @@ def bench_scan(device, sizes, print_fn):
 
 
 def compare(kernels, inputs, grad_out, sizes, device, **fields):
-    """Rows: `fields`, then forward+backward of each kernel(*inputs): ms, speed-up over the first
-    (the reference), errors of output and gradients against the reference in float64."""
+    """Rows: forward+backward of each kernel(*inputs) timed, and its errors against the first's."""
     inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
 
     def forward_backward(kernel, xs):
