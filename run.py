@@ -1274,14 +1274,15 @@ def draw_figures(records, rows, name, folder, task="ar", only=None):
 # With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
 # 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 
-def make_step(model, tokens, queries, answers, lr, forward=None):
-    """A closure: one training step of `model` (or an Ensemble, or `forward`) as train() steps."""
+def make_step(model, data, forward=None, lr=1e-3):
+    """A closure: one training step of `model` (or an Ensemble, or `forward`) on all of `data`."""
     optimizer = model.optimizer if isinstance(model, mechsm.Ensemble) else mechsm.adamw(model, lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
 
     def step():
-        loss = mechsm.answer_loss(forward or model, tokens, queries, answers)
+        loss = mechsm.answer_loss(forward or model, data.tokens, data.positions["query"],
+                                  data.answers)
         optimizer.zero_grad(set_to_none=True)
         loss.sum().backward()
         optimizer.step()
@@ -1310,84 +1311,82 @@ def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for part in parts:
-                measures = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)
-                result.update(measures[part - 1](device, SIZES[size], print_fn))
+                measure = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)[part - 1]
+                for key, rows, title in measure(device, SIZES[size]):
+                    print_table(title, rows, print_fn)
+                    result[key] = rows
     finally:
         torch.set_num_threads(threads)
     return result
 
 
-def bench_scan(device, sizes, print_fn):
+def bench_scan(device, sizes):
     """1a: the plain scan h_t = a_t h_(t-1) + b_t, Mamba-shaped inputs; 1b: the selective scan."""
     plain, selective, e, n = [], [], sizes["e"], sizes["n"]
     for length in sizes["lengths"]:
         b, g = max(1, min(sizes["b"], sizes["tokens"] // length)), torch.Generator().manual_seed(length)
         # a fresh Mamba layer's: delta log-uniform in [1e-3, 1e-1], A = -(1..n), u, B, C normal
-        delta = torch.exp(torch.empty(b, length, e).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+        delta = torch.empty(b, length, e).uniform_(math.log(1e-3), math.log(0.1), generator=g).exp()
         A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
         u, B, C = (torch.randn(b, length, k, generator=g) for k in (e, n, n))
         a, bu = torch.exp(delta[..., None] * A), (delta * u)[..., None] * B[:, :, None]   # a_t, b_t
         g = torch.Generator().manual_seed(1)
-        kernels = {"sequential": models.sequential_scan, "scan": models.scan, "parallel": models.parallel_scan_custom_grad}
-        plain += compare(kernels, (a, bu), torch.randn(a.shape, generator=g), sizes, device,
-                         L=length, B=b)
-        kernels = {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan}
-        rows = compare(kernels, (u, delta, A, B, C), torch.randn(u.shape, generator=g), sizes,
-                       device, L=length, B=b)
+        plain += compare({"sequential": models.sequential_scan, "scan": models.scan,
+                          "parallel": models.parallel_scan_custom_grad}, (a, bu),
+                         torch.randn(a.shape, generator=g), sizes, device, L=length, B=b)
+        rows = compare({"reference": models.selective_scan_reference,
+                        "selective_scan": models.selective_scan}, (u, delta, A, B, C),
+                       torch.randn(u.shape, generator=g), sizes, device, L=length, B=b)
         state = a.to(device, copy=True)      # the floor: one in-place pass over that state
         floor = medians({"pass": lambda: state.mul_(1.0)}, max(3, sizes["repeats"]), device)["pass"]
         selective += [dict(row, passes=row["ms"] / (1e3 * floor)) for row in rows]
-    print_table(f"1a. Plain scan, Mamba-shaped a, b (B, L, {e}, {n}): `scan` (shipped, picked per "
-                "device) and `parallel_scan_custom_grad` against `sequential_scan` (plain autograd)", plain, print_fn)
-    print_table("1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + delta_t B_t u_t, y = sum_n C h: "
-                "`selective_scan` against `selective_scan_reference` (materialised + plain loop); passes = "
-                "forward+backward time in elementwise passes over its (B, L, e, n) state (x.mul_(1.0), the floor)",
-                selective, print_fn)
-    return dict(scan=plain, selective_scan=selective)
+    return [("scan", plain, f"1a. Plain scan, Mamba-shaped a, b (B, L, {e}, {n}): `scan` (shipped, "
+             "picked per device) and `parallel_scan_custom_grad` against `sequential_scan` (plain "
+             "autograd)"),
+            ("selective_scan", selective, "1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + "
+             "delta_t B_t u_t, y = sum_n C h: `selective_scan` against `selective_scan_reference` "
+             "(materialised + plain loop); passes = forward+backward time in elementwise passes over "
+             "its (B, L, e, n) state (x.mul_(1.0), the floor)")]
 
 
 def compare(kernels, inputs, grad_out, sizes, device, **fields):
     """Rows: forward+backward of each kernel(*inputs) timed, and its errors against the first's."""
     inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
+    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
 
-    def forward_backward(kernel, xs):
+    def forward_backward(kernel, xs):                          # [out, *grads]
         xs = [x.detach().requires_grad_() for x in xs]
         out = kernel(*xs)
-        return out, torch.autograd.grad(out, xs, grad_out.to(out.dtype))
+        return [out, *torch.autograd.grad(out, xs, grad_out.to(out.dtype))]
 
-    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
-    out64, grads64 = forward_backward(kernels[first], [wide(x) for x in inputs])
+    exact = forward_backward(kernels[first], [wide(x) for x in inputs])
     times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()},
                     sizes["repeats"], device)
-    rows = []
-    for name, kernel in kernels.items():
-        out, grads = forward_backward(kernel, inputs)
-        rel = [(wide(g) - g64).abs().max() / g64.abs().max().clamp(min=1e-30) for g, g64 in zip(grads, grads64)]
-        rows.append(dict(fields, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
-                         max_abs_err=(out.double() - out64).abs().max().item(), grad_rel_err=max(rel).item()))
-    return rows
+
+    def errors(got):
+        err = [(wide(x) - x64).abs().max() for x, x64 in zip(got, exact)]
+        rel = max(e / x64.abs().max().clamp(min=1e-30) for e, x64 in zip(err[1:], exact[1:]))
+        return dict(max_abs_err=err[0].item(), grad_rel_err=rel.item())
+    return [dict(fields, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
+                 **errors(forward_backward(kernel, inputs))) for name, kernel in kernels.items()]
 
 
-def bench_conv(device, sizes, print_fn):
+def bench_conv(device, sizes):
     """2a: the long convolution u (B, L, d) * k (L, d); 2b: the short conv; 2c: H3's SSM kernel."""
     conv, short, ssm, b, c = [], [], [], sizes["b"], 3 * sizes["width"]
+    budget = sizes["toeplitz_mib"] * 2**20 * (16 if device.type == "cuda" else 1)
     for length in sizes["lengths"]:
-        budget = sizes["toeplitz_mib"] * 2**20 * (16 if device.type == "cuda" else 1)
         d, g = max(1, min(sizes["d"], budget // (4 * length * length))), torch.Generator().manual_seed(length)
         u, k, grad_out = (torch.randn(*shape, generator=g)
                           for shape in ((b, length, d), (length, d), (b, length, d)))
-        kernels = {"direct": models.direct_conv, "fft": models.fft_conv}
-        conv += compare(kernels, (u, k / length ** 0.5), grad_out, sizes, device, L=length, B=b, D=d)
-    print_table("2a. Long convolution, forward+backward: fft_conv against direct_conv (an explicit Toeplitz sum)",
-                conv, print_fn)
+        conv += compare({"direct": models.direct_conv, "fft": models.fft_conv},
+                        (u, k / length ** 0.5), grad_out, sizes, device, L=length, B=b, D=d)
     g = torch.Generator().manual_seed(0)
     for length in sizes["lengths"][:2]:
         x, w, bias, grad_out = (torch.randn(*shape, generator=g)
                                 for shape in ((b, length, c), (c, 1, 3), (c,), (b, length, c)))
         kernels = {"reference": models.short_conv_reference, "short_conv": models.short_conv}
         short += compare(kernels, (x, w, bias), grad_out, sizes, device, L=length, B=b, C=c)
-    print_table("2b. Short causal conv SC_3 (Hyena's, C = 3 x width), forward+backward: short_conv against "
-                "short_conv_reference (a shifted copy per tap)", short, print_fn)
     for length in sizes["lengths"][:2]:
         modes = [t.detach() for t in models.H3(sizes["width"]).to(device).diag_modes()]  # (h, n/2)
         reference = lambda A, W, l=length: 2 * torch.einsum("hn,hnl->lh", W, torch.cumprod(
@@ -1395,60 +1394,58 @@ def bench_conv(device, sizes, print_fn):
         kernels = {"reference": reference, "vandermonde": lambda A, W, l=length: models.vandermonde_kernel(A, W, l)}
         (h, half), grad_out = modes[0].shape, torch.randn(length, modes[0].shape[0], generator=g)
         ssm += compare(kernels, modes, grad_out, sizes, device, L=length, H=h, modes=half)
-    print_table("2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward from the modes: vandermonde_kernel "
-                "against the reference's cumprod under autograd", ssm, print_fn)
-    return dict(conv=conv, short_conv=short, ssm_kernel=ssm)
+    return [("conv", conv, "2a. Long convolution, forward+backward: fft_conv against direct_conv "
+             "(an explicit Toeplitz sum)"),
+            ("short_conv", short, "2b. Short causal conv SC_3 (Hyena's, C = 3 x width), "
+             "forward+backward: short_conv against short_conv_reference (a shifted copy per tap)"),
+            ("ssm_kernel", ssm, "2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward "
+             "from the modes: vandermonde_kernel against the reference's cumprod under autograd")]
 
 
-def bench_train(device, sizes, print_fn):
+def bench_train(device, sizes):
     """3: training steps/s at the quick and the paper's AR shape, the fast path against the slow."""
-    rows = []
+    rows, n = [], sizes["steps"]
     for shape, pairs in (("quick", 8), ("paper", 16)):
-        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
-        x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
+        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0).to(device)
         for arch in sizes["archs"] or models.ARCHS:
             fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
                          for k in ("fast", "reference"))
             full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
-            steps = {"fast": make_step(fast, x, q, y, 1e-3), "reference": make_step(ref, x, q, y, 1e-3, full_head)}
-            t = medians({k: lambda s=s: [s() for _ in range(sizes["steps"])][-1].item() for k, s in steps.items()},
+            steps = {"fast": make_step(fast, data), "reference": make_step(ref, data, full_head)}
+            t = medians({k: lambda s=s: [s() for _ in range(n)][-1].item() for k, s in steps.items()},
                         sizes["repeats"], device)
-            rows.append(dict(shape=shape, tokens=x.shape[1], arch=arch, fast_steps_s=sizes["steps"] / t["fast"],
-                             reference_steps_s=sizes["steps"] / t["reference"], speedup=t["reference"] / t["fast"]))
-    print_table(f"3. Training steps/s (d 64, 2 layers, batch {sizes['batch']}, AdamW): fast kernels and readout-only "
-                "head against kernels='reference' and the full-vocabulary head", rows, print_fn)
-    return dict(train=rows)
+            rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
+                             reference_steps_s=n / t["reference"], speedup=t["reference"] / t["fast"]))
+    return [("train", rows, f"3. Training steps/s (d 64, 2 layers, batch {sizes['batch']}, AdamW): "
+             "fast kernels and readout-only head against kernels='reference' and the full-vocabulary head")]
 
 
-def bench_mechanism(device, sizes, print_fn):
+def bench_mechanism(device, sizes):
     """4: the time of one full interventions.mechanism table per architecture (untrained models)."""
     data, rows = mechsm.tasks.make_ar(sizes["docs"], seed=1).to(device), []
     for arch in sizes["archs"] or models.ARCHS:
         model, result = models.build_model(arch, data.vocab_size, 64, 2, seed=0).to(device).eval(), {}
         t = medians({"one": lambda: result.update(interventions.mechanism(model, data, n_docs=sizes["docs"]))}, 1, device)
         rows.append(dict(arch=arch, docs=len(data), cells=sum(len(r["scores"]) for r in result["rows"]), seconds=t["one"]))
-    print_table("4. One full interventions.mechanism table (every site x layer x position)", rows, print_fn)
-    return dict(mechanism=rows)
+    return [("mechanism", rows, "4. One full interventions.mechanism table (every site x layer x position)")]
 
 
-def bench_ensemble(device, sizes, print_fn):
+def bench_ensemble(device, sizes):
     """5: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
-    data = mechsm.tasks.make_ar(sizes["batch"], seed=0)
-    x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
-    rows = []
+    data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0).to(device), []
     for arch in sizes["archs"] or models.ARCHS:
         for k in sizes["ks"]:
             members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
-            group, alone = make_step(mechsm.Ensemble(members), x, q, y, 1e-3), [make_step(m, x, q, y, 1e-3) for m in members]
+            group, alone = make_step(mechsm.Ensemble(members), data), [make_step(m, data) for m in members]
             t = medians({"group": lambda: group().sum().item(), "separate": lambda: [s().item() for s in alone]},
                         sizes["repeats"], device)
             group_ops, separate_ops = ops_per_call(group) / k, ops_per_call(alone[0])
             rows.append(dict(arch=arch, k=k, group_steps_s=k / t["group"], separate_steps_s=k / t["separate"],
                              speedup=t["separate"] / t["group"], group_ops=group_ops, separate_ops=separate_ops,
                              ops_ratio=group_ops / separate_ops))
-    print_table(f"5. K runs (width {sizes['width']}) as one batched model against K models one after another: model-"
-                "steps/s, and operators dispatched per model-step (torch.profiler), optimizer included", rows, print_fn)
-    return dict(ensemble=rows)
+    return [("ensemble", rows, f"5. K runs (width {sizes['width']}) as one batched model against K models "
+             "one after another: model-steps/s, and operators dispatched per model-step (torch.profiler), "
+             "optimizer included")]
 
 
 # Operators that only make a view or read metadata: no kernel on any device, not counted as work.
