@@ -139,8 +139,7 @@ EXPERIMENTS = {e.name: e for e in [
                {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
                 "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
                 "h3": "direct retrieval"},
-               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based",
-                                     "base_conv")
+               quick(QUICK_AR, archs(*"mamba attention h3 deltanet hyena based base_conv".split())
                      + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds={"mamba": [0, 1, 2], "*": [0]}),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
@@ -556,9 +555,8 @@ def append_result(path, record):
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=mechsm.stderr_log()):
-    """Train the runs of `configs` (this shard's: every N-th from I) not complete in `out`, each
-    record appended as it finishes; return the grid's records in `out`. A run lacking its patching
-    table is patched from its checkpoint (else retrained); lr/seed twins batched group_size each."""
+    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
+    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
@@ -655,7 +653,13 @@ def do_job(kind, payload, out, wants):
             if ok and wants["patch"]:
                 record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
             if ok and wants["save"] and not record.get("checkpoint"):
-                record["checkpoint"] = save_checkpoint(model, cfg, out)
+                path = os.path.join("ckpt", file_name(cfg) + ".pt")
+                try:
+                    mechsm.save(model, cfg, os.path.join(out, path))
+                    record["checkpoint"] = path
+                except OSError as e:
+                    print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the "
+                          "run is recorded without it", file=sys.stderr)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
             out_records.append(mechsm.json_safe(record))
@@ -667,18 +671,6 @@ def do_job(kind, payload, out, wants):
         print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
               "it)", file=sys.stderr)
         return []
-
-
-def save_checkpoint(model, cfg, out):
-    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) on failure."""
-    path = os.path.join("ckpt", file_name(cfg) + ".pt")
-    try:
-        mechsm.save(model, cfg, os.path.join(out, path))
-        return path
-    except OSError as e:
-        print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the run is "
-              "recorded without it", file=sys.stderr)
-        return None
 
 
 def patched(model, cfg, dataset):
@@ -750,8 +742,8 @@ class Terminated(KeyboardInterrupt):
 
 def best_by_lr(records):
     """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
-    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best (run)."""
-    groups = {}
+    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best, label."""
+    groups, configs = {}, [config_of(r) for r in records]
     for r in {run_key(r["config"]): r for r in records}.values():
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
@@ -761,14 +753,14 @@ def best_by_lr(records):
         means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
         failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
         best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        runs = per_lr[best_lr]
-        values = [score(r) for r in runs]
+        values = [score(r) for r in per_lr[best_lr]]
         best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
             r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
-                     "best_lr": best_lr, "runs": runs, "best": best, "n_seeds": len(values),
-                     "mean": statistics.fmean(values),
-                     "std": statistics.stdev(values) if len(values) > 1 else 0.0})
+                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
+                     "n_seeds": len(values), "mean": statistics.fmean(values),
+                     "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                     "label": row_label(config_of(best), configs)})
     order = {a: i for i, a in enumerate(ALL_ARCHS)}
     return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
 
@@ -843,17 +835,9 @@ def timeline_text(row):
     return f"- {row['label']}: " + "; ".join(steps)
 
 
-def labelled_rows(records):
-    """best_by_lr of records, each row labelled by row_label against the records' configs."""
-    rows, configs = best_by_lr(records), [config_of(r) for r in records]
-    for row in rows:
-        row["label"] = row_label(config_of(row["best"]), configs)
-    return rows
-
-
 def render(name, preset, records, folder=None):
     """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
-    exp, rows = EXPERIMENTS[name], labelled_rows(records)
+    exp, rows = EXPERIMENTS[name], best_by_lr(records)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
@@ -899,7 +883,7 @@ def summary_table(folder="results"):
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
-    rows = {name: labelled_rows(records[name]) for name, e in EXPERIMENTS.items() if not e.probe}
+    rows = {name: best_by_lr(records[name]) for name, e in EXPERIMENTS.items() if not e.probe}
     lines = []
     for name, exp in EXPERIMENTS.items():
         for row in rows.get(name, []):
@@ -1021,7 +1005,7 @@ def run(argv=None):
     Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
                                                   for r in records))
     only = ("scatter",) if EXPERIMENTS[name].probe else None   # a probe's many runs: the scatter
-    if draw_figures(records, labelled_rows(records), name, out, records[0]["config"]["task"],
+    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"],
                     only) is None:
         print(FIGURES_HINT, file=sys.stderr)
     if trained:
@@ -1083,7 +1067,7 @@ def redraw_figures(folder):
         records = read_results(path) if os.path.exists(path) else [
             r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
         if records:
-            draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"],
+            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"],
                          ("scatter",) if exp.probe else None)
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
@@ -1109,7 +1093,6 @@ def main(argv=None):
 
 
 # ============================================ Figures: the paper's plots, from the records alone
-# matplotlib is optional.
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
@@ -1269,10 +1252,9 @@ def draw_figures(records, rows, name, folder, task="ar", only=None):
     return out
 
 
-# ============================================ `python run.py bench`
-# Each fast path against its slow reference, timed in the same run (medians of interleaved repeats).
-# With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
-# 2 cores: run OMP_WAIT_POLICY=PASSIVE.
+# ============================================ `python run.py bench`: fast paths against references
+# Timed in the same run (medians of interleaved repeats). With OpenMP's spinning wait policy a busy
+# second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 
 def make_step(model, data, forward=None, lr=1e-3):
     """A closure: one training step of `model` (or an Ensemble, or `forward`) on all of `data`."""
