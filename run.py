@@ -613,8 +613,7 @@ def make_groups(configs, group_size=None):
 def run_jobs(jobs_list, out, wants, jobs):
     """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
     if jobs <= 1 or len(jobs_list) <= 1:
-        for kind, payload in jobs_list:
-            yield do_job(kind, payload, out, wants)
+        yield from (do_job(kind, payload, out, wants) for kind, payload in jobs_list)
         return
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
@@ -647,7 +646,6 @@ def do_job(kind, payload, out, wants):
             pairs = [(dict(record), model)]
         else:
             pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
-        out_records = []
         for record, model in pairs:
             cfg, ok = config_of(record), record["status"] == "ok"
             if ok and wants["patch"]:
@@ -662,8 +660,7 @@ def do_job(kind, payload, out, wants):
                           "run is recorded without it", file=sys.stderr)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
-            out_records.append(mechsm.json_safe(record))
-        return out_records
+        return [mechsm.json_safe(record) for record, _ in pairs]
     except Exception as e:
         import traceback
         traceback.print_exc()
@@ -897,12 +894,9 @@ def summary_table(folder="results"):
                               "ours": f"{fmt_pct(row['best']['final'].get('acc'))}, "
                                       f"{mech.get('verdict') or '-'}"})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
-    extras = []
-    for row in rows["ar"]:
-        for name in [k for k in (row["best"].get("mechanism") or {}) if "@" in k]:
-            seen = [fmt_num(r["mechanism"][name]) for r in row["runs"]
-                    if not r["mechanism"].get("low_signal")]
-            extras.append(f"{row['label']}: {', '.join(seen) or 'none'}")
+    extras = [f"{row['label']}: " + (", ".join(fmt_num(r["mechanism"][name]) for r in row["runs"]
+                                           if not r["mechanism"].get("low_signal")) or "none")
+              for row in rows["ar"] for name in row["best"].get("mechanism") or {} if "@" in name]
     if extras:
         out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that "
                    "learned: " + "; ".join(extras) + ".")
