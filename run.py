@@ -139,8 +139,7 @@ EXPERIMENTS = {e.name: e for e in [
                {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
                 "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
                 "h3": "direct retrieval"},
-               quick(QUICK_AR, archs("mamba", "attention", "h3", "deltanet", "hyena", "based",
-                                     "base_conv")
+               quick(QUICK_AR, archs(*"mamba attention h3 deltanet hyena based base_conv".split())
                      + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds={"mamba": [0, 1, 2], "*": [0]}),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
@@ -313,8 +312,7 @@ def catalogue():
 # Every mistake becomes one "error: ..." line (exit 2), before anything runs.
 
 class Parser(argparse.ArgumentParser):
-    """argparse raising ValueError (main prints it), naming an unknown option (argparse would give
-    a typo'd flag's value to the command) or a repeated one; '-' then a digit or '.' is a value."""
+    """argparse that raises ValueError and refuses an unknown or repeated option ('-5': a value)."""
 
     def error(self, message):
         raise ValueError(message)
@@ -439,8 +437,7 @@ def applies(field, cfg):
 
 
 def grid_runs(args, name, device):
-    """(configs, notes): the experiment's grid narrowed by --arch, --d-model, --lr, --seeds, with
-    each field flag set on the runs it applies to (none: an error; some: a note)."""
+    """(configs, notes): the grid narrowed by --arch/--d-model/--lr/--seeds, each field flag set."""
     given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
@@ -524,8 +521,7 @@ def is_record(x):
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out`, in a
-    fixed order; a line that is not a whole record is skipped with one warning."""
+    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
     records = []
     pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
     for path in sorted(glob.glob(pattern)):
@@ -559,9 +555,8 @@ def append_result(path, record):
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=mechsm.stderr_log()):
-    """Train the runs of `configs` (this shard's: every N-th from I) not complete in `out`, each
-    record appended as it finishes; return the grid's records in `out`. A run lacking its patching
-    table is patched from its checkpoint (else retrained); lr/seed twins batched group_size each."""
+    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
+    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
@@ -616,11 +611,9 @@ def make_groups(configs, group_size=None):
 
 
 def run_jobs(jobs_list, out, wants, jobs):
-    """Yield the records of each job as it finishes: here, or in `jobs` spawned one-thread workers,
-    stopped on Ctrl-C, SIGTERM or a crash; a worker killed under us is a WorkerLost."""
+    """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
     if jobs <= 1 or len(jobs_list) <= 1:
-        for kind, payload in jobs_list:
-            yield do_job(kind, payload, out, wants)
+        yield from (do_job(kind, payload, out, wants) for kind, payload in jobs_list)
         return
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
@@ -642,8 +635,7 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 
 def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint: the records (none,
-    the error printed, on a crash: a rerun retries it)."""
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
     try:
         if kind == "patch":
             cfg, record = payload
@@ -654,17 +646,21 @@ def do_job(kind, payload, out, wants):
             pairs = [(dict(record), model)]
         else:
             pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
-        out_records = []
         for record, model in pairs:
             cfg, ok = config_of(record), record["status"] == "ok"
             if ok and wants["patch"]:
                 record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
             if ok and wants["save"] and not record.get("checkpoint"):
-                record["checkpoint"] = save_checkpoint(model, cfg, out)
+                path = os.path.join("ckpt", file_name(cfg) + ".pt")
+                try:
+                    mechsm.save(model, cfg, os.path.join(out, path))
+                    record["checkpoint"] = path
+                except OSError as e:
+                    print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the "
+                          "run is recorded without it", file=sys.stderr)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
-            out_records.append(mechsm.json_safe(record))
-        return out_records
+        return [mechsm.json_safe(record) for record, _ in pairs]
     except Exception as e:
         import traceback
         traceback.print_exc()
@@ -674,21 +670,8 @@ def do_job(kind, payload, out, wants):
         return []
 
 
-def save_checkpoint(model, cfg, out):
-    """mechsm.save under out/ckpt/: the path relative to `out`, or None (a warning) on failure."""
-    path = os.path.join("ckpt", file_name(cfg) + ".pt")
-    try:
-        mechsm.save(model, cfg, os.path.join(out, path))
-        return path
-    except OSError as e:
-        print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the run is "
-              "recorded without it", file=sys.stderr)
-        return None
-
-
 def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table of `dataset` and the numbers the
-    tables show (the headline site's Attrib@X, a 1-layer model's mixer output; verdict; extras)."""
+    """A record's patching fields: interventions.mechanism's table and the numbers tables show."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
@@ -756,8 +739,8 @@ class Terminated(KeyboardInterrupt):
 
 def best_by_lr(records):
     """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
-    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best (run)."""
-    groups = {}
+    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best, label."""
+    groups, configs = {}, [config_of(r) for r in records]
     for r in {run_key(r["config"]): r for r in records}.values():
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
@@ -767,14 +750,14 @@ def best_by_lr(records):
         means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
         failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
         best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        runs = per_lr[best_lr]
-        values = [score(r) for r in runs]
+        values = [score(r) for r in per_lr[best_lr]]
         best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
             r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
-                     "best_lr": best_lr, "runs": runs, "best": best, "n_seeds": len(values),
-                     "mean": statistics.fmean(values),
-                     "std": statistics.stdev(values) if len(values) > 1 else 0.0})
+                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
+                     "n_seeds": len(values), "mean": statistics.fmean(values),
+                     "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                     "label": row_label(config_of(best), configs)})
     order = {a: i for i, a in enumerate(ALL_ARCHS)}
     return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
 
@@ -849,17 +832,9 @@ def timeline_text(row):
     return f"- {row['label']}: " + "; ".join(steps)
 
 
-def labelled_rows(records):
-    """best_by_lr of records, each row labelled by row_label against the records' configs."""
-    rows, configs = best_by_lr(records), [config_of(r) for r in records]
-    for row in rows:
-        row["label"] = row_label(config_of(row["best"]), configs)
-    return rows
-
-
 def render(name, preset, records, folder=None):
     """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
-    exp, rows = EXPERIMENTS[name], labelled_rows(records)
+    exp, rows = EXPERIMENTS[name], best_by_lr(records)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
@@ -890,8 +865,7 @@ def render(name, preset, records, folder=None):
 
 
 def holds(paper_text, row):
-    """'yes'/'no': whether the row has the verdict the paper's text names ('unreadable': too little
-    signal), or fails where it says "fails"; '-' where the paper gives only a number."""
+    """'yes'/'no'/'unreadable': whether the row bears out the paper's text ('-': a number only)."""
     verdict = (row["best"].get("mechanism") or {}).get("verdict")
     for word in ("induction", "direct retrieval"):
         if word in paper_text:
@@ -902,12 +876,11 @@ def holds(paper_text, row):
 
 
 def summary_table(folder="results"):
-    """The README's summary: each row the paper quotes, the paper's number beside ours (accuracy,
-    verdict) and whether the claim holds; then the `ar` timing and the probes' tables."""
+    """The README's summary: each row the paper quotes beside ours; the `ar` timing; the probes."""
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
-    rows = {name: labelled_rows(records[name]) for name, e in EXPERIMENTS.items() if not e.probe}
+    rows = {name: best_by_lr(records[name]) for name, e in EXPERIMENTS.items() if not e.probe}
     lines = []
     for name, exp in EXPERIMENTS.items():
         for row in rows.get(name, []):
@@ -921,12 +894,9 @@ def summary_table(folder="results"):
                               "ours": f"{fmt_pct(row['best']['final'].get('acc'))}, "
                                       f"{mech.get('verdict') or '-'}"})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
-    extras = []
-    for row in rows["ar"]:
-        for name in [k for k in (row["best"].get("mechanism") or {}) if "@" in k]:
-            seen = [fmt_num(r["mechanism"][name]) for r in row["runs"]
-                    if not r["mechanism"].get("low_signal")]
-            extras.append(f"{row['label']}: {', '.join(seen) or 'none'}")
+    extras = [f"{row['label']}: " + (", ".join(fmt_num(r["mechanism"][name]) for r in row["runs"]
+                                           if not r["mechanism"].get("low_signal")) or "none")
+              for row in rows["ar"] for name in row["best"].get("mechanism") or {} if "@" in name]
     if extras:
         out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that "
                    "learned: " + "; ".join(extras) + ".")
@@ -1029,7 +999,7 @@ def run(argv=None):
     Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
                                                   for r in records))
     only = ("scatter",) if EXPERIMENTS[name].probe else None   # a probe's many runs: the scatter
-    if draw_figures(records, labelled_rows(records), name, out, records[0]["config"]["task"],
+    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"],
                     only) is None:
         print(FIGURES_HINT, file=sys.stderr)
     if trained:
@@ -1091,7 +1061,7 @@ def redraw_figures(folder):
         records = read_results(path) if os.path.exists(path) else [
             r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
         if records:
-            draw_figures(records, labelled_rows(records), name, folder, records[0]["config"]["task"],
+            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"],
                          ("scatter",) if exp.probe else None)
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
@@ -1116,9 +1086,7 @@ def main(argv=None):
         signal.signal(signal.SIGTERM, previous)
 
 
-# ==============================================================================================
-# Figures: the paper's plots of an experiment, from its records alone. matplotlib is optional.
-# ==============================================================================================
+# ============================================ Figures: the paper's plots, from the records alone
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
@@ -1154,8 +1122,7 @@ def grid(fig, n, cols, height):
 
 
 def plot_scatter(fig, records):
-    """Attrib@Value against Attrib@Query, every patched run (hollow: too little signal), with the
-    verdict's induction and direct-retrieval regions shaded (the paper's Fig. 3 plane)."""
+    """Attrib@Value against Attrib@Query of every patched run, the verdicts' regions (Fig. 3)."""
     runs = patched_runs(records)
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
@@ -1259,8 +1226,7 @@ def plot_box(fig, records):
 
 
 def draw_figures(records, rows, name, folder, task="ar", only=None):
-    """folder/<name>_<kind>.png for each kind with something to draw: scatter, timeline, heatmaps,
-    width (a label with several widths), box (ATR). {kind: its data}; None without matplotlib."""
+    """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1280,21 +1246,19 @@ def draw_figures(records, rows, name, folder, task="ar", only=None):
     return out
 
 
-# ==============================================================================================
-# `python run.py bench`: each fast path against its slow reference, timed in the same run (medians
-# of interleaved repeats). With OpenMP's spinning wait policy a busy second process made the loop
-# kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
-# ==============================================================================================
+# ============================================ `python run.py bench`: fast paths against references
+# Timed in the same run (medians of interleaved repeats). With OpenMP's spinning wait policy a busy
+# second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 
-def make_step(model, tokens, queries, answers, lr, forward=None):
-    """A closure: one training step of `model` (or an Ensemble) as train() steps; returns the loss.
-    forward(tokens, readout=), if given, stands in for model in the loss."""
+def make_step(model, data, forward=None, lr=1e-3):
+    """A closure: one training step of `model` (or an Ensemble, or `forward`) on all of `data`."""
     optimizer = model.optimizer if isinstance(model, mechsm.Ensemble) else mechsm.adamw(model, lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
 
     def step():
-        loss = mechsm.answer_loss(forward or model, tokens, queries, answers)
+        loss = mechsm.answer_loss(forward or model, data.tokens, data.positions["query"],
+                                  data.answers)
         optimizer.zero_grad(set_to_none=True)
         loss.sum().backward()
         optimizer.step()
@@ -1323,85 +1287,82 @@ def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             for part in parts:
-                measures = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)
-                result.update(measures[part - 1](device, SIZES[size], print_fn))
+                measure = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)[part - 1]
+                for key, rows, title in measure(device, SIZES[size]):
+                    print_table(title, rows, print_fn)
+                    result[key] = rows
     finally:
         torch.set_num_threads(threads)
     return result
 
 
-def bench_scan(device, sizes, print_fn):
+def bench_scan(device, sizes):
     """1a: the plain scan h_t = a_t h_(t-1) + b_t, Mamba-shaped inputs; 1b: the selective scan."""
     plain, selective, e, n = [], [], sizes["e"], sizes["n"]
     for length in sizes["lengths"]:
         b, g = max(1, min(sizes["b"], sizes["tokens"] // length)), torch.Generator().manual_seed(length)
         # a fresh Mamba layer's: delta log-uniform in [1e-3, 1e-1], A = -(1..n), u, B, C normal
-        delta = torch.exp(torch.empty(b, length, e).uniform_(math.log(1e-3), math.log(1e-1), generator=g))
+        delta = torch.empty(b, length, e).uniform_(math.log(1e-3), math.log(0.1), generator=g).exp()
         A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
         u, B, C = (torch.randn(b, length, k, generator=g) for k in (e, n, n))
         a, bu = torch.exp(delta[..., None] * A), (delta * u)[..., None] * B[:, :, None]   # a_t, b_t
         g = torch.Generator().manual_seed(1)
-        kernels = {"sequential": models.sequential_scan, "scan": models.scan, "parallel": models.parallel_scan_custom_grad}
-        plain += compare(kernels, (a, bu), torch.randn(a.shape, generator=g), sizes, device,
-                         L=length, B=b)
-        kernels = {"reference": models.selective_scan_reference, "selective_scan": models.selective_scan}
-        rows = compare(kernels, (u, delta, A, B, C), torch.randn(u.shape, generator=g), sizes,
-                       device, L=length, B=b)
+        plain += compare({"sequential": models.sequential_scan, "scan": models.scan,
+                          "parallel": models.parallel_scan_custom_grad}, (a, bu),
+                         torch.randn(a.shape, generator=g), sizes, device, L=length, B=b)
+        rows = compare({"reference": models.selective_scan_reference,
+                        "selective_scan": models.selective_scan}, (u, delta, A, B, C),
+                       torch.randn(u.shape, generator=g), sizes, device, L=length, B=b)
         state = a.to(device, copy=True)      # the floor: one in-place pass over that state
         floor = medians({"pass": lambda: state.mul_(1.0)}, max(3, sizes["repeats"]), device)["pass"]
         selective += [dict(row, passes=row["ms"] / (1e3 * floor)) for row in rows]
-    print_table(f"1a. Plain scan, Mamba-shaped a, b (B, L, {e}, {n}): `scan` (shipped, picked per "
-                "device) and `parallel_scan_custom_grad` against `sequential_scan` (plain autograd)", plain, print_fn)
-    print_table("1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + delta_t B_t u_t, y = sum_n C h: "
-                "`selective_scan` against `selective_scan_reference` (materialised + plain loop); passes = "
-                "forward+backward time in elementwise passes over its (B, L, e, n) state (x.mul_(1.0), the floor)",
-                selective, print_fn)
-    return dict(scan=plain, selective_scan=selective)
+    return [("scan", plain, f"1a. Plain scan, Mamba-shaped a, b (B, L, {e}, {n}): `scan` (shipped, "
+             "picked per device) and `parallel_scan_custom_grad` against `sequential_scan` (plain "
+             "autograd)"),
+            ("selective_scan", selective, "1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + "
+             "delta_t B_t u_t, y = sum_n C h: `selective_scan` against `selective_scan_reference` "
+             "(materialised + plain loop); passes = forward+backward time in elementwise passes over "
+             "its (B, L, e, n) state (x.mul_(1.0), the floor)")]
 
 
 def compare(kernels, inputs, grad_out, sizes, device, **fields):
-    """Rows: `fields`, then forward+backward of each kernel(*inputs): ms, speed-up over the first
-    (the reference), errors of output and gradients against the reference in float64."""
+    """Rows: forward+backward of each kernel(*inputs) timed, and its errors against the first's."""
     inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
+    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
 
-    def forward_backward(kernel, xs):
+    def forward_backward(kernel, xs):                          # [out, *grads]
         xs = [x.detach().requires_grad_() for x in xs]
         out = kernel(*xs)
-        return out, torch.autograd.grad(out, xs, grad_out.to(out.dtype))
+        return [out, *torch.autograd.grad(out, xs, grad_out.to(out.dtype))]
 
-    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
-    out64, grads64 = forward_backward(kernels[first], [wide(x) for x in inputs])
+    exact = forward_backward(kernels[first], [wide(x) for x in inputs])
     times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()},
                     sizes["repeats"], device)
-    rows = []
-    for name, kernel in kernels.items():
-        out, grads = forward_backward(kernel, inputs)
-        rel = [(wide(g) - g64).abs().max() / g64.abs().max().clamp(min=1e-30) for g, g64 in zip(grads, grads64)]
-        rows.append(dict(fields, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
-                         max_abs_err=(out.double() - out64).abs().max().item(), grad_rel_err=max(rel).item()))
-    return rows
+
+    def errors(got):
+        err = [(wide(x) - x64).abs().max() for x, x64 in zip(got, exact)]
+        rel = max(e / x64.abs().max().clamp(min=1e-30) for e, x64 in zip(err[1:], exact[1:]))
+        return dict(max_abs_err=err[0].item(), grad_rel_err=rel.item())
+    return [dict(fields, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
+                 **errors(forward_backward(kernel, inputs))) for name, kernel in kernels.items()]
 
 
-def bench_conv(device, sizes, print_fn):
+def bench_conv(device, sizes):
     """2a: the long convolution u (B, L, d) * k (L, d); 2b: the short conv; 2c: H3's SSM kernel."""
     conv, short, ssm, b, c = [], [], [], sizes["b"], 3 * sizes["width"]
+    budget = sizes["toeplitz_mib"] * 2**20 * (16 if device.type == "cuda" else 1)
     for length in sizes["lengths"]:
-        budget = sizes["toeplitz_mib"] * 2**20 * (16 if device.type == "cuda" else 1)
         d, g = max(1, min(sizes["d"], budget // (4 * length * length))), torch.Generator().manual_seed(length)
         u, k, grad_out = (torch.randn(*shape, generator=g)
                           for shape in ((b, length, d), (length, d), (b, length, d)))
-        kernels = {"direct": models.direct_conv, "fft": models.fft_conv}
-        conv += compare(kernels, (u, k / length ** 0.5), grad_out, sizes, device, L=length, B=b, D=d)
-    print_table("2a. Long convolution, forward+backward: fft_conv against direct_conv (an explicit Toeplitz sum)",
-                conv, print_fn)
+        conv += compare({"direct": models.direct_conv, "fft": models.fft_conv},
+                        (u, k / length ** 0.5), grad_out, sizes, device, L=length, B=b, D=d)
     g = torch.Generator().manual_seed(0)
     for length in sizes["lengths"][:2]:
         x, w, bias, grad_out = (torch.randn(*shape, generator=g)
                                 for shape in ((b, length, c), (c, 1, 3), (c,), (b, length, c)))
         kernels = {"reference": models.short_conv_reference, "short_conv": models.short_conv}
         short += compare(kernels, (x, w, bias), grad_out, sizes, device, L=length, B=b, C=c)
-    print_table("2b. Short causal conv SC_3 (Hyena's, C = 3 x width), forward+backward: short_conv against "
-                "short_conv_reference (a shifted copy per tap)", short, print_fn)
     for length in sizes["lengths"][:2]:
         modes = [t.detach() for t in models.H3(sizes["width"]).to(device).diag_modes()]  # (h, n/2)
         reference = lambda A, W, l=length: 2 * torch.einsum("hn,hnl->lh", W, torch.cumprod(
@@ -1409,60 +1370,58 @@ def bench_conv(device, sizes, print_fn):
         kernels = {"reference": reference, "vandermonde": lambda A, W, l=length: models.vandermonde_kernel(A, W, l)}
         (h, half), grad_out = modes[0].shape, torch.randn(length, modes[0].shape[0], generator=g)
         ssm += compare(kernels, modes, grad_out, sizes, device, L=length, H=h, modes=half)
-    print_table("2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward from the modes: vandermonde_kernel "
-                "against the reference's cumprod under autograd", ssm, print_fn)
-    return dict(conv=conv, short_conv=short, ssm_kernel=ssm)
+    return [("conv", conv, "2a. Long convolution, forward+backward: fft_conv against direct_conv "
+             "(an explicit Toeplitz sum)"),
+            ("short_conv", short, "2b. Short causal conv SC_3 (Hyena's, C = 3 x width), "
+             "forward+backward: short_conv against short_conv_reference (a shifted copy per tap)"),
+            ("ssm_kernel", ssm, "2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward "
+             "from the modes: vandermonde_kernel against the reference's cumprod under autograd")]
 
 
-def bench_train(device, sizes, print_fn):
+def bench_train(device, sizes):
     """3: training steps/s at the quick and the paper's AR shape, the fast path against the slow."""
-    rows = []
+    rows, n = [], sizes["steps"]
     for shape, pairs in (("quick", 8), ("paper", 16)):
-        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
-        x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
+        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0).to(device)
         for arch in sizes["archs"] or models.ARCHS:
             fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
                          for k in ("fast", "reference"))
             full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
-            steps = {"fast": make_step(fast, x, q, y, 1e-3), "reference": make_step(ref, x, q, y, 1e-3, full_head)}
-            t = medians({k: lambda s=s: [s() for _ in range(sizes["steps"])][-1].item() for k, s in steps.items()},
+            steps = {"fast": make_step(fast, data), "reference": make_step(ref, data, full_head)}
+            t = medians({k: lambda s=s: [s() for _ in range(n)][-1].item() for k, s in steps.items()},
                         sizes["repeats"], device)
-            rows.append(dict(shape=shape, tokens=x.shape[1], arch=arch, fast_steps_s=sizes["steps"] / t["fast"],
-                             reference_steps_s=sizes["steps"] / t["reference"], speedup=t["reference"] / t["fast"]))
-    print_table(f"3. Training steps/s (d 64, 2 layers, batch {sizes['batch']}, AdamW): fast kernels and readout-only "
-                "head against kernels='reference' and the full-vocabulary head", rows, print_fn)
-    return dict(train=rows)
+            rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
+                             reference_steps_s=n / t["reference"], speedup=t["reference"] / t["fast"]))
+    return [("train", rows, f"3. Training steps/s (d 64, 2 layers, batch {sizes['batch']}, AdamW): "
+             "fast kernels and readout-only head against kernels='reference' and the full-vocabulary head")]
 
 
-def bench_mechanism(device, sizes, print_fn):
+def bench_mechanism(device, sizes):
     """4: the time of one full interventions.mechanism table per architecture (untrained models)."""
     data, rows = mechsm.tasks.make_ar(sizes["docs"], seed=1).to(device), []
     for arch in sizes["archs"] or models.ARCHS:
         model, result = models.build_model(arch, data.vocab_size, 64, 2, seed=0).to(device).eval(), {}
         t = medians({"one": lambda: result.update(interventions.mechanism(model, data, n_docs=sizes["docs"]))}, 1, device)
         rows.append(dict(arch=arch, docs=len(data), cells=sum(len(r["scores"]) for r in result["rows"]), seconds=t["one"]))
-    print_table("4. One full interventions.mechanism table (every site x layer x position)", rows, print_fn)
-    return dict(mechanism=rows)
+    return [("mechanism", rows, "4. One full interventions.mechanism table (every site x layer x position)")]
 
 
-def bench_ensemble(device, sizes, print_fn):
+def bench_ensemble(device, sizes):
     """5: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
-    data = mechsm.tasks.make_ar(sizes["batch"], seed=0)
-    x, q, y = (t.to(device) for t in (data.tokens, data.positions["query"], data.answers))
-    rows = []
+    data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0).to(device), []
     for arch in sizes["archs"] or models.ARCHS:
         for k in sizes["ks"]:
             members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
-            group, alone = make_step(mechsm.Ensemble(members), x, q, y, 1e-3), [make_step(m, x, q, y, 1e-3) for m in members]
+            group, alone = make_step(mechsm.Ensemble(members), data), [make_step(m, data) for m in members]
             t = medians({"group": lambda: group().sum().item(), "separate": lambda: [s().item() for s in alone]},
                         sizes["repeats"], device)
             group_ops, separate_ops = ops_per_call(group) / k, ops_per_call(alone[0])
             rows.append(dict(arch=arch, k=k, group_steps_s=k / t["group"], separate_steps_s=k / t["separate"],
                              speedup=t["separate"] / t["group"], group_ops=group_ops, separate_ops=separate_ops,
                              ops_ratio=group_ops / separate_ops))
-    print_table(f"5. K runs (width {sizes['width']}) as one batched model against K models one after another: model-"
-                "steps/s, and operators dispatched per model-step (torch.profiler), optimizer included", rows, print_fn)
-    return dict(ensemble=rows)
+    return [("ensemble", rows, f"5. K runs (width {sizes['width']}) as one batched model against K models "
+             "one after another: model-steps/s, and operators dispatched per model-step (torch.profiler), "
+             "optimizer included")]
 
 
 # Operators that only make a view or read metadata: no kernel on any device, not counted as work.
