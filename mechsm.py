@@ -124,9 +124,8 @@ class Config:
             ("d_conv", lambda v: v is None or whole(0)(v),
              "a non-negative integer below 2**31 or None"),
             ("seed data_seed", whole(0, 2**63), "a non-negative integer below 2**63"),
-            ("device", lambda v: v in DEVICES or str(v).startswith("cuda:"), " or ".join(DEVICES)),
-            ("device", lambda v: not str(v).startswith("cuda") or torch.cuda.is_available(),
-             "cpu or auto (torch.cuda.is_available() is False here)")]
+            ("device", lambda v: (v in DEVICES or str(v).startswith("cuda:")) and resolve_device(v),
+             " or ".join(DEVICES))]     # resolve_device: one line for a CUDA device this machine lacks
         for names, ok, allowed in rules:
             for name in names.split():
                 if not ok(getattr(self, name)):
