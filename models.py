@@ -24,8 +24,7 @@ import torch.nn.functional as F
 # ============================================ 1. Hook points and the mixer interface
 
 class HookPoint(nn.Identity):
-    """The identity, marking an intervention site (interventions.py hooks it). seq_dim: the token
-    axis (1 for (b, l, ...), 2 for (b, h, l, l) patterns), None for parameter-only tensors."""
+    """An intervention site (the identity); seq_dim: its token axis (2 in (b,h,l,l), None: none)."""
 
     def __init__(self, seq_dim=1):
         super().__init__()
@@ -55,8 +54,7 @@ class Mixer(nn.Module):
 # ============================================ 2. Reference kernels (their fast twins: section 5)
 
 def sequential_scan(a, b):
-    """h_t = a_t h_{t-1} + b_t along dim 1, h_{-1} = 0: a Python loop under autograd (obviously
-    right). `unbind` (not `x[:, t]`) keeps the backward linear in l."""
+    """h_t = a_t h_{t-1} + b_t on dim 1, h_{-1} = 0, by a loop; `unbind` keeps the backward O(l)."""
     h, out = torch.zeros_like(b[:, 0]), []
     for a_t, b_t in zip(a.unbind(1), b.unbind(1)):
         h = a_t * h + b_t
@@ -183,18 +181,16 @@ class BaseConv(Mixer):
         self.projection = nn.Linear(d_model, d_model)
         self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()
         if kernel_size == -1:  # Z trained as in the paper (README, difference 13) unless frozen
-            Z = hyena_positional_features(n_positions)
-            self.Z = nn.Parameter(Z, requires_grad=not freeze_features)
+            self.Z = nn.Parameter(hyena_positional_features(n_positions), not freeze_features)
             self.filter_mlp = nn.Sequential(nn.Linear(3, 16), nn.ReLU(), nn.Linear(16, d_model))
             self.hook_filter, self.hook_longconv = HookPoint(seq_dim=None), HookPoint()  # kappa; LC
         else:
             self.conv = nn.Conv1d(d_model, d_model, kernel_size, groups=d_model)  # for short_conv
 
     def mix(self, u):
-        l = u.shape[1]
         p = self.hook_proj(self.projection(u))                              # (b,l,d)
         if self.kernel_size == -1:
-            kappa = self.hook_filter(self.filter_mlp(self.Z[:l]))       # (l,3) -> (l,16) -> (l,d)
+            kappa = self.hook_filter(self.filter_mlp(self.Z[:u.shape[1]]))  # (l,3)->(l,16)->(l,d)
             c = self.hook_longconv(long_conv(u, kappa, self.reference)) + u  # a built-in identity
         else:
             c = self.short_conv(u, self.conv.weight, self.conv.bias)
@@ -282,8 +278,7 @@ class H3(Mixer):
             raise ValueError(f"H3: sequence length {length} exceeds d_state={n}; raise h3_d_state")
         B, C = self.shift_B, self.shift_C
         if self.reference:
-            lags = [(B[:, :n - lag] * C[:, lag:]).sum(-1) for lag in range(length)]  # l x (d,)
-            return torch.stack(lags, dim=0)                                          # (l, d)
+            return torch.stack([(B[:, :n - lag] * C[:, lag:]).sum(-1) for lag in range(length)])
         # Cross-correlation by FFT; padding to 2n keeps lags 0..n-1 free of wrap-around.
         work = torch.promote_types(B.dtype, torch.float32)  # no half-precision FFT on CPU
         spectrum = torch.fft.rfft(C.to(work), n=2 * n) * torch.fft.rfft(B.to(work), n=2 * n).conj()
@@ -397,12 +392,10 @@ class Mamba(Mixer):
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16,
                  expand=2, **options):
         super().__init__(reference)
-        d_conv = 4 if d_conv is None else d_conv
-        e, n = expand * d_model, d_state
-        self.d_conv, self.d_state = d_conv, d_state
+        e, n, kernel = expand * d_model, d_state, d_conv or 4
+        self.d_conv, self.d_state = 4 if d_conv is None else d_conv, d_state
         self.dt_rank = math.ceil(d_model / 16)
         self.in_proj = nn.Linear(d_model, 2 * e, bias=False)
-        kernel = d_conv if d_conv > 0 else 4
         self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # for short_conv
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
@@ -412,12 +405,11 @@ class Mamba(Mixer):
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
         self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
-        self.A_log = nn.Parameter(torch.arange(1, n + 1, dtype=torch.float32).log().repeat(e, 1))  # S4D-real
+        self.A_log = nn.Parameter(torch.arange(1, n + 1).float().log().repeat(e, 1))  # S4D-real
         self.D = nn.Parameter(torch.ones(e))
         self.out_proj = nn.Linear(e, d_model, bias=False)
         self.hook_x, self.hook_z = HookPoint(), HookPoint()         # xi, z (b,l,e)
         self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC_K(xi), u (b,l,e)
-        # the rest (b, l, e) but B, C (b, l, n)
         self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()
         self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()
 
@@ -713,8 +705,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
     unknown = sorted(set(options) - mixer_options())
     if unknown:
-        known = sorted(mixer_options() | {"pos_emb", "n_positions", "n_heads", "d_conv", "long_only", "kernels",
-                                          "seed"})
+        known = sorted(mixer_options() | {"pos_emb", "kernels", "seed"})  # and the mixers' own
         close = difflib.get_close_matches(unknown[0], known, n=1)
         raise ValueError(f"build_model: unknown option {unknown[0]!r}"
                          + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
@@ -781,8 +772,7 @@ def parallel_scan(a, b):
     b_even, b_odd = b[:, 0::2], b[:, 1::2]
     h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
     h_even = torch.addcmul(b_even, a_even, _shift_right(h_odd, 1, 0.0))  # h_0, h_2, ... (h_{-1} = 0)
-    h = torch.stack([h_even, h_odd], dim=2).flatten(1, 2)         # interleave -> (b, l (+1), ...)
-    return h[:, :length]
+    return torch.stack([h_even, h_odd], dim=2).flatten(1, 2)[:, :length]  # interleave: (b, l, ...)
 
 
 class _ParallelScanFn(torch.autograd.Function):
@@ -817,8 +807,8 @@ parallel_scan_custom_grad = _ParallelScanFn.apply  # `scan` and `selective_scan`
 
 
 def scan(a, b, reference=False):
-    """h_t = a_t h_{t-1} + b_t: sequential_scan on a CPU (or with reference=True), else parallel_scan_custom_grad."""
-    return sequential_scan(a, b) if reference or a.device.type == "cpu" else parallel_scan_custom_grad(a, b)
+    """h_t = a_t h_{t-1} + b_t: sequential_scan on a CPU or if reference, else the parallel scan."""
+    return sequential_scan(a, b) if reference or a.is_cpu else parallel_scan_custom_grad(a, b)
 
 
 def _selective_states(u, delta, A, B):
@@ -967,8 +957,8 @@ vandermonde_kernel = _VandermondeFn.apply  # H3's diagonal-SSM kernel (l, h) fro
 
 def fft_conv(u, k):
     """direct_conv by real FFT, O(l log l), zero-padded to 2l (no wrap-around), length on the contiguous axis."""
-    length = u.shape[1]
-    n = 2 * length
+    length, n = u.shape[1], 2 * u.shape[1]
+
     work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU
     u_f = torch.fft.rfft(u.to(work).transpose(1, 2), n=n)  # (b, d, l+1) complex
     k_f = torch.fft.rfft(k.to(work).t(), n=n)              # (d, l+1) complex
