@@ -79,9 +79,9 @@ def direct_conv(u, k):
     return torch.einsum("tsd,bsd->btd", toeplitz, u)      # (l,l,d) x (b,l,d) -> (b,l,d)
 
 
-def _shift_right(x, s, fill):
-    """out[:, t] = x[:, t - s], the first s entries `fill`."""
-    return torch.cat([torch.full_like(x[:, :s], fill), x[:, :-s]], dim=1)
+def _shift_right(x, s):
+    """out[:, t] = x[:, t - s], the first s entries 0."""
+    return torch.cat([torch.zeros_like(x[:, :s]), x[:, :x.shape[1] - s]], dim=1)
 
 
 def short_conv_reference(x, weight, bias=None):
@@ -90,8 +90,7 @@ def short_conv_reference(x, weight, bias=None):
     kernel = weight.shape[-1]
     y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
     for j in range(kernel):
-        shift = kernel - 1 - j                           # how many steps back tap j looks
-        y = y + weight[:, 0, j] * (_shift_right(x, shift, 0.0) if shift > 0 else x)
+        y = y + weight[:, 0, j] * _shift_right(x, kernel - 1 - j)  # tap j looks K-1-j steps back
     return y
 
 
@@ -150,10 +149,9 @@ class Attention(Mixer):
 
     def mix(self, x):
         b, l, d = x.shape
-        h = self.n_heads
-        q, k, v = self.Wqkv(x).view(b, l, 3, h, d // h).unbind(2)  # blocks of d: (b,l,h,k) x3
+        q, k, v = self.Wqkv(x).view(b, l, 3, self.n_heads, -1).unbind(2)  # (b,l,h,k) x3
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // h)  # (b,h,l,l)
+        scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // self.n_heads)  # (b,h,l,l)
         # -inf, not upstream's -1e4: exactly zero weight (a difference of ~e^-1e4)
         future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
         pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
@@ -346,8 +344,7 @@ class HyenaFilter(nn.Module):
 
 class Hyena(Mixer):
     """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC_3(x W_in + b_in), s = v x1,
-    y = LC(s; h), out = (y x2) W_out + b_out. The skip beta s is inert, as in the paper (bias=False:
-    0 beta; hyena_skip=True)."""
+    y = LC(s; h) + 0 beta s (the paper's; hyena_skip: beta s), out = (y x2) W_out + b_out."""
     FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
 
@@ -480,11 +477,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, d_model, mixer):
         super().__init__()
         self.hook_resid_pre = HookPoint()   # block input
-        self.ln1 = nn.LayerNorm(d_model)
-        self.mixer = mixer
+        self.ln1, self.mixer = nn.LayerNorm(d_model), mixer
         self.hook_resid_mid = HookPoint()   # after the mixer's residual add
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model)
+        self.ln2, self.mlp = nn.LayerNorm(d_model), MLP(d_model)
         self.hook_resid_post = HookPoint()  # block output
 
     def forward(self, r, rows=None):
@@ -508,8 +503,7 @@ class MambaBlock(nn.Module):
     def __init__(self, d_model, mixer):
         super().__init__()
         self.hook_resid_pre = HookPoint()
-        self.norm = RMSNorm(d_model)
-        self.mixer = mixer
+        self.norm, self.mixer = RMSNorm(d_model), mixer
         self.hook_resid_post = HookPoint()
 
     def forward(self, r):
@@ -518,7 +512,7 @@ class MambaBlock(nn.Module):
 
 
 class LM(nn.Module):
-    """Token (+ optional learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
+    """Token (+ learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
 
     def __init__(self, vocab_size, d_model, blocks, pos_emb=False, n_positions=1024):
         super().__init__()
@@ -542,8 +536,8 @@ class LM(nn.Module):
         return r
 
     def forward(self, tokens, readout=None):
-        """tokens (b, l) -> logits (b, l, v), or (b, v) at readout (b,) positions. Speed: the last block's MLP
-        then runs on the readout rows alone when unhooked (~1/6 of a Transformer step at AR's 21 tokens)."""
+        """tokens (b, l) -> logits (b, l, v), or (b, v) at readout (b,) positions. Speed: the last
+        block's MLP then sees the readout rows only if unhooked (~1/6 of a Transformer step on AR)."""
         last = self.blocks[-1] if len(self.blocks) else None
         if readout is not None and isinstance(last, TransformerBlock) and last.rows_only_ok():
             return self.logits(self.hidden(tokens, readout)[:, 0])
@@ -634,8 +628,7 @@ def register(name, mixer, description):
     """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name`."""
     if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
         raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
-    MIXER_CLASSES[name] = mixer
-    ARCHS[name] = description
+    MIXER_CLASSES[name], ARCHS[name] = mixer, description
 
 
 # The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
@@ -705,7 +698,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
     unknown = sorted(set(options) - mixer_options())
     if unknown:
-        known = sorted(mixer_options() | {"pos_emb", "kernels", "seed"})  # and the mixers' own
+        known = sorted(mixer_options() | {"pos_emb", "kernels", "seed"})  # the rest are mixer options
         close = difflib.get_close_matches(unknown[0], known, n=1)
         raise ValueError(f"build_model: unknown option {unknown[0]!r}"
                          + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
@@ -713,8 +706,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
                       kernels=kernels, seed=seed, **options)
-    mamba_blocks = mixer_attr(arch, "MAMBA_BLOCK")
-    Block = MambaBlock if mamba_blocks else TransformerBlock
+    Block = MambaBlock if mixer_attr(arch, "MAMBA_BLOCK") else TransformerBlock
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
@@ -732,7 +724,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
             size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
             raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} "
                              f"model is too large to allocate{size}") from None
-        init_weights(model, n_layers, mamba_blocks)
+        init_weights(model, n_layers, Block is MambaBlock)
     model.build_args = build_args
     return model
 
@@ -741,7 +733,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
 
 @contextlib.contextmanager
 def _one_thread():
-    """A loop of small CPU ops on one thread: hand-offs cost more than they gain (Mamba: 13.6 steps/s, 11.5 on 2)."""
+    """Loops of small CPU ops on one thread: hand-offs cost more (Mamba 13.6 steps/s, 11.5 on 2)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -751,8 +743,7 @@ def _one_thread():
 
 
 def _fold_into_batch(info, in_dims, tensors):
-    """A vmap rule's first half: each tensor (vmapped at in_dims[i], None: expanded) -> (r*b, ...),
-    member-major, so the plain kernel runs once on all members (the rule unflattens its output)."""
+    """Tensors vmapped at in_dims (None: expanded) -> (r*b, ...), member-major, for a vmap rule."""
     members = [x.movedim(dim, 0) if dim is not None else x.expand(info.batch_size, *x.shape)
                for x, dim in zip(tensors, in_dims)]                          # (r, b, ...) each
     return [x.reshape(-1, *x.shape[2:]) for x in members]                    # (r*b, ...) each
@@ -771,7 +762,7 @@ def parallel_scan(a, b):
     a_even, a_odd = a[:, 0::2], a[:, 1::2]  # steps 0, 2, 4, ... and 1, 3, 5, ...
     b_even, b_odd = b[:, 0::2], b[:, 1::2]
     h_odd = parallel_scan(a_odd * a_even, torch.addcmul(b_odd, a_odd, b_even))  # h_1, h_3, h_5, ...
-    h_even = torch.addcmul(b_even, a_even, _shift_right(h_odd, 1, 0.0))  # h_0, h_2, ... (h_{-1} = 0)
+    h_even = torch.addcmul(b_even, a_even, _shift_right(h_odd, 1))  # h_0, h_2, ... (h_{-1} = 0)
     return torch.stack([h_even, h_odd], dim=2).flatten(1, 2)[:, :length]  # interleave: (b, l, ...)
 
 
@@ -782,8 +773,7 @@ class _ParallelScanFn(torch.autograd.Function):
 
     @staticmethod
     def forward(a, b):
-        h = parallel_scan(a, b)
-        return b.clone() if h is b else h    # l = 1 returns b itself
+        return parallel_scan(a, b) if a.shape[1] > 1 else b.clone()  # never b itself
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -792,9 +782,9 @@ class _ParallelScanFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         a, h = ctx.saved_tensors
-        a_reversed = _shift_right(a.flip(1), 1, 0.0)                        # a'_s = a_{l-s}
+        a_reversed = _shift_right(a.flip(1), 1)                             # a'_s = a_{l-s}
         grad_b = parallel_scan(a_reversed, grad_h.flip(1)).flip(1)          # c_t
-        grad_a = grad_b * _shift_right(h, 1, 0.0)                           # dL/da_t = c_t h_{t-1}
+        grad_a = grad_b * _shift_right(h, 1)                                # dL/da_t = c_t h_{t-1}
         return grad_a, grad_b
 
     @staticmethod
@@ -812,7 +802,7 @@ def scan(a, b, reference=False):
 
 
 def _selective_states(u, delta, A, B):
-    """decay = exp(Δ A) and states h_t = decay_t h_{t-1} + Δ_t u_t B_t, (b, l, e, n); A (e, n) or (b, e, n)."""
+    """decay = exp(Δ A) and h_t = decay_t h_{t-1} + Δ_t u_t B_t, (b,l,e,n); A (e,n) or (b,e,n)."""
     decay = (delta[..., None] * (A if A.dim() == 2 else A[:, None])).exp_()  # (b,l,e,n)
     states = (delta * u)[..., None] * B[:, :, None, :]  # drive (b,l,e,n), becomes h
     h, a = states.unbind(1), decay.unbind(1)  # views, taken once: no select per step
@@ -822,7 +812,7 @@ def _selective_states(u, delta, A, B):
 
 
 def _selective_readout(states, C):
-    """y_t = sum_n C_t h_t: (b, l, e, n), (b, l, n) -> (b, l, e). Multiply and sum: 1.5-2.5x faster than bmm (gemv)."""
+    """y_t = sum_n C_t h_t: (b,l,e,n), (b,l,n) -> (b,l,e), by multiply and sum (1.5-2.5x bmm's)."""
     return (states * C[:, :, None, :]).sum(-1)
 
 
@@ -833,8 +823,8 @@ def _sum_over_e(x, states):
 
 
 def _row_chunks(shape, floats=1 << 17, most=8):
-    """At most `most` batch slices whose (rows, l, e, n) tensors hold ~`floats` floats. Speed: they stay in L2 cache,
-    several times faster than passes over memory; each slice costs ~90 ops (the vmap rule takes most=2)."""
+    """At most `most` batch slices whose (rows, l, e, n) tensors hold ~`floats` floats. Speed: in L2
+    cache, several times faster than passes over memory; a slice costs ~90 ops (vmap: most=2)."""
     b = shape[0]
     rows = max(1, floats // math.prod(shape[1:]), -(-b // most))
     return [slice(i, min(i + rows, b)) for i in range(0, b, rows)]
@@ -893,19 +883,17 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         r = info.batch_size
         u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))  # (r*b, l, .)
         if in_dims[2] is not None:  # one A per member: one per row
-            A = A.movedim(in_dims[2], 0)                                   # (r, e, n)
-            A = A[:, None].expand(r, u.shape[0] // r, *A.shape[1:]).reshape(u.shape[0], *A.shape[1:])  # (r*b, e, n)
+            A = A.movedim(in_dims[2], 0).repeat_interleave(u.shape[0] // r, dim=0)  # (r*b, e, n)
         y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)  # 2 slices: few ops per member
         return y.unflatten(0, (r, -1)), 0                                  # (r, b, l, e)
 
 
 def selective_scan(u, delta, A, B, C, reference=False):
     """_SelectiveScanLoopFn on a CPU, else the reference through parallel_scan_custom_grad."""
-    if reference:
-        return selective_scan_reference(u, delta, A, B, C)
-    if u.device.type == "cpu":
+    if u.is_cpu and not reference:
         return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)  # in at most 8 slices
-    return selective_scan_reference(u, delta, A, B, C, plain_scan=parallel_scan_custom_grad)
+    plain_scan = sequential_scan if reference else parallel_scan_custom_grad
+    return selective_scan_reference(u, delta, A, B, C, plain_scan)
 
 
 def _powers(A, length):
@@ -927,8 +915,7 @@ class _VandermondeFn(torch.autograd.Function):
 
     @staticmethod
     def forward(A, W, length):
-        powers = _powers(A, length)                                         # (h, m, l)
-        return 2 * torch.bmm(W[:, None, :], powers)[:, 0].real.T.contiguous()  # (h, 1, l) -> (l, h)
+        return 2 * torch.bmm(W[:, None, :], _powers(A, length))[:, 0].real.T.contiguous()  # (l, h)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -947,8 +934,7 @@ class _VandermondeFn(torch.autograd.Function):
 
     @staticmethod
     def vmap(info, in_dims, A, W, length):
-        A, W = _fold_into_batch(info, in_dims[:2], (A, W))                  # (r*h, m)
-        K = _VandermondeFn.apply(A, W, length)                              # (l, r*h)
+        K = _VandermondeFn.apply(*_fold_into_batch(info, in_dims[:2], (A, W)), length)  # (l, r*h)
         return K.unflatten(1, (info.batch_size, -1)), 1  # (l, r, h), members at dim 1
 
 
@@ -958,12 +944,10 @@ vandermonde_kernel = _VandermondeFn.apply  # H3's diagonal-SSM kernel (l, h) fro
 def fft_conv(u, k):
     """direct_conv by real FFT, O(l log l), zero-padded to 2l (no wrap-around), length on the contiguous axis."""
     length, n = u.shape[1], 2 * u.shape[1]
-
     work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU
     u_f = torch.fft.rfft(u.to(work).transpose(1, 2), n=n)  # (b, d, l+1) complex
     k_f = torch.fft.rfft(k.to(work).t(), n=n)              # (d, l+1) complex
-    y = torch.fft.irfft(u_f * k_f, n=n)[..., :length]      # (b, d, l)
-    return y.transpose(1, 2).to(u.dtype)                   # (b, l, d)
+    return torch.fft.irfft(u_f * k_f, n=n)[..., :length].transpose(1, 2).to(u.dtype)  # (b, l, d)
 
 
 def long_conv(u, k, reference=False):
