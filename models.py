@@ -698,7 +698,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
     unknown = sorted(set(options) - mixer_options())
     if unknown:
-        known = sorted(mixer_options() | {"pos_emb", "kernels", "seed"})  # the rest are mixer options
+        known = sorted(mixer_options() | {"pos_emb", "kernels", "seed"})  # the rest: mixer options
         close = difflib.get_close_matches(unknown[0], known, n=1)
         raise ValueError(f"build_model: unknown option {unknown[0]!r}"
                          + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
