@@ -105,8 +105,7 @@ def default_sites(model):
 
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation) instead of its activation (a forward
-    hook's returned tensor); the hooks are removed in `finally`, even after an exception."""
+    """Within the block, site s outputs edits[s](activation); the hooks are removed on any exit."""
     modules = dict(model.named_modules())
     handles = []
 
@@ -251,9 +250,8 @@ def gather_positions(model, tokens, sites, positions):
 
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
-    """What interchange() reuses across sites, from four forwards: p_corrupt, both runs'
-    activations at every site and patched position, the corrupted residual stream (resid[i]: the
-    input of block i, resid[L]: the last block's output)."""
+    """What interchange() reuses, from four forwards: p_corrupt, both runs' activations at each
+    site and position, the corrupted residuals (resid[i]: block i's input, resid[L]: the output)."""
     L = len(model.blocks)
     stream = [f"blocks.{i}.hook_resid_pre" for i in range(L)] + [f"blocks.{L - 1}.hook_resid_post"]
     resid = record(model, corrupt_tokens, stream)
@@ -268,10 +266,9 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 def _start(site):
     """(layer the forward starts at, whether the site IS its input residual): the layers before the
     site see only the corrupted input (cached); block input i and output i-1 are the same tensor."""
-    layer = site_layer(site)
+    layer, after = site_layer(site), site.endswith(".hook_resid_post")  # output i = input i+1
     if layer is None:
         return 0, False
-    after = site.endswith(".hook_resid_post")                # block output i = block input i+1
     return (layer + 1 if after else layer), after or site.endswith(".hook_resid_pre")
 
 
@@ -329,7 +326,7 @@ def headline_site(n_layers):
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
-def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
+def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
     """(data, clean, corrupted, answers, query) of the first n_docs documents, on model's device."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
@@ -349,8 +346,7 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    docs = _documents(model, dataset, n_docs, corrupt_role, seed, False)
-    data, clean, corrupted, answers, query = docs
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
     site = headline_site(len(model.blocks))
     pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
     p_clean = answer_prob(model, clean, answers, query)
@@ -397,16 +393,14 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     p_corrupt = cache["p_corrupt"]
     base = attribution(p_clean, p_corrupt, p_clean, threshold)
 
-    rows, score = [], {}
+    rows = []
     for site in sites:
         p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
-        row = {"site": site, "label": site_label(site), "layer": site_layer(site),
-               "scores": {}, "p_patched": {}}
-        for name, p in p_patched.items():
-            a = attribution(p_clean, p_corrupt, p, threshold)
-            row["scores"][name] = score[site, name] = _float(a["score"])
-            row["p_patched"][name] = a["p_patched"]
-        rows.append(row)
+        a = {name: attribution(p_clean, p_corrupt, p, threshold) for name, p in p_patched.items()}
+        rows.append({"site": site, "label": site_label(site), "layer": site_layer(site),
+                     "scores": {name: _float(x["score"]) for name, x in a.items()},
+                     "p_patched": {name: x["p_patched"] for name, x in a.items()}})
+    score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
 
     return {"arch": getattr(model, "build_args", {}).get("arch"),
             "build_args": getattr(model, "build_args", None),
