@@ -170,17 +170,14 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     tokens = dataset.tokens.clone()
     pos = dataset.positions[role].to(tokens.device)
     rows = torch.arange(len(tokens), device=tokens.device)
-    original = tokens[rows, pos]                                             # (N,)
     allowed = torch.ones(len(tokens), hi - lo, dtype=torch.float64)          # (N, hi-lo)
     if strict:
-        in_class = (tokens >= lo) & (tokens < hi)                            # (N, l)
-        r, c = in_class.nonzero(as_tuple=True)
+        r, c = ((tokens >= lo) & (tokens < hi)).nonzero(as_tuple=True)      # in-class entries
         allowed[r.cpu(), (tokens[r, c] - lo).cpu()] = 0.0
-    allowed[rows.cpu(), (original - lo).cpu()] = 0.0
+    allowed[rows.cpu(), (tokens[rows, pos] - lo).cpu()] = 0.0                # not the original
     if (allowed.sum(1) == 0).any():
         raise ValueError(f"no replacement left in class [{lo}, {hi}) for some document")
-    g = torch.Generator().manual_seed(seed)
-    draw = torch.multinomial(allowed, 1, generator=g)[:, 0] + lo             # (N,)
+    draw = torch.multinomial(allowed, 1, generator=torch.Generator().manual_seed(seed))[:, 0] + lo
     tokens[rows, pos] = draw.to(tokens.device)
     return tokens
 
@@ -310,8 +307,7 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
             for block in model.blocks[layer:]:                               # the rest of the model
                 resid = block(resid)                                         # (b, l, d)
             probs[todo[k]] = _answer_prob(model.logits(resid, query[doc[k]]), answers[doc[k]])
-    probs = probs.view(P, N)
-    return {name: probs[p] for p, name in enumerate(names)}
+    return dict(zip(names, probs.view(P, N)))
 
 
 # --- The whole table and the headline pair.
