@@ -105,8 +105,7 @@ def default_sites(model):
 
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation) instead of its activation (a forward
-    hook's returned tensor); the hooks are removed in `finally`, even after an exception."""
+    """Within the block, site s outputs edits[s](activation); the hooks are removed on any exit."""
     modules = dict(model.named_modules())
     handles = []
 
@@ -171,17 +170,14 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     tokens = dataset.tokens.clone()
     pos = dataset.positions[role].to(tokens.device)
     rows = torch.arange(len(tokens), device=tokens.device)
-    original = tokens[rows, pos]                                             # (N,)
     allowed = torch.ones(len(tokens), hi - lo, dtype=torch.float64)          # (N, hi-lo)
     if strict:
-        in_class = (tokens >= lo) & (tokens < hi)                            # (N, l)
-        r, c = in_class.nonzero(as_tuple=True)
+        r, c = ((tokens >= lo) & (tokens < hi)).nonzero(as_tuple=True)      # in-class entries
         allowed[r.cpu(), (tokens[r, c] - lo).cpu()] = 0.0
-    allowed[rows.cpu(), (original - lo).cpu()] = 0.0
+    allowed[rows.cpu(), (tokens[rows, pos] - lo).cpu()] = 0.0                # not the original
     if (allowed.sum(1) == 0).any():
         raise ValueError(f"no replacement left in class [{lo}, {hi}) for some document")
-    g = torch.Generator().manual_seed(seed)
-    draw = torch.multinomial(allowed, 1, generator=g)[:, 0] + lo             # (N,)
+    draw = torch.multinomial(allowed, 1, generator=torch.Generator().manual_seed(seed))[:, 0] + lo
     tokens[rows, pos] = draw.to(tokens.device)
     return tokens
 
@@ -251,9 +247,8 @@ def gather_positions(model, tokens, sites, positions):
 
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
-    """What interchange() reuses across sites, from four forwards: p_corrupt, both runs'
-    activations at every site and patched position, the corrupted residual stream (resid[i]: the
-    input of block i, resid[L]: the last block's output)."""
+    """What interchange() reuses, from four forwards: p_corrupt, both runs' activations at each
+    site and position, the corrupted residuals (resid[i]: block i's input, resid[L]: the output)."""
     L = len(model.blocks)
     stream = [f"blocks.{i}.hook_resid_pre" for i in range(L)] + [f"blocks.{L - 1}.hook_resid_post"]
     resid = record(model, corrupt_tokens, stream)
@@ -268,10 +263,9 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 def _start(site):
     """(layer the forward starts at, whether the site IS its input residual): the layers before the
     site see only the corrupted input (cached); block input i and output i-1 are the same tensor."""
-    layer = site_layer(site)
+    layer, after = site_layer(site), site.endswith(".hook_resid_post")  # output i = input i+1
     if layer is None:
         return 0, False
-    after = site.endswith(".hook_resid_post")                # block output i = block input i+1
     return (layer + 1 if after else layer), after or site.endswith(".hook_resid_pre")
 
 
@@ -313,8 +307,7 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
             for block in model.blocks[layer:]:                               # the rest of the model
                 resid = block(resid)                                         # (b, l, d)
             probs[todo[k]] = _answer_prob(model.logits(resid, query[doc[k]]), answers[doc[k]])
-    probs = probs.view(P, N)
-    return {name: probs[p] for p, name in enumerate(names)}
+    return dict(zip(names, probs.view(P, N)))
 
 
 # --- The whole table and the headline pair.
@@ -329,7 +322,7 @@ def headline_site(n_layers):
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
-def _documents(model, dataset, n_docs, corrupt_role, seed, strict):
+def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
     """(data, clean, corrupted, answers, query) of the first n_docs documents, on model's device."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
@@ -349,8 +342,7 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    docs = _documents(model, dataset, n_docs, corrupt_role, seed, False)
-    data, clean, corrupted, answers, query = docs
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
     site = headline_site(len(model.blocks))
     pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
     p_clean = answer_prob(model, clean, answers, query)
@@ -397,16 +389,14 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     p_corrupt = cache["p_corrupt"]
     base = attribution(p_clean, p_corrupt, p_clean, threshold)
 
-    rows, score = [], {}
+    rows = []
     for site in sites:
         p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
-        row = {"site": site, "label": site_label(site), "layer": site_layer(site),
-               "scores": {}, "p_patched": {}}
-        for name, p in p_patched.items():
-            a = attribution(p_clean, p_corrupt, p, threshold)
-            row["scores"][name] = score[site, name] = _float(a["score"])
-            row["p_patched"][name] = a["p_patched"]
-        rows.append(row)
+        a = {name: attribution(p_clean, p_corrupt, p, threshold) for name, p in p_patched.items()}
+        rows.append({"site": site, "label": site_label(site), "layer": site_layer(site),
+                     "scores": {name: _float(x["score"]) for name, x in a.items()},
+                     "p_patched": {name: x["p_patched"] for name, x in a.items()}})
+    score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
 
     return {"arch": getattr(model, "build_args", {}).get("arch"),
             "build_args": getattr(model, "build_args", None),

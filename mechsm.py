@@ -125,7 +125,7 @@ class Config:
              "a non-negative integer below 2**31 or None"),
             ("seed data_seed", whole(0, 2**63), "a non-negative integer below 2**63"),
             ("device", lambda v: (v in DEVICES or str(v).startswith("cuda:")) and resolve_device(v),
-             " or ".join(DEVICES))]     # resolve_device: one line for a CUDA device this machine lacks
+             " or ".join(DEVICES))]     # resolve_device: its own line for a missing CUDA device
         for names, ok, allowed in rules:
             for name in names.split():
                 if not ok(getattr(self, name)):
@@ -362,7 +362,9 @@ def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
     for cfg, member, history, loss in zip(cfgs, members, histories, losses):
         history.append(history_entry(member, data, cfg, step, loss))
     total, rate = cfgs[0].total_steps(), step / max(time.time() - start, 1e-9)
-    eta = fmt_time((total - step) / rate) if step else "?"
+    s = int(max(0, (total - step) / rate)) if step else 0               # seconds left
+    h, m = divmod(s // 60, 60)
+    eta = (f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}") if step else "?"
     if len(histories) > 1:
         accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
         return (f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s "
@@ -402,11 +404,6 @@ def stderr_log(prefix=""):
     return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
 
 
-def fmt_time(seconds):
-    s = int(max(0, seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
 def fmt_attrib(entry, key):
     """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
     value = entry.get(key)
@@ -417,7 +414,7 @@ def fmt_attrib(entry, key):
 
 def history_entry(model, data, cfg, step, train_loss):
     """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}; if cfg.timeline_docs, the
-    headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s (seconds)."""
+    headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s."""
     total = cfg.total_steps()
     entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
              "train_loss": train_loss, **evaluate_all(model, data)}
@@ -636,15 +633,11 @@ class Ensemble:
 
     def __call__(self, tokens, readout):
         """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
-        def logits(row):
-            return torch.func.functional_call(self.base, self.params(row), (tokens,),
-                                              {"readout": readout})
+        def logits(row):                # row (P,): one member's parameters, as views of it
+            params = {n: (x.detach() if n in self.frozen else x).view(shape)
+                      for n, shape, x in zip(self.names, self.shapes, row.split(self.sizes))}
+            return torch.func.functional_call(self.base, params, (tokens,), {"readout": readout})
         return torch.func.vmap(logits)(self.flat)
-
-    def params(self, row):
-        """One member's named parameters, views of its row (P,) of the stacked leaf."""
-        return {n: (x.detach() if n in self.frozen else x).view(shape)
-                for n, shape, x in zip(self.names, self.shapes, row.split(self.sizes))}
 
     def drop_failed(self, losses):
         """losses (r,), failed members' 0; a non-finite loss fails its member (no host sync)."""
@@ -675,8 +668,7 @@ class Ensemble:
 class StackedAdamW:
     """torch.optim.AdamW's single-tensor step (0.9, 0.999, eps 1e-8, no weight decay), op for op, on
     an Ensemble's (r, P) leaf, a param group (lr) per member: each follows its lone run to rounding.
-    A dead member's row steps by 0; so does a parameter without a gradient (frozen, or unused: zeros
-    here, not None), as torch's skips it."""
+    A dead member's row steps by 0; so does a frozen or unused parameter (torch's skips it)."""
 
     BETAS, EPS = (0.9, 0.999), 1e-8
 

@@ -23,6 +23,7 @@ K number of keys, V number of values, S number of terminals |Σ|.
 
 import bisect
 import collections
+import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -192,10 +193,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
 
 def uniforms(rng, block=1 << 16):
     """A draw() of U[0,1) floats from numpy Generator rng, in blocks (per-call rng is slow)."""
-    def stream():
-        while True:
-            yield from rng.random(block).tolist()
-    return stream().__next__
+    return itertools.chain.from_iterable(iter(lambda: rng.random(block).tolist(), None)).__next__
 
 
 class PCFG:
@@ -343,11 +341,9 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
            f"max_depth={given['max_depth']} (expected max_rhs_len >= 3 or a larger max_depth)")
     _check(shortest <= max_terminals, "max_terminals", f">= {shortest} (the shortest sentence of "
            f"this grammar), got {max_terminals}: every sentence is longer, so none is kept")
-    heldout, allowed = None, None
-    if holdout > 0:
-        heldout = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S)).random((S, S)) < holdout
-        allowed = (heldout if split == "test" else ~heldout).tolist()  # [parent label][child label]
-        heldout = torch.from_numpy(heldout)
+    hrng = np.random.default_rng(_seed(grammar.seed, _HELDOUT, S))
+    heldout = torch.from_numpy(hrng.random((S, S)) < holdout) if holdout > 0 else None  # (S, S)
+    allowed = None if heldout is None else (heldout if split == "test" else ~heldout).tolist()
     draw = uniforms(np.random.default_rng(_seed(seed, _DOCS, SPLITS[split])))
     docs, per_doc = [], dict(parents=[])
     misses = collections.Counter()                # why the current streak's sentences were rejected
@@ -381,10 +377,9 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     s = t(lengths - 5)
     positions = dict(key=t(child + 1), value=t(parent + 1), next_key=t(parent + 2),
                      divider=s + 1, query=s + 2, answer=s + 3)
-    answers = t([labels[p] + FIRST for labels, _, p in docs])
-    # vocab: PAD, BOS, EOS, S terminals and the reference's 3 unused query-type ids.
-    return Dataset("atr", torch.from_numpy(tokens), answers, positions, S + 6,
-                   {"key": (FIRST, FIRST + S), "value": (FIRST, FIRST + S)}, t(lengths),
+    # vocab: PAD, BOS, EOS, S terminals, the reference's 3 unused query-type ids; answers: doc[-2]
+    return Dataset("atr", torch.from_numpy(tokens), t(tokens[range(n), lengths - 2]), positions,
+                   S + 6, {"key": (FIRST, FIRST + S), "value": (FIRST, FIRST + S)}, t(lengths),
                    dict(split=split, holdout=holdout, seed=seed, max_terminals=max_terminals,
                         grammar=dict(grammar.params), heldout=heldout, per_doc=per_doc))
 
