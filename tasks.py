@@ -23,7 +23,6 @@ K number of keys, V number of values, S number of terminals |Σ|.
 
 import bisect
 import collections
-import itertools
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -193,7 +192,10 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
 
 def uniforms(rng, block=1 << 16):
     """A draw() of U[0,1) floats from numpy Generator rng, in blocks (per-call rng is slow)."""
-    return itertools.chain.from_iterable(iter(lambda: rng.random(block).tolist(), None)).__next__
+    def stream():
+        while True:
+            yield from rng.random(block).tolist()
+    return stream().__next__
 
 
 class PCFG:
