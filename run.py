@@ -366,7 +366,6 @@ def build_parser():
         if kind is not None:
             kw["type"] = typed(kind, many)
         p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
-
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
     a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a paper result (default ar)")
@@ -418,10 +417,9 @@ def build_parser():
 FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
     "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
     "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
-# a task's field applies to that task's runs only, a mixer's to the archs whose mixer takes it
-TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),
+TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),   # field -> its task
            **dict.fromkeys(["num_terminals", "max_rhs_len", "max_depth"], "atr")}
-MIXER_FIELDS = ("d_conv", "long_only", "n_heads")
+MIXER_FIELDS = ("d_conv", "long_only", "n_heads")   # apply only to the archs whose mixer takes them
 # the options each command takes; any other option given with it is refused, never silently ignored
 COMMAND_OPTIONS = {"bench": {"device"}, **{c: {c} for c in ("list", "figures", "report")},
                    "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
@@ -603,8 +601,7 @@ def run_jobs(jobs_list, out, wants, jobs):
     if jobs <= 1 or len(jobs_list) <= 1:
         yield from (r for kind, payload in jobs_list for r in do_job(kind, payload, out, wants))
         return
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from concurrent.futures.process import BrokenProcessPool
+    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
                                initargs=(os.getpid(),), mp_context=get_context("spawn"))
@@ -612,7 +609,7 @@ def run_jobs(jobs_list, out, wants, jobs):
         futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
         for future in as_completed(futures):
             yield from future.result()
-    except BrokenProcessPool:
+    except BrokenExecutor:
         stop_workers(pool)
         raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
                          f"runs are kept in {out}; rerun to continue") from None
@@ -895,9 +892,8 @@ def pivot(records, across):
     configs, cells = [config_of(r) for r in records], {}
     for r, cfg in zip(records, configs):
         label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
-        mech = r.get("mechanism") or {}
         cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct(r['final'].get('acc'))} {mech.get('verdict') or '-'}"
+            f"{fmt_pct(r['final'].get('acc'))} {(r.get('mechanism') or {}).get('verdict') or '-'}"
     columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
     return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
 
@@ -975,8 +971,7 @@ def run(argv=None):
     trained = sum(before.get(run_key(r["config"])) != r for r in records)
     Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
                                                   for r in records))
-    only = ("scatter",) if EXPERIMENTS[name].probe else None   # a probe's many runs: the scatter
-    if draw_figures(records, best_by_lr(records), name, out, configs[0].task, only) is None:
+    if draw_figures(records, best_by_lr(records), name, out, configs[0].task) is None:
         print(FIGURES_HINT, file=sys.stderr)
     if trained:
         Path(out, f"{name}.command.json").write_text(json.dumps({
@@ -1031,14 +1026,13 @@ def redraw_figures(folder):
         print(FIGURES_HINT)
         return
     found = 0
-    for name, exp in EXPERIMENTS.items():
+    for name in EXPERIMENTS:
         path = os.path.join(folder, f"{name}.jsonl")
         keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
         records = read_results(path) if os.path.exists(path) else [
             r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
         if records:
-            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"],
-                         ("scatter",) if exp.probe else None)
+            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
 
@@ -1202,7 +1196,7 @@ def plot_box(fig, records):
     return out
 
 
-def draw_figures(records, rows, name, folder, task="ar", only=None):
+def draw_figures(records, rows, name, folder, task="ar"):
     """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
@@ -1216,7 +1210,7 @@ def draw_figures(records, rows, name, folder, task="ar", only=None):
     os.makedirs(folder, exist_ok=True)
     out = {}
     for kind, (draw, data, wanted) in kinds.items():
-        if wanted and kind in (only or kinds):
+        if wanted and (kind == "scatter" or not EXPERIMENTS[name].probe):   # a probe: its scatter
             fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
             fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
@@ -1308,7 +1302,6 @@ def compare(kernels, inputs, grad_out, sizes, device, **fields):
         xs = [x.detach().requires_grad_() for x in xs]
         out = kernel(*xs)
         return [out, *torch.autograd.grad(out, xs, grad_out.to(out.dtype))]
-
     exact = forward_backward(kernels[first], [wide(x) for x in inputs])
     times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()},
                     sizes["repeats"], device)
