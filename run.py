@@ -76,7 +76,6 @@ QUICK_VOCAB = 1024
 QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pairs=8, d_model=64,
                 n_layers=2, train_size=100_032, steps=6000, eval_every=1000)
 QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
-PROBE_STEPS = {**QUICK_STEPS, "attention": 16_000}                            # ar-vocab's budgets
 QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
              "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3]}
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
@@ -202,7 +201,7 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment("ar-vocab", "probe",
                "the quick AR grid at 256, 512 and 1,024 keys and values (which vocabulary?)", {},
                dict(quick(QUICK_AR, VOCAB_RUNS, seeds={"mamba": [0, 1], "*": [0]},
-                          steps=PROBE_STEPS),
+                          steps={**QUICK_STEPS, "attention": 16_000}),
                     lrs={**QUICK_LRS, "attention": [5e-4, 1e-3, 2e-3], "hyena": [1e-3, 3e-3]}),
                None, probe=True),
     Experiment("atr-budget", "probe",
@@ -309,7 +308,6 @@ def catalogue():
 
 
 # ============================================ The command line
-# Every mistake becomes one "error: ..." line (exit 2), before anything runs.
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises ValueError and refuses an unknown or repeated option ('-5': a value)."""
@@ -368,14 +366,12 @@ def build_parser():
         if kind is not None:
             kw["type"] = typed(kind, many)
         p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
-
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
     a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a paper result (default ar)")
     a("--list", switch=True, help="print the catalogue of experiments and exit")
     a("--preset", choices=PRESETS, help="quick (default: CPU-sized grids, see --list) or paper")
     a("--task", choices=mechsm.TASKS, help="ar or atr: the same as --experiment ar / atr")
-    # the grid
     a("--arch", str, True, help="an arch, a comma list or 'all' (" + ", ".join(ALL_ARCHS) + ")")
     a("--d-model", int, True, help="width(s), e.g. 64 or 16,32,64")
     a("--lr", float, True, help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
@@ -400,7 +396,6 @@ def build_parser():
     a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: per arch)")
     a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
-    # where and how
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
     a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; "
       "1 on cuda)")
@@ -422,18 +417,12 @@ def build_parser():
 FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
     "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
     "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
-TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),
+TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),   # field -> its task
            **dict.fromkeys(["num_terminals", "max_rhs_len", "max_depth"], "atr")}
+MIXER_FIELDS = ("d_conv", "long_only", "n_heads")   # apply only to the archs whose mixer takes them
 # the options each command takes; any other option given with it is refused, never silently ignored
-COMMAND_OPTIONS = {"bench": {"device"}, "list": {"list"}, "figures": {"figures"}, "report": {"report"},
+COMMAND_OPTIONS = {"bench": {"device"}, **{c: {c} for c in ("list", "figures", "report")},
                    "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
-
-
-def applies(field, cfg):
-    """Whether Config field `field` changes cfg (a task's or a mixer's field: only its runs)."""
-    if field in TASK_OF:
-        return cfg.task == TASK_OF[field]
-    return field not in ("d_conv", "long_only", "n_heads") or models.takes_option(cfg.arch, field)
 
 
 def grid_runs(args, name, device):
@@ -453,7 +442,8 @@ def grid_runs(args, name, device):
     notes = []
     for flag, value in given.items():
         field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
-        hit = [applies(field, c) for c in configs]
+        hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS
+               or models.takes_option(c.arch, field) for c in configs]
         missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
         if not any(hit):
             raise ValueError(f"{opt}: does not apply to any run of this grid ({', '.join(missed)} "
@@ -477,16 +467,14 @@ def shard_of(text):
 
 
 # ============================================ The sweep
-# Train every run of a grid that is not recorded yet, one JSON line per finished run.
 
 # Where a run happens does not change what it is: a rerun differing only in these finds it done.
 KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
 
 
-def run_key(config_dict):
+def run_key(config):
     """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in sorted(config_dict.items()) if k not in KEY_EXCLUDED},
-                      sort_keys=True)
+    return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
 
 
 def file_name(cfg):
@@ -545,8 +533,7 @@ def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
     with open(path, "a+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        if size and (f.seek(size - 1) is not None and f.read(1) != b"\n"):
+        if f.seek(0, os.SEEK_END) and f.seek(-1, os.SEEK_END) is not None and f.read(1) != b"\n":
             line = b"\n" + line
         f.write(line)
         f.flush()
@@ -575,9 +562,8 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
     results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
-    for records in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
-        for record in records:
-            append_result(results, record)
+    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
+        append_result(results, record)
     latest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     return [latest[k] for k in unique if k in latest]
 
@@ -613,18 +599,17 @@ def make_groups(configs, group_size=None):
 def run_jobs(jobs_list, out, wants, jobs):
     """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
     if jobs <= 1 or len(jobs_list) <= 1:
-        yield from (do_job(kind, payload, out, wants) for kind, payload in jobs_list)
+        yield from (r for kind, payload in jobs_list for r in do_job(kind, payload, out, wants))
         return
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-    from concurrent.futures.process import BrokenProcessPool
+    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
     from multiprocessing import get_context
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
                                initargs=(os.getpid(),), mp_context=get_context("spawn"))
     try:
         futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
         for future in as_completed(futures):
-            yield future.result()
-    except BrokenProcessPool:
+            yield from future.result()
+    except BrokenExecutor:
         stop_workers(pool)
         raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
                          f"runs are kept in {out}; rerun to continue") from None
@@ -687,9 +672,8 @@ def provenance():
                                 text=True, cwd=HERE, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
-    machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    return {"date": time.strftime("%Y-%m-%d"), "machine": machine, "torch": torch.__version__,
-            "commit": commit or None}
+    return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
 
 
 def worker_init(parent):
@@ -728,14 +712,9 @@ class WorkerLost(RuntimeError):
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
 
-    @staticmethod
-    def raise_(signum, frame):
-        raise Terminated()
-
 
 # ============================================ The report
-# The best run per row (the paper reports the best learning rate) beside the paper's numbers, the
-# timeline, results/<experiment>.md and the README's summary table.
+# The best run per row (the paper reports the best learning rate) beside the paper's numbers.
 
 def best_by_lr(records):
     """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
@@ -781,8 +760,7 @@ def markdown(cells, columns=None):
 
 def attribs(mech):
     """The Attrib@Key/Value/Query cells of a mechanism summary."""
-    return {f"Attrib@{k.capitalize()}": fmt_num(mech.get(f"attrib_{k}"))
-            for k in ("key", "value", "query")}
+    return {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
 
 
 def result_table(rows, paper_numbers=None):
@@ -795,9 +773,8 @@ def result_table(rows, paper_numbers=None):
              "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
         if any(r["n_seeds"] > 1 for r in rows):
             c["over seeds"] = f"{fmt_pct(row['mean'], row['std'], row['n_seeds'])} ({row['n_seeds']})"
-        for key, name in (("test_acc", "test accuracy"), ("novel_acc", "novel accuracy")):
-            if key in final:
-                c[name] = fmt_pct(final[key])
+        c.update({key.replace("_acc", " accuracy"): fmt_pct(final[key])
+                  for key in ("test_acc", "novel_acc") if key in final})
         c.update(attribs(mech))
         mechs = [r.get("mechanism") or {} for r in row["runs"]]
         for name in [k for k in mech if "@" in k]:   # the mixer's extra numbers, per seed
@@ -847,8 +824,7 @@ def render(name, preset, records, folder=None):
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
     timing = os.path.join(folder or "", f"{name}.command.json")
     c = json.load(open(timing)) if folder and os.path.exists(timing) else None
-    return rows, "\n".join([
-        f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
+    return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
         f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the "
         f"best run of the row (learning rate: {chosen}); Attrib@X: its restoration of the clean "
@@ -860,8 +836,7 @@ def render(name, preset, records, folder=None):
         f"summed), made {made}."
         + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
            f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
-           f"{c['load']}." if c else ""),
-        "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
+           f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
 
 
 def holds(paper_text, row):
@@ -917,9 +892,8 @@ def pivot(records, across):
     configs, cells = [config_of(r) for r in records], {}
     for r, cfg in zip(records, configs):
         label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
-        mech = r.get("mechanism") or {}
         cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct(r['final'].get('acc'))} {mech.get('verdict') or '-'}"
+            f"{fmt_pct(r['final'].get('acc'))} {(r.get('mechanism') or {}).get('verdict') or '-'}"
     columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
     return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
 
@@ -939,8 +913,7 @@ def evaluate_checkpoint(args):
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
     Path(folder, "result.json").write_text(json.dumps(mechsm.json_safe(record), indent=1))
-    row = dict(arch=cfg.arch, label=cfg.arch, best=record, runs=[record], n_seeds=1)
-    print(result_table([row]))
+    print(result_table([dict(label=cfg.arch, best=record, runs=[record], n_seeds=1)]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
               + interventions.render_heatmap(record["mechanism_table"]))
@@ -998,9 +971,7 @@ def run(argv=None):
     trained = sum(before.get(run_key(r["config"])) != r for r in records)
     Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
                                                   for r in records))
-    only = ("scatter",) if EXPERIMENTS[name].probe else None   # a probe's many runs: the scatter
-    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"],
-                    only) is None:
+    if draw_figures(records, best_by_lr(records), name, out, configs[0].task) is None:
         print(FIGURES_HINT, file=sys.stderr)
     if trained:
         Path(out, f"{name}.command.json").write_text(json.dumps({
@@ -1037,7 +1008,7 @@ def readme_with_summary(text, folder="results"):
 
 def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the README too)."""
-    written = [name for name in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{name}.jsonl"))]
+    written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
     for name in written:
         records = read_results(os.path.join(folder, f"{name}.jsonl"))
         Path(folder, f"{name}.md").write_text(render(name, "quick", records, folder)[1])
@@ -1055,22 +1026,22 @@ def redraw_figures(folder):
         print(FIGURES_HINT)
         return
     found = 0
-    for name, exp in EXPERIMENTS.items():
+    for name in EXPERIMENTS:
         path = os.path.join(folder, f"{name}.jsonl")
         keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
         records = read_results(path) if os.path.exists(path) else [
             r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
         if records:
-            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"],
-                         ("scatter",) if exp.probe else None)
+            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
 
 
 def main(argv=None):
-    """Exit status: 0 ok, 1 a run crashed (or a worker died), 2 bad input (one line on stderr),
-    130 interrupted (Ctrl-C), 143 terminated (SIGTERM)."""
-    previous = signal.signal(signal.SIGTERM, Terminated.raise_)
+    """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
+    def on_sigterm(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return run(argv)
     except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
@@ -1225,7 +1196,7 @@ def plot_box(fig, records):
     return out
 
 
-def draw_figures(records, rows, name, folder, task="ar", only=None):
+def draw_figures(records, rows, name, folder, task="ar"):
     """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
@@ -1239,7 +1210,7 @@ def draw_figures(records, rows, name, folder, task="ar", only=None):
     os.makedirs(folder, exist_ok=True)
     out = {}
     for kind, (draw, data, wanted) in kinds.items():
-        if wanted and kind in (only or kinds):
+        if wanted and (kind == "scatter" or not EXPERIMENTS[name].probe):   # a probe: its scatter
             fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
             fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
@@ -1266,28 +1237,25 @@ def make_step(model, data, forward=None, lr=1e-3):
     return step
 
 
-SIZES = {
-    "full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128, toeplitz_mib=64,
-                 repeats=5, batch=32, steps=10, archs=None, docs=320, ks=(1, 7, 35), width=64),
-    "tiny": dict(lengths=(37, 64), b=2, tokens=128, e=8, n=4, d=8, toeplitz_mib=512,
-                 repeats=1, batch=4, steps=2, archs=("attention", "mamba"), docs=8, ks=(1, 35), width=16),
-}
+SIZES = {"full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128,
+                      toeplitz_mib=64, repeats=5, batch=32, steps=10, archs=None, docs=320,
+                      ks=(1, 7, 35), width=64),
+         "tiny": dict(lengths=(37, 64), b=2, tokens=128, e=8, n=4, d=8, toeplitz_mib=512, repeats=1,
+                      batch=4, steps=2, archs=("attention", "mamba"), docs=8, ks=(1, 35), width=16)}
 
 
-def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
+def bench(device="auto", size="full", print_fn=print):
     """Run the parts (one thread on a CPU, as the workers), print their tables, return them."""
     device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
     env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size,
                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     print_fn("mechsm bench | " + " | ".join(f"{k} {v}" for k, v in env.items() if v is not None) + "\n")
-    result = dict(env=env, **{k: [] for k in "scan selective_scan conv short_conv ssm_kernel train "
-                                   "mechanism ensemble".split()})
+    result = dict(env=env)
     torch.set_num_threads(env["threads"])
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for part in parts:
-                measure = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)[part - 1]
+            for measure in (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble):
                 for key, rows, title in measure(device, SIZES[size]):
                     print_table(title, rows, print_fn)
                     result[key] = rows
@@ -1334,7 +1302,6 @@ def compare(kernels, inputs, grad_out, sizes, device, **fields):
         xs = [x.detach().requires_grad_() for x in xs]
         out = kernel(*xs)
         return [out, *torch.autograd.grad(out, xs, grad_out.to(out.dtype))]
-
     exact = forward_backward(kernels[first], [wide(x) for x in inputs])
     times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()},
                     sizes["repeats"], device)

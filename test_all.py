@@ -2442,9 +2442,9 @@ def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path)
     out = fs.draw_figures(records, fig_rows(records), "ar", tmp_path / "a", task="ar")
     assert sorted(out) == ["heatmaps", "scatter", "timeline", "width"]          # hyena: 2 widths
     assert sorted(os.listdir(tmp_path / "a")) == [f"ar_{k}.png" for k in sorted(out)]
-    out = fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "x", tmp_path / "b", task="atr")
+    out = fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "atr", tmp_path / "b", task="atr")
     assert sorted(out) == ["box", "heatmaps", "scatter", "timeline"]             # one width each
-    fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "x", tmp_path / "c", task="atr")
+    fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "atr", tmp_path / "c", task="atr")
     for name in os.listdir(tmp_path / "b"):
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
 
