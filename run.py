@@ -1244,7 +1244,7 @@ SIZES = {"full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n
                       batch=4, steps=2, archs=("attention", "mamba"), docs=8, ks=(1, 35), width=16)}
 
 
-def bench(device="auto", size="full", print_fn=print):
+def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
     """Run the parts (one thread on a CPU, as the workers), print their tables, return them."""
     device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
     env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
@@ -1255,8 +1255,9 @@ def bench(device="auto", size="full", print_fn=print):
     torch.set_num_threads(env["threads"])
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for measure in (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble):
-                for key, rows, title in measure(device, SIZES[size]):
+            measures = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)
+            for part in parts:
+                for key, rows, title in measures[part - 1](device, SIZES[size]):
                     print_table(title, rows, print_fn)
                     result[key] = rows
     finally:
