@@ -1197,7 +1197,8 @@ def plot_box(fig, records):
 
 
 def draw_figures(records, rows, name, folder, task="ar"):
-    """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
+    """folder/<name>_<kind>.png of each kind that applies (a probe: its scatter): {kind: data};
+    None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1210,7 +1211,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
     os.makedirs(folder, exist_ok=True)
     out = {}
     for kind, (draw, data, wanted) in kinds.items():
-        if wanted and (kind == "scatter" or not EXPERIMENTS[name].probe):   # a probe: its scatter
+        if wanted and (kind == "scatter" or not getattr(EXPERIMENTS.get(name), "probe", False)):
             fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
             fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
