@@ -259,9 +259,9 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 
 
 # The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
-# part 3 (results/bench.txt: 2 cores shared with two training runs, so low), scaled per grid.
-CPU_STEPS_PER_S = {"attention": 60.4, "base_conv": 63.9, "based": 70.0, "h3": 24.7, "hyena": 42.1,
-                   "mamba": 26.7, "deltanet": 53.5}
+# part 3 (results/bench.txt, the other core busy with one job as in a 2-job sweep), scaled per grid.
+CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
+                   "mamba": 43.7, "deltanet": 79.2}
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
