@@ -42,6 +42,7 @@ DEFAULT_EPOCHS = {"ar": 16, "atr": 32}       # the paper: 50,016 AR steps, 100,0
 TASKS = ("ar", "atr")
 SCHEDULES = ("cosine", "linear")
 DEVICES = ("auto", "cpu", "cuda")
+FAILED = "loss is {} at step {} (lr {:g}); run stopped"   # a failed run's error, lone or a member
 
 
 # --- Config: every knob of one run, flat, with the paper's values as defaults.
@@ -300,7 +301,7 @@ def fit(cfgs, model, optimizer, data, log):
             group["lr"] = lr_at(step, total, c.warmup_frac, c.schedule, c.lr)
         loss = answer_loss(model, *batch(step))                     # forward: () or (r,)
         if not torch.isfinite(loss).all():          # a NaN/inf would poison every later step
-            error = f"loss is {loss.item()} at step {step} (lr {cfg.lr:g}); run stopped"
+            error = FAILED.format(loss.item(), step, cfg.lr)
             log(f"FAILED: {error}")
             break
         optimizer.zero_grad(set_to_none=True)
@@ -650,7 +651,7 @@ class Ensemble:
 
     def failures(self, cfgs):
         """Per member (its config in cfgs): None, or (step, error) as a lone run reports it."""
-        return [None if s < 0 else (s, f"loss is {loss} at step {s} (lr {c.lr:g}); run stopped")
+        return [None if s < 0 else (s, FAILED.format(loss, s, c.lr))
                 for s, loss, c in zip(self.failed_step.tolist(), self.failed_loss.tolist(), cfgs)]
 
     def train(self):
