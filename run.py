@@ -533,8 +533,10 @@ def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
     with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END) and f.seek(-1, os.SEEK_END) is not None and f.read(1) != b"\n":
-            line = b"\n" + line
+        if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
