@@ -32,6 +32,7 @@ h heads, k head width, v vocab; here also P patched positions, N documents.
 """
 
 import contextlib
+import math
 import time
 
 import torch
@@ -49,11 +50,11 @@ BLOCK_SITES = {  # name inside blocks.{i} -> table label, in forward order
     "hook_resid_post": "block_out",
 }
 
-# Verdict thresholds on the headline pair (block input of layer 1): the paper reads its scatter
-# plots qualitatively; these cut-offs turn that reading into a rule.
-INDUCTION_MIN_VALUE = 0.5    # Attrib@Value >= this, and > Attrib@Query -> "induction"
-DIRECT_MIN_QUERY = 0.5       # Attrib@Query >= this ...
-DIRECT_MAX_VALUE = 0.25      # ... and Attrib@Value < this -> "direct retrieval"
+# The verdict reads the three sites of the paper's box plots (Attrib@Key, @Value, @Query at the
+# block input of layer 1) by one symmetric rule: the one site that alone restores at least CUT of
+# the answer names the mechanism (the paper reads its plots by eye; README, difference 16).
+READINGS = {"value": "induction", "query": "direct retrieval", "key": "held at the key"}
+CUT = 0.5
 LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" (the paper's filter)
 CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in cache (2x faster)
 
@@ -218,17 +219,19 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
     }
 
 
-def verdict(value, query, low_signal, threshold=LOW_SIGNAL_GAP):
-    """(verdict, reason) from the headline pair Attrib@Value, Attrib@Query (thresholds above)."""
+def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
+    """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The
+    READINGS name of the one site at or above `cut`; "mixed" when none or several are; "no signal"
+    when the gap is at or below the filter or an attribution is not a number."""
     _check_threshold(threshold)
-    if low_signal:
+    scores = [attribs[site] for site in READINGS]
+    if low_signal or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
         return "no signal", f"P̄_clean − P̄_corrupt <= {threshold}: nothing to attribute"
-    pair = f"Attrib@Value {value:.2f}, Attrib@Query {query:.2f}"
-    if value >= INDUCTION_MIN_VALUE and value > query:
-        return "induction", f"{pair}: layer 0 wrote the association into the value token"
-    if query >= DIRECT_MIN_QUERY and value < DIRECT_MAX_VALUE:
-        return "direct retrieval", f"{pair}: the association is computed at the query"
-    return "mixed", f"{pair}: neither rule applies"
+    text = ", ".join(f"Attrib@{site.title()} {attribs[site]:.2f}" for site in READINGS)
+    held = [site for site in READINGS if attribs[site] >= cut]
+    if len(held) == 1:
+        return READINGS[held[0]], f"{text}: only the {held[0]} restores >= {cut}"
+    return "mixed", f"{text}: {'several sites restore' if held else 'no site restores'} >= {cut}"
 
 
 # --- The same, batched: every position of a site in one forward, from cached activations.
@@ -416,8 +419,7 @@ def _summary(score, n_layers, low_signal, threshold):
         return {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
                 "verdict_reason": "one layer has no layer-1 block input: induction and direct "
                                   "retrieval both end inside the same block; see mixer_out"}
-    value, query = (float("nan") if head[k] is None else head[k] for k in ("value", "query"))
-    name, reason = verdict(value, query, low_signal, threshold)
+    name, reason = verdict(head, low_signal, threshold)
     later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
     return {"headline": head, "verdict": name, "verdict_reason": reason,
             "later_layers": {s: {k: score[s, k] for k in ("value", "query")} for s in later}}

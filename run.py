@@ -28,6 +28,7 @@ reading all results*.jsonl of --out. <experiment>.md (the table, the timeline, t
 """
 
 import argparse
+import collections
 import difflib
 import glob
 import hashlib
@@ -776,23 +777,64 @@ def attribs(mech):
     return {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
 
 
+def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
+    """A record's verdict by interventions.verdict from its stored table, at any cut and gap filter
+    (the sensitivity table); None when not patched, "failed", or "n/a (1 layer)"."""
+    table = record.get("mechanism_table")
+    if record["status"] != "ok" or not table:
+        return "failed" if record["status"] != "ok" else None
+    if not table.get("headline"):
+        return "n/a (1 layer)"                       # no layer-1 block input to read
+    threshold, gap = table["threshold"] * gap_scale, table.get("gap")
+    low = not (isinstance(gap, (int, float)) and gap > threshold)      # NaN: no signal
+    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
+
+
+def spread(row, **rule):
+    """A row's distribution over its seeds (every run counted): n, accuracies, verdicts (a Counter)
+    and the median Attrib@Key/Value/Query of the seeds that can be read (rule: verdict_of's)."""
+    runs = row["runs"]
+    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
+    readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
+    heads = [r["mechanism_table"]["headline"] for r in readable]
+    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
+            "verdicts": collections.Counter(verdicts), "readable": len(readable),
+            "median": {k: statistics.median(h[k] for h in heads) if heads else None
+                       for k in ATTRIBS}}
+
+
+UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")
+
+
+def fmt_acc(s):
+    """'50.0% (0.9-84.4)': the median accuracy over seeds and its range."""
+    acc = s["acc"]
+    return fmt_pct(statistics.median(acc)) + (f" ({100 * acc[0]:.1f}-{100 * acc[-1]:.1f})"
+                                              if len(acc) > 1 else " (1 seed)")
+
+
+def fmt_counts(s):
+    """'direct retrieval 4/5, no signal 1/5', most frequent first."""
+    return ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
+
+
 def result_table(rows, paper_numbers=None):
-    """Per labelled row of best_by_lr: the best run's accuracy, patching and the paper's number."""
+    """Per labelled row of best_by_lr: the distribution over its seeds and the paper's number."""
     cells = []
     for row in rows:
-        best = row["best"]
-        final, mech = best["final"], best.get("mechanism") or {}
-        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}",
-             "accuracy": "failed (NaN)" if best["status"] == "failed" else fmt_pct(final.get("acc"))}
-        if any(r["n_seeds"] > 1 for r in rows):
-            c["over seeds"] = f"{fmt_pct(row['mean'], row['std'], row['n_seeds'])} ({row['n_seeds']})"
-        c.update({key.replace("_acc", " accuracy"): fmt_pct(final[key])
-                  for key in ("test_acc", "novel_acc") if key in final})
-        c.update(attribs(mech))
+        best, s = row["best"], spread(row)
+        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
+             "accuracy: median (range)": fmt_acc(s)}
+        finals = [r["final"] for r in row["runs"]]
+        c.update({key.replace("_acc", " accuracy"): fmt_pct(statistics.median(
+            f.get(key) or 0.0 for f in finals)) for key in ("test_acc", "novel_acc") if key in best["final"]})
+        one_layer = best["config"]["n_layers"] == 1
+        c.update({name: "n/a" if one_layer else fmt_num(s["median"][k])
+                  for k, (name, _) in ATTRIBS.items()})
         mechs = [r.get("mechanism") or {} for r in row["runs"]]
-        for name in [k for k in mech if "@" in k]:   # the mixer's extra numbers, per seed
+        for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
             c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
-        c["verdict"] = mech.get("verdict") or "-"
+        c["verdicts"] = fmt_counts(s)
         if paper_numbers is not None:
             c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
         cells.append(c)
@@ -808,7 +850,7 @@ def runs_table(records):
         cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
                       "accuracy": fmt_pct(r["final"].get("acc")), **attribs(mech),
                       **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
-                      "verdict": mech.get("verdict") or "-",
+                      "verdict": verdict_of(r) or "-",
                       "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
     return markdown(cells)
 
@@ -839,10 +881,12 @@ def render(name, preset, records, folder=None):
     c = json.load(open(timing)) if folder and os.path.exists(timing) else None
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
-        f"Accuracy: the final model on {records[0]['config']['eval_size']} fresh documents, the "
-        f"best run of the row (learning rate: {chosen}); Attrib@X: its restoration of the clean "
-        "answer probability when the block input of layer 1 is patched at X (README: what the "
-        f"sites mean); paper: {exp.section}.", "",
+        f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
+        f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
+        "over the seeds that can be read, of the restoration of the clean answer probability when "
+        "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
+        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
+        f"{exp.section}.", "",
         "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
         "too little signal to read):", *[timeline_text(row) for row in rows], "",
         f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
@@ -852,42 +896,71 @@ def render(name, preset, records, folder=None):
            f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
 
 
-def holds(paper_text, row):
-    """'yes'/'no'/'unreadable': whether the row bears out the paper's text ('-': a number only)."""
-    verdict = (row["best"].get("mechanism") or {}).get("verdict")
-    for word in ("induction", "direct retrieval"):
-        if word in paper_text:
-            return "unreadable" if verdict == "no signal" else "yes" if verdict == word else "no"
+def holds(paper_text, s):
+    """Whether a row's seeds bear out the paper's text (s: its spread): 'yes' when the paper's
+    reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
+    half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
+    for reading in interventions.READINGS.values():
+        if reading in paper_text:
+            if 2 * s["readable"] < s["n"]:
+                return "unreadable"
+            return "yes" if 2 * s["verdicts"][reading] > s["readable"] else "no"
     if "fails" in paper_text:
-        return "yes" if (row["best"]["final"].get("acc") or 0) < 0.5 else "no"
+        return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
     return "-"
 
 
+def summary_rows(name, rows):
+    """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
+    none); an experiment over widths: one row per label, its median accuracy at each width."""
+    exp = EXPERIMENTS[name]
+    paper = lambda row: exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
+    if len({row["d_model"] for row in rows}) > 1:
+        lines = {}
+        for row in sorted(rows, key=lambda r: r["d_model"]):
+            line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
+            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
+        return [{"row": label, "paper": paper(line["row"]) or "no number quoted", "holds?": "-",
+                 "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
+                for label, line in lines.items()]
+    quoted = [row for row in rows if paper(row)] or rows
+    out = []
+    for row in quoted:
+        s, final = spread(row), row["best"]["final"]
+        test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
+        split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
+        out.append({"row": row["label"], "paper": paper(row) or "no number quoted",
+                    "ours": f"{split}; {fmt_counts(s)}",
+                    "holds?": holds(paper(row) or "", s)})
+    return out
+
+
 def summary_table(folder="results"):
-    """The README's summary: each row the paper quotes beside ours; the `ar` timing; the probes."""
+    """The README's summary: each experiment's rows beside the paper's, the sensitivity of the
+    verdicts, the CPU time of the records, the `ar` timing and the probes."""
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
-    rows = {name: best_by_lr(records[name]) for name, e in EXPERIMENTS.items() if not e.probe}
     lines = []
     for name, exp in EXPERIMENTS.items():
-        for row in rows.get(name, []):
-            text = exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
-            if text:
-                mech = row["best"].get("mechanism") or {}
-                first = not lines or not lines[-1]["experiment"].startswith(f"[{name}]")
+        if not exp.probe and records[name]:
+            for i, line in enumerate(summary_rows(name, best_by_lr(records[name]))):
                 lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
-                              + (f": {exp.finding}" if first else ""),
-                              "row": row["label"], "paper": text, "holds?": holds(text, row),
-                              "ours": f"{fmt_pct(row['best']['final'].get('acc'))}, "
-                                      f"{mech.get('verdict') or '-'}"})
+                              + (f": {exp.finding}" if i == 0 else ""), **line})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
     extras = [f"{row['label']}: " + (", ".join(fmt_num(r["mechanism"][name]) for r in row["runs"]
-                                           if not r["mechanism"].get("low_signal")) or "none")
-              for row in rows["ar"] for name in row["best"].get("mechanism") or {} if "@" in name]
+                                           if verdict_of(r) not in UNREADABLE) or "none")
+              for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
+              if "@" in name]
     if extras:
-        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that "
-                   "learned: " + "; ".join(extras) + ".")
+        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
+                   "be read: " + "; ".join(extras) + ".")
+    out.append("\n" + sensitivity_table(records))
+    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
+    seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
+                  for r in unique)
+    out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
+               "patching (the records' wall times summed; every run on one thread).")
     timing = os.path.join(folder, "ar.command.json")
     if os.path.exists(timing):
         c = json.load(open(timing))
@@ -900,13 +973,40 @@ def summary_table(folder="results"):
     return "\n".join(out)
 
 
+SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
+               ("cut 0.6", dict(cut=interventions.CUT + 0.1)),
+               ("gap filter halved", dict(gap_scale=0.5)), ("gap filter doubled", dict(gap_scale=2.0))]
+
+
+def sensitivity_table(records):
+    """How many verdicts (every patched run of the experiments) and 'holds?' answers change when the
+    verdict's cut moves by 0.1 or the gap filter halves or doubles."""
+    runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
+            for r in rs if r.get("mechanism_table")}.values()
+    judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
+              for row in best_by_lr(rs) for text in [EXPERIMENTS[name].paper_numbers.get(
+                  row["label"], EXPERIMENTS[name].paper_numbers.get(row["arch"]))]
+              if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
+    base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
+    cells = []
+    for label, rule in SENSITIVITY:
+        moved = collections.Counter((a, b) for a, b in zip(base[0], (verdict_of(r, **rule) for r in runs))
+                                    if a != b)
+        flips = sum(a != holds(t, spread(row, **rule)) for a, (t, row) in zip(base[1], judged))
+        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(base[0])}",
+                      "how": ", ".join(f"{a} -> {b} {k}" for (a, b), k in moved.most_common()) or "-",
+                      "'holds?' answers that change": f"{flips}/{len(judged)}"})
+    return ("Sensitivity of the verdicts (every patched run of the experiments; "
+            f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
+
+
 def pivot(records, across):
     """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
     configs, cells = [config_of(r) for r in records], {}
     for r, cfg in zip(records, configs):
         label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
         cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct(r['final'].get('acc'))} {(r.get('mechanism') or {}).get('verdict') or '-'}"
+            f"{fmt_pct(r['final'].get('acc'))} {verdict_of(r) or '-'}"
     columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
     return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
 
@@ -1106,46 +1206,56 @@ def grid(fig, n, cols, height):
 
 
 def plot_scatter(fig, records):
-    """Attrib@Value against Attrib@Query of every patched run, the verdicts' regions (Fig. 3)."""
-    runs = patched_runs(records)
+    """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed, and the
+    verdict's regions (the paper's Fig. 3); a run held at the key is a triangle."""
+    runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
     low = np.array([bool(m.get("low_signal")) for m in mech], bool)
-    (lo, hi), v, ax = FRAME, interventions.INDUCTION_MIN_VALUE, fig.subplots()
-    ax.fill_between([v, hi], [lo, lo], [v, hi], color="tab:green", alpha=0.12, lw=0)
-    ax.fill_between([lo, interventions.DIRECT_MAX_VALUE], interventions.DIRECT_MIN_QUERY, hi,
-                    color="tab:purple", alpha=0.12, lw=0)
+    key = np.array([verdict_of(r) == interventions.READINGS["key"] for r in runs], bool)
+    (lo, hi), cut, ax = FRAME, interventions.CUT, fig.subplots()
+    ax.fill_between([cut, hi], [lo, lo], [cut, cut], color="tab:green", alpha=0.12, lw=0)
+    ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
     order = lambda a: ALL_ARCHS.index(a) if a in ALL_ARCHS else len(ALL_ARCHS)
     for a in sorted(set(arch), key=order):              # each arch nudged a little, so that runs
-        for hollow in (False, True):                     # with the same reading stay visible
-            m, c, dx = (np.array(arch) == a) & (low == hollow), colour(a), 0.012 * (order(a) - 3)
+        label = a                                        # of one reading stay visible
+        for hollow, tri in ((False, False), (False, True), (True, False)):
+            m = (np.array(arch) == a) & (low == hollow) & (key == tri)
+            c, dx = colour(a), 0.012 * (order(a) - 3)
             ax.scatter(np.clip(x[m] + dx, lo, hi), np.clip(y[m] + dx, lo, hi), s=40, edgecolors=c,
-                       facecolors="none" if hollow else c, clip_on=False, label=None if hollow else a)
+                       marker="^" if tri else "o", facecolors="none" if hollow else c,
+                       clip_on=False, label=label if m.any() else None)
+            label = None if m.any() else label
     ax.scatter([], [], s=40, facecolors="none", edgecolors="grey", label="too little signal")
+    ax.scatter([], [], s=40, marker="^", color="grey", label="held at the key")
     ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
            title="Attribution at the value and at the query, every run")
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
-    return {"arch": arch, "value": x, "query": y, "low_signal": low}
+    return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key}
 
 
 def plot_width(fig, rows):
-    """Accuracy against width (log2 axis), one line per label: its best run at each width."""
+    """Accuracy against width (log2 axis), one line per label: the median over seeds at each width,
+    the range shaded."""
     lines, ax = {}, fig.subplots()
     for row in sorted(rows, key=lambda r: r["d_model"]):
         lines.setdefault(next(iter(widest_rows([row]))), []).append(row)      # its label less width
-    out = {label: (np.array([r["d_model"] for r in line]),
-                   np.array([(r["best"].get("final") or {}).get("acc") for r in line], float))
-           for label, line in lines.items()}
-    for i, (label, xy) in enumerate(out.items()):
-        ax.plot(*xy, "-:"[i % 2], marker="o", color=colour(lines[label][0]["arch"]), label=label)
+    out = {}
+    for i, (label, line) in enumerate(lines.items()):
+        accs = [spread(row)["acc"] for row in line]
+        out[label] = d, med, low, high = (np.array([r["d_model"] for r in line]),
+                                          *(np.array([f(a) for a in accs], float)
+                                            for f in (statistics.median, min, max)))
+        ax.plot(d, med, "-:"[i % 2], marker="o", color=colour(line[0]["arch"]), label=label)
+        ax.fill_between(d, low, high, color=colour(line[0]["arch"]), alpha=0.12, lw=0)
     widths = sorted({r["d_model"] for r in rows})
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.set(ylim=(-0.02, 1.02), xlabel="model width (d_model)", ylabel="accuracy",
-           title="Accuracy against width (best run of each width)")
-    ax.legend()
+           title="Accuracy against width: median over seeds, range shaded")
+    ax.legend(fontsize=8)
     return out
 
 
@@ -1193,19 +1303,27 @@ def plot_timeline(fig, rows):
 
 
 def plot_box(fig, records):
-    """ATR: per arch, boxes of Attrib@Key, Attrib@Value, Attrib@Query over its runs with signal."""
-    runs, ax, handles = patched_runs(records, signal=True), fig.subplots(), []
+    """ATR, as the paper's box plot: a row per site (key, value, query), a box per arch over its
+    seeds that can be read, every seed a dot (hollow: too little signal)."""
+    runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     names = {r["config"]["arch"] for r in runs}
     archs = [a for a in ALL_ARCHS if a in names] + sorted(names - set(ALL_ARCHS))
-    out = {a: {k: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"]["arch"] == a], float)
-               for k in ATTRIBS} for a in archs}
-    for j, (k, (name, c)) in enumerate(ATTRIBS.items()):
-        handles.append(ax.boxplot([out[a][k][np.isfinite(out[a][k])] for a in archs], widths=0.8,
-                                  positions=4 * np.arange(len(archs)) + j, patch_artist=True,
-                                  boxprops={"facecolor": c, "alpha": 0.7}, medianprops={"color": "k"})["boxes"][0])
-    ax.set_xticks(4 * np.arange(len(archs)) + 1, archs)
-    ax.set(ylabel="attribution", title="ATR: attribution at the key, value and query")
-    fig.legend(handles, [n for n, _ in ATTRIBS.values()], loc="outside upper center", ncols=3)
+    of = lambda a, k, low: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"][
+        "arch"] == a and bool(r["mechanism"].get("low_signal")) == low], float)
+    out = {a: {k: of(a, k, False) for k in ATTRIBS} for a in archs}
+    fig.set_size_inches(8.0, 6.5)
+    for ax, (k, (name, c)) in zip(fig.subplots(3, 1, sharex=True), ATTRIBS.items()):
+        ax.boxplot([out[a][k] for a in archs], positions=range(len(archs)), widths=0.6,
+                   patch_artist=True, boxprops={"facecolor": c, "alpha": 0.5},
+                   medianprops={"color": "k"}, showfliers=False)
+        for i, a in enumerate(archs):
+            for low in (False, True):
+                y = np.clip(of(a, k, low), *FRAME)
+                ax.scatter(i + np.linspace(-0.15, 0.15, len(y)), y, s=12, color=c,
+                           facecolors="none" if low else c, zorder=3)
+        ax.set(ylabel=name, ylim=FRAME)
+    ax.set_xticks(range(len(archs)), archs)
+    fig.suptitle("ATR: attribution at the key, value and query, every seed")
     return out
 
 

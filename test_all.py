@@ -1151,11 +1151,22 @@ def test_attribution_is_a_ratio_of_means():
 
 
 def test_verdict_rule():
-    assert iv.verdict(0.9, 0.2, False)[0] == "induction"
-    assert iv.verdict(0.1, 0.9, False)[0] == "direct retrieval"
-    assert iv.verdict(0.4, 0.4, False)[0] == "mixed"
-    assert iv.verdict(0.9, 0.95, False)[0] == "mixed"
-    assert iv.verdict(0.9, 0.2, True)[0] == "no signal"
+    """One rule for the three sites: the one site at or above the cut names the reading."""
+    kvq = lambda k, v, q: {"key": k, "value": v, "query": q}
+    assert iv.verdict(kvq(0.0, 0.9, 0.2), False)[0] == "induction"
+    assert iv.verdict(kvq(0.0, 0.1, 0.9), False)[0] == "direct retrieval"
+    assert iv.verdict(kvq(0.77, 0.02, 0.01), False)[0] == "held at the key"   # Mamba on ATR
+    assert iv.verdict(kvq(0.1, 0.4, 0.4), False)[0] == "mixed"                 # no site
+    assert iv.verdict(kvq(0.54, 0.03, 0.55), False)[0] == "mixed"              # two sites
+    assert iv.verdict(kvq(0.0, 0.9, 0.2), True)[0] == "no signal"
+    assert iv.verdict(kvq(0.0, float("nan"), 0.2), False)[0] == "no signal"
+    # each boundary: the cut itself counts, just below does not; the cut is a parameter
+    assert iv.verdict(kvq(0.0, 0.5, 0.0), False)[0] == "induction"
+    assert iv.verdict(kvq(0.0, 0.4999, 0.0), False)[0] == "mixed"
+    assert iv.verdict(kvq(0.45, 0.0, 0.5), False)[0] == "direct retrieval"
+    assert iv.verdict(kvq(0.45, 0.0, 0.5), False, cut=0.4)[0] == "mixed"
+    assert iv.verdict(kvq(0.45, 0.0, 0.5), False, cut=0.6)[0] == "mixed"
+    assert iv.verdict(kvq(0.65, 0.0, 0.5), False, cut=0.6)[0] == "held at the key"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2249,13 +2260,13 @@ def test_strict_interventions_refuse_unknown_roles_bad_thresholds_and_none_patch
     p = torch.tensor([0.9, 0.8])
     for threshold in (float("nan"), -0.1, 1.0, float("inf"), "0.01", True):
         for call in [lambda: iv.attribution(p, p / 2, p, threshold),
-                     lambda: iv.verdict(0.1, 0.1, False, threshold=threshold),
+                     lambda: iv.verdict(dict(key=0, value=0.1, query=0.1), False, threshold=threshold),
                      lambda: iv.mechanism(model, data, n_docs=4, threshold=threshold),
                      lambda: iv.headline(model, data, n_docs=4, threshold=threshold)]:
             with pytest.raises(ValueError, match="^threshold must be a number in") as excinfo:
                 call()
             assert one_line_value_error(excinfo, "threshold")
-    assert iv.verdict(0.9, 0.1, False, threshold=0.0)[0] == "induction"
+    assert iv.verdict(dict(key=0, value=0.9, query=0.1), False, threshold=0.0)[0] == "induction"
     site = "blocks.0.hook_resid_pre"
     with pytest.raises(ValueError, match=site):
         with iv.patch(model, {site: lambda act: None}):
@@ -2356,11 +2367,12 @@ def fig_record(arch, d_model=32, lr=1e-3, seed=0, value=0.9, query=0.1, low=Fals
     """A run record as mechsm writes it (the fields the figures read), with its full table inline."""
     history = [{"step": s, "acc": s / 40, "attrib_value": value * s / 40, "attrib_query": query,
                 "attrib_low_signal": s == 0} for s in (0, 10, 20, 40)]
-    table = {"positions": FIG_POSITIONS, "low_signal": low, "verdict": "induction",
+    table = {"positions": FIG_POSITIONS, "low_signal": low, "verdict": "induction", "threshold": 0.01,
+             "gap": 0.0 if low else 0.5, "headline": {"key": 0.5, "value": value, "query": query},
              "rows": [{"site": f"blocks.{i}.hook_resid_pre", "label": "block_in", "layer": i,
                        "scores": {"key": 1.0 - i, "value": value * i, "query": None if i else query}}
                       for i in range(2)]}
-    return {"config": {"arch": arch, "d_model": d_model, "lr": lr, "seed": seed, "task": task},
+    return {"config": {"arch": arch, "d_model": d_model, "lr": lr, "seed": seed, "task": task, "n_layers": 2},
             "status": "ok", "final": {"acc": history[-1]["acc"] * d_model / 64}, "history": history,
             "mechanism": {"attrib_key": 0.5, "attrib_value": value, "attrib_query": query,
                           "low_signal": low, "verdict": "induction"},
@@ -2373,7 +2385,7 @@ def fig_rows(records):
     for r in records:
         key = r["config"]["arch"], r["config"]["d_model"]
         if key not in rows or r["final"]["acc"] > rows[key]["best"]["final"]["acc"]:
-            rows[key] = {"arch": key[0], "d_model": key[1], "best": r, "label": key[0]}
+            rows[key] = {"arch": key[0], "d_model": key[1], "best": r, "label": key[0], "runs": [r]}
     return list(rows.values())
 
 
@@ -2422,12 +2434,15 @@ def test_timeline_follows_the_history_with_gaps_where_signal_is_low(figure):
         np.testing.assert_array_equal(series["attrib_value"], expect)
 
 
-def test_width_lines_are_each_widths_best_accuracy(figure):
+def test_width_lines_are_each_widths_median_and_range_over_seeds(figure):
     records = RECORDS + [fig_record("mamba", d_model=64), fig_record("mamba", d_model=128)]
-    data = fs.plot_width(figure(), fig_rows(records))
-    widths, accs = data["mamba"]
+    rows = fig_rows(records)
+    rows[0]["runs"] = [dict(r, final={"acc": a}) for r, a in zip(RECORDS[:2] * 2, (0.1, 0.2, 0.9))]
+    widths, median, low, high = fs.plot_width(figure(), rows)["mamba"]
     np.testing.assert_array_equal(widths, [32, 64, 128])
-    np.testing.assert_array_equal(accs, [0.5, 1.0, 2.0])      # final acc = d_model / 64 here
+    np.testing.assert_array_equal(median, [0.2, 1.0, 2.0])    # final acc = d_model / 64 here
+    np.testing.assert_array_equal(low, [0.1, 1.0, 2.0])
+    np.testing.assert_array_equal(high, [0.9, 1.0, 2.0])
 
 
 def test_box_groups_the_runs_with_signal_by_arch(figure):
