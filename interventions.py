@@ -27,8 +27,8 @@ Batching: per site, the corrupted batch stacked once per patched position (copy 
 p), one forward in chunks of CHUNK_ROWS rows with two exact shortcuts (interchange); it equals
 patching one position at a time (interchange_reference; test_all.py checks every arch and site).
 
-Shape glossary: b batch, l sequence length, d d_model, e Mamba inner width, n state size,
-h heads, k head width, v vocab; here also P patched positions, N documents.
+Shape letters (the README's glossary): b documents (the ones patched, a batch), l sequence length,
+d d_model, v vocabulary, P positions patched at one site.
 """
 
 import contextlib
@@ -65,13 +65,6 @@ def _check_threshold(threshold):
     if not number or not 0 <= threshold < 1:
         raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
                          f"gap at or below which there is no signal); got {threshold!r}.")
-
-
-def _check_roles(name, roles, allowed):
-    """Each of roles must be in allowed, else a ValueError naming the parameter and the choices."""
-    for role in roles:
-        if not isinstance(role, str) or role not in allowed:
-            raise ValueError(f"{name} must be among {', '.join(allowed)}; got {role!r}.")
 
 
 # --- Sites: every HookPoint with a seq_dim, named as in model.named_modules().
@@ -162,16 +155,17 @@ def answer_prob(model, tokens, answers, query):
 # --- Corruption: one token of each document replaced by another of its class.
 
 def corrupt(dataset, role="key", seed=0, strict=False):
-    """A corrupted copy of dataset.tokens (N, l): each document's token at positions[role] replaced
+    """A corrupted copy of dataset.tokens (b, l): each document's token at positions[role] replaced
     by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); README
     difference 1); strict=True also excludes the document's own tokens (the corrupted key points to
     no other answer). One draw per document, reused by every site (README, difference 6)."""
-    _check_roles("role", [role], tuple(dataset.classes))
+    if not isinstance(role, str) or role not in dataset.classes:
+        raise ValueError(f"role must be among {', '.join(dataset.classes)}; got {role!r}.")
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
     pos = dataset.positions[role].to(tokens.device)
     rows = torch.arange(len(tokens), device=tokens.device)
-    allowed = torch.ones(len(tokens), hi - lo, dtype=torch.float64)          # (N, hi-lo)
+    allowed = torch.ones(len(tokens), hi - lo, dtype=torch.float64)          # (b, hi-lo)
     if strict:
         r, c = ((tokens >= lo) & (tokens < hi)).nonzero(as_tuple=True)      # in-class entries
         allowed[r.cpu(), (tokens[r, c] - lo).cpu()] = 0.0
@@ -187,7 +181,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
 
 @torch.no_grad()
 def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
-    """Slow, obviously correct twin of interchange for ONE position tensor pos (N,): record the
+    """Slow, obviously correct twin of interchange for ONE position tensor pos (b,): record the
     whole clean activation, then patch document by document in a Python loop."""
     model.eval()
     seq_dim = hook_points(model)[site].seq_dim
@@ -206,13 +200,13 @@ def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answer
 
 def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
     """Ratio of means over documents (as the paper's code), not a mean of per-document ratios:
-        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt), on probabilities (N,).
-    low_signal when the gap is <= threshold; score is nan when the gap is exactly 0."""
+        score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt), on probabilities (b,).
+    low_signal when the gap is <= threshold; score is None when the gap is exactly 0."""
     _check_threshold(threshold)
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
     return {
-        "score": (patched - corrupted) / gap if gap != 0 else float("nan"),
+        "score": (patched - corrupted) / gap if gap != 0 else None,
         "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
         "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
         "low_signal": gap <= threshold,
@@ -236,89 +230,72 @@ def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
 
 # --- The same, batched: every position of a site in one forward, from cached activations.
 
-def gather_positions(model, tokens, sites, positions):
-    """{site: its activations (P, N, ...) at positions ({name: (N,)}, P in order)}, one forward."""
-    pos = torch.stack(list(positions.values()))                              # (P, N)
-    rows = torch.arange(tokens.shape[0], device=tokens.device)
-    hooks = hook_points(model)
-
-    def gather(site, act):
-        at = act.movedim(hooks[site].seq_dim, 1)                             # (N, l, ...)
-        return torch.stack([at[rows, p] for p in pos])                       # (P, N, ...)
-    return record(model, tokens, sites, gather)
-
-
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
     """What interchange() reuses, from four forwards: p_corrupt, both runs' activations at each
-    site and position, the corrupted residuals (resid[i]: block i's input, resid[L]: the output)."""
-    L = len(model.blocks)
+    site and position ({site: (P, b, ...)}, positions {name: (b,)} in order), the corrupted
+    residuals (resid[i]: block i's input, resid[L]: the output)."""
+    L, modules = len(model.blocks), dict(model.named_modules())
     stream = [f"blocks.{i}.hook_resid_pre" for i in range(L)] + [f"blocks.{L - 1}.hook_resid_post"]
+    pos = torch.stack(list(positions.values()))                              # (P, b)
+    rows = torch.arange(clean_tokens.shape[0], device=clean_tokens.device)
+
+    def gather(site, act):
+        at = act.movedim(modules[site].seq_dim, 1)                           # (b, l, ...)
+        return torch.stack([at[rows, p] for p in pos])                       # (P, b, ...)
     resid = record(model, corrupt_tokens, stream)
     return {
         "p_corrupt": answer_prob(model, corrupt_tokens, answers, query),
-        "clean": gather_positions(model, clean_tokens, sites, positions),
-        "corrupt": gather_positions(model, corrupt_tokens, sites, positions),
-        "resid": [resid[name] for name in stream],                           # L+1 x (N, l, d)
+        "clean": record(model, clean_tokens, sites, gather),
+        "corrupt": record(model, corrupt_tokens, sites, gather),
+        "resid": [resid[name] for name in stream],                           # L+1 x (b, l, d)
     }
-
-
-def _start(site):
-    """(layer the forward starts at, whether the site IS its input residual): the layers before the
-    site see only the corrupted input (cached); block input i and output i-1 are the same tensor."""
-    layer, after = site_layer(site), site.endswith(".hook_resid_post")  # output i = input i+1
-    if layer is None:
-        return 0, False
-    return (layer + 1 if after else layer), after or site.endswith(".hook_resid_pre")
 
 
 @torch.no_grad()
 def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, query, *,
                 cache=None, chunk_rows=CHUNK_ROWS):
-    """Patch `site` at each position of `positions` ({name: (N,)}) one at a time, from the clean run
-    into the corrupted one: {name: p_patched (N,)} of `answers` at `query`; cache: prepare's (built
-    here when None). Row p*N + r is copy p of document r; its hook writes row r's clean vector at
-    positions[p][r]. Exact shortcuts: rows whose clean vector equals the corrupted one bit for bit
-    patch nothing (p_corrupt, no forward); the forward starts at the site's layer (_start)."""
+    """Patch `site` at each position of `positions` ({name: (b,)}) one at a time, from the clean run
+    into the corrupted one: {name: p_patched (b,)} of `answers` at `query`; cache: prepare's (built
+    here when None). Row p*b + i is copy p of document i; its hook writes row i's clean vector at
+    positions[p][i]. Exact shortcuts: rows whose clean vector equals the corrupted one bit for bit
+    patch nothing (p_corrupt, no forward); the forward starts at the site's layer: the layers before
+    see only the corrupted input (cached), and block input i is block output i-1."""
     model.eval()
     names = list(positions)
-    P, N = len(names), corrupt_tokens.shape[0]
+    P, b = len(names), corrupt_tokens.shape[0]
     if cache is None:
         cache = prepare(model, clean_tokens, corrupt_tokens, [site], positions, answers, query)
-    seq_dim = hook_points(model)[site].seq_dim
-    layer, on_residual = _start(site)
-    clean, corrupted = cache["clean"][site], cache["corrupt"][site]          # (P, N, ...)
-    noop = (clean == corrupted).flatten(2).all(-1).flatten()                 # (P*N,)
+    seq_dim = dict(model.named_modules())[site].seq_dim
+    on_residual = site.endswith((".hook_resid_pre", ".hook_resid_post"))     # the site IS a residual
+    layer = int(site.split(".")[1]) + site.endswith(".hook_resid_post")      # the forward starts here
+    clean, corrupted = cache["clean"][site], cache["corrupt"][site]          # (P, b, ...)
+    noop = (clean == corrupted).flatten(2).all(-1).flatten()                 # (P*b,)
     todo = (~noop).nonzero()[:, 0]                                           # rows to run
-    doc = todo % N                                                           # their documents
-    todo_pos = torch.cat([positions[name] for name in names])[todo]          # (K,)
-    todo_clean = clean.flatten(0, 1)[todo]                                   # (K, ...)
-    chunk = {}  # "k": the current chunk, a slice of todo, read by restore
+    doc = todo % b                                                           # their documents
+    todo_pos = torch.cat([positions[name] for name in names])[todo]          # (rows,)
+    todo_clean = clean.flatten(0, 1)[todo]                                   # (rows, ...)
+    chunk = {}  # "part": the current chunk, a slice of todo, read by restore
 
     def restore(act):
         out = act.clone()  # never write into a tensor the model may reuse elsewhere
-        rows, k = torch.arange(out.shape[0], device=out.device), chunk["k"]
-        out.movedim(seq_dim, 1)[rows, todo_pos[k]] = todo_clean[k].to(out.dtype)   # (b, l, ...)
+        rows, part = torch.arange(out.shape[0], device=out.device), chunk["part"]
+        out.movedim(seq_dim, 1)[rows, todo_pos[part]] = todo_clean[part].to(out.dtype)   # (b, l, ...)
         return out
 
-    probs = cache["p_corrupt"].repeat(P)                                     # (P*N,)
+    probs = cache["p_corrupt"].repeat(P)                                     # (P*b,)
     with patch(model, {} if on_residual else {site: restore}):
         for a in range(0, len(todo), chunk_rows):
-            k = chunk["k"] = slice(a, a + chunk_rows)
-            resid = cache["resid"][layer][doc[k]]                            # (b, l, d)
+            part = chunk["part"] = slice(a, a + chunk_rows)
+            resid = cache["resid"][layer][doc[part]]                         # (rows, l, d)
             resid = restore(resid) if on_residual else resid
             for block in model.blocks[layer:]:                               # the rest of the model
-                resid = block(resid)                                         # (b, l, d)
-            probs[todo[k]] = _answer_prob(model.logits(resid, query[doc[k]]), answers[doc[k]])
-    return dict(zip(names, probs.view(P, N)))
+                resid = block(resid)                                         # (rows, l, d)
+            probs[todo[part]] = _answer_prob(model.logits(resid, query[doc[part]]), answers[doc[part]])
+    return dict(zip(names, probs.view(P, b)))
 
 
 # --- The whole table and the headline pair.
-
-def _float(x):
-    """JSON-safe float (nan -> None)."""
-    return None if x != x else float(x)
-
 
 def headline_site(n_layers):
     """The headline pair's site: layer 1's block input; a one-layer model's layer-0 mixer output."""
@@ -353,7 +330,7 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
     model.train(was_training)
     scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
-    return {**{k: _float(a["score"]) for k, a in scores.items()}, "gap": scores["key"]["gap"],
+    return {**{k: a["score"] for k, a in scores.items()}, "gap": scores["key"]["gap"],
             "low_signal": scores["key"]["low_signal"]}
 
 
@@ -367,7 +344,9 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
     _check_threshold(threshold)
-    _check_roles("positions", positions, POSITIONS)
+    wrong = [p for p in positions if not isinstance(p, str) or p not in POSITIONS]
+    if wrong:
+        raise ValueError(f"positions must be among {', '.join(POSITIONS)}; got {wrong[0]!r}.")
     unknown = [s for s in sites or () if s not in hook_points(model)]
     if unknown:
         raise ValueError(f"sites must be patchable sites of this model (hook_points(model), e.g. "
@@ -397,7 +376,7 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
         a = {name: attribution(p_clean, p_corrupt, p, threshold) for name, p in p_patched.items()}
         rows.append({"site": site, "label": site_label(site), "layer": site_layer(site),
-                     "scores": {name: _float(x["score"]) for name, x in a.items()},
+                     "scores": {name: x["score"] for name, x in a.items()},
                      "p_patched": {name: x["p_patched"] for name, x in a.items()}})
     score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
 

@@ -9,11 +9,12 @@ probability on 320 fresh documents every eval_every steps, step 0 included. On p
 (README, differences 7, 8, 11): the final model is evaluated, ATR accuracy is also reported on the
 evaluation documents not seen in training ("novel_acc"), generalisation runs decay by a cosine.
 
-Read in order: Config -> Data -> lr_at, answer_loss, evaluate -> train (its loop: fit) -> the
-timeline entry -> save/load; then the batched Ensemble (train_group). Sweeps and reports: run.py.
+Read in order: Config -> make_data -> lr_at, answer_loss, evaluate -> train, its loop written out
+-> the timeline entry -> save/load. Below a marked line, and skippable: train_group, runs that
+differ only in lr and seed trained as one batched model (the Ensemble). Sweeps and reports: run.py.
 
-Shape glossary: b batch, l sequence length, d d_model, v vocabulary, n documents, r members of an
-Ensemble (runs differing only in lr and seed, trained as one batched model), P a model's parameters.
+Shape letters (the README's glossary): b documents (of a batch or a Dataset), l sequence length,
+v vocabulary, r runs trained as one model (an Ensemble).
 
 Using it from Python:
     import mechsm
@@ -23,6 +24,7 @@ Using it from Python:
     mechsm.save(model, cfg, "attn.pt"); model, cfg = mechsm.load("attn.pt")
 """
 
+import hashlib
 import json
 import math
 import os
@@ -136,7 +138,7 @@ class Config:
     def resolved(self):
         """The same run with "auto" made explicit (epochs, pos_emb): equal runs compare equal."""
         epochs = DEFAULT_EPOCHS.get(self.task, 16) if self.epochs is None else self.epochs
-        pos_emb = models._pos_emb_or_default(self.arch, self.pos_emb)
+        pos_emb = models.MIXER_CLASSES[self.arch].POS_EMB if self.pos_emb is None else self.pos_emb
         return replace(self, epochs=epochs, pos_emb=pos_emb)
 
     def total_steps(self):
@@ -145,8 +147,12 @@ class Config:
         return self.train_size // self.batch_size * self.resolved().epochs   # partial batch dropped
 
     def name(self):
-        """A short human name for logs and files, e.g. 'ar_attention_d64_L2_lr0.001_s42'."""
-        return f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}"
+        """A short human name, its suffix 8 hex digits of every field but device: runs that differ
+        differ in name, e.g. 'ar_attention_d64_L2_lr0.001_s42_1c3a0f9e'."""
+        identity = json.dumps({k: v for k, v in asdict(self.resolved()).items() if k != "device"},
+                              sort_keys=True)
+        return (f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}_"
+                + hashlib.sha1(identity.encode()).hexdigest()[:8])
 
 
 def resolve_device(device):
@@ -172,7 +178,8 @@ class Data:
     eval: "tasks.Dataset"      # eval_size fresh documents, split "dev" (a different seed stream)
     test: "tasks.Dataset"      # eval_size documents querying held-out pairs; None if holdout == 0
     vocab_size: int
-    novel: dict = None         # ATR: split -> bool mask of its documents not seen verbatim in train
+    novel: dict = None         # ATR: split -> (b,) bool, its documents not seen verbatim in train
+    key: tuple = ()            # the data_key it was made from
 
 
 AR_FIELDS = ("num_keys", "num_values", "num_pairs")              # tasks.make_ar's settings
@@ -180,43 +187,65 @@ PCFG_FIELDS = ("num_terminals", "num_nonterminals", "max_rhs_len", "max_rules", 
                "terminal_weight")                                # tasks.PCFG's settings
 
 
-def _data_key(cfg):
-    names = AR_FIELDS if cfg.task == "ar" else (*PCFG_FIELDS, "max_terminals")
-    params = tuple(getattr(cfg, name) for name in names)
-    return (cfg.task, params, cfg.holdout, cfg.data_seed, cfg.train_size, cfg.eval_size)
+def data_key(cfg):
+    """((field, value), ...): what makes cfg's documents. Runs with equal keys share their Data."""
+    task_fields = AR_FIELDS if cfg.task == "ar" else (*PCFG_FIELDS, "max_terminals")
+    return tuple((name, getattr(cfg, name)) for name in
+                 ("task", *task_fields, "holdout", "data_seed", "train_size", "eval_size"))
 
 
 @lru_cache(maxsize=2)
-def _make_data(key):
-    task, params, holdout, seed, train_size, eval_size = key
-    if task == "ar":
-        make = lambda n, split: tasks.make_ar(n, **dict(zip(AR_FIELDS, params)), seed=seed,
-                                              split=split, holdout=holdout)
+def make_documents(key):
+    """The Data of a data_key (the last two are cached: a sweep's runs share theirs)."""
+    c = dict(key)
+    if c["task"] == "ar":
+        make = lambda n, split: tasks.make_ar(n, **{k: c[k] for k in AR_FIELDS}, seed=c["data_seed"],
+                                              split=split, holdout=c["holdout"])
     else:
-        grammar = tasks.PCFG(**dict(zip(PCFG_FIELDS, params)), seed=seed)
-        make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=holdout, seed=seed,
-                                               max_terminals=params[-1])
+        grammar = tasks.PCFG(**{k: c[k] for k in PCFG_FIELDS}, seed=c["data_seed"])
+        make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=c["holdout"],
+                                               seed=c["data_seed"], max_terminals=c["max_terminals"])
     # the SAME seed for every split: tasks.py mixes the split name into the document stream
     try:
-        train, dev = make(train_size, "train"), make(eval_size, "dev")
-        test = make(eval_size, "test") if holdout > 0 else None
+        train, dev = make(c["train_size"], "train"), make(c["eval_size"], "dev")
+        test = make(c["eval_size"], "test") if c["holdout"] > 0 else None
     except (RuntimeError, MemoryError) as e:    # e.g. the held-out matrix of a huge vocabulary
         if not (isinstance(e, MemoryError) or "alloc" in str(e).lower()):
             raise
-        raise ValueError(f"{task} task {params} with {train_size} training documents: too large to "
+        raise ValueError(f"{c['task']} task with {c['train_size']} training documents: too large to "
                          f"allocate ({' '.join(str(e).split())[:120]})") from None
-    novel = None if task == "ar" else {      # README, difference 8: documents unseen in training
-        name: novel_mask(train, ds) for name, ds in [("eval", dev), ("test", test)] if ds}
-    return Data(train, dev, test, train.vocab_size, novel)
+    novel = None                                # README, difference 8: documents unseen in training
+    if c["task"] == "atr":
+        seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
+        novel = {name: torch.tensor([row[:n].tobytes() not in seen for row, n in zip(
+            ds.tokens.numpy(), ds.lengths.tolist())]) for name, ds in [("eval", dev), ("test", test)] if ds}
+    return Data(train, dev, test, train.vocab_size, novel, key)
 
 
 def make_data(cfg, data=None):
-    """cfg's Data (cached: a sweep's runs share it) or `data` checked to be cfg's and to fit."""
-    if data is not None:
-        check_data(cfg, data)      # data passed in must be cfg's task: its record will say so
-    data = data or _make_data(_data_key(cfg))
-    check_length(cfg, data)
+    """cfg's Data (made once per data_key), or `data`, which must be cfg's (its record will say so);
+    either way its documents must fit cfg's model (learned positions, filters of fixed length)."""
+    key = data_key(cfg)
+    if data is None:
+        data = make_documents(key)
+    made = dict(data.key) if isinstance(data, Data) else {}
+    wrong = [name for name, value in key if made.get(name) != value]
+    if wrong:
+        raise ValueError(f"data was made with {wrong[0]}={made.get(wrong[0])!r}, but cfg has "
+                         f"{wrong[0]}={getattr(cfg, wrong[0])!r}: pass make_data(cfg) or no data.")
+    cfg = cfg.resolved()
+    if cfg.pos_emb or models.MIXER_CLASSES[cfg.arch].FIXED_LENGTH:
+        length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
+        if length > cfg.n_positions:
+            what = "learned positions" if cfg.pos_emb else "implicit filter positions"
+            raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s model "
+                             f"has {cfg.n_positions} {what}; raise n_positions or shorten the documents")
     return data
+
+
+def probe_task(cfg):
+    """The vocabulary size of cfg's task, from a few documents (tasks' ValueError if impossible)."""
+    return make_documents(data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
 
 
 # --- The recipe: learning-rate schedule, loss, evaluation.
@@ -235,23 +264,19 @@ def lr_at(step, total, warmup_frac=0.1, schedule="cosine", peak=1.0):
 
 def answer_loss(model, tokens, queries, answers):
     """Cross-entropy of the answer at the query position (the head reads those rows alone), mean
-    over the batch, float32 at least. An Ensemble's: one per member (r,), its failed ones 0."""
-    logits = model(tokens, readout=queries)         # (b, l) -> (b, v); an Ensemble's: (r, b, v)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if logits.dim() == 3:
-        losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
-                                 reduction="none")                               # (r, b)
-        return model.drop_failed(losses.mean(1))
-    return F.cross_entropy(logits, answers)
+    over the batch, in float32 at least."""
+    logits = model(tokens, readout=queries)         # (b, l) -> (b, v)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), answers)
 
 
 @torch.no_grad()
 def evaluate(model, dataset, batch_size=64):
-    """{"acc": argmax over the vocabulary == answer, "prob": mean P(answer), "loss": its CE, n}."""
+    """{"acc": argmax over the vocabulary == answer, "prob": mean P(answer), "loss": its CE, n}
+    (None for an empty dataset)."""
     models.check_dataset(model, dataset)
     n = len(dataset)
     if n == 0:
-        return {"acc": float("nan"), "prob": float("nan"), "loss": float("nan"), "n": 0}
+        return {"acc": None, "prob": None, "loss": None, "n": 0}
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -270,55 +295,15 @@ def evaluate(model, dataset, batch_size=64):
     return {"acc": correct / n, "prob": prob / n, "loss": loss / n, "n": n}
 
 
-# --- One training run: the loop, written out (as nanoGPT's train.py writes it).
-
-def train(cfg, *, data=None, log=None):
-    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe):
-    config, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device,
-    final (the final model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
-    [cfg], data = setup([cfg], data)       # documents cfg's model cannot take fail here
-    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] ")
-    torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone
-    model = build(cfg, data.vocab_size)    # on cfg's device
-    return fit([cfg], model, adamw(model, cfg.lr), data, log)[0]
-
-
-def fit(cfgs, model, optimizer, data, log):
-    """train()'s loop: AdamW at lr_at(step) on batch(step), evaluated every eval_every steps and at
-    the end. cfgs: [cfg], or an Ensemble's (then the loss is (r,)). [(result, model)] per config."""
-    cfg, total, start = cfgs[0], cfgs[0].total_steps(), time.time()
-    batch = training_batches(cfg, data)
-    histories, loss_sum, n_losses, error = [[] for _ in cfgs], 0.0, 0, None
-    model.train()
-    for step in range(total + 1):
-        if step % cfg.eval_every == 0 or step == total:             # evaluate
-            mean_loss = loss_sum / n_losses if n_losses else None
-            log(record_evaluation(model, cfgs, data, step, mean_loss, histories, start))
-            loss_sum, n_losses = 0.0, 0
-        if step == total:
-            break
-        for group, c in zip(optimizer.param_groups, cfgs):          # the schedule, per member
-            group["lr"] = lr_at(step, total, c.warmup_frac, c.schedule, c.lr)
-        loss = answer_loss(model, *batch(step))                     # forward: () or (r,)
-        if not torch.isfinite(loss).all():          # a NaN/inf would poison every later step
-            error = FAILED.format(loss.item(), step, cfg.lr)
-            log(f"FAILED: {error}")
-            break
-        optimizer.zero_grad(set_to_none=True)
-        loss.sum().backward()                                       # backward
-        optimizer.step()                                            # AdamW
-        loss_sum, n_losses = loss_sum + loss.detach(), n_losses + 1
-    return run_results(model, cfgs, histories, step, error, time.time() - start)
-
-
-def setup(configs, data=None):
-    """(configs resolved and checked, their Data); several must differ only in lr and seed."""
-    cfgs = [c.resolved().check() for c in configs]
-    if not cfgs or len({group_key(c) for c in cfgs}) > 1:
-        raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
-    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
-        raise ValueError("train_group: configs: two have the same lr and seed")
-    return cfgs, make_data(cfgs[0], data)
+def build(cfg, vocab_size):
+    """The model of a config on its device, initialised from cfg.seed alone (models.build_model)."""
+    cfg = cfg.resolved()
+    model = models.build_model(cfg.arch, vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
+                               n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
+                               long_only=cfg.long_only, freeze_features=cfg.freeze_features,
+                               kernels=cfg.kernels, seed=cfg.seed)
+    model.task = cfg.task                   # models.check_dataset refuses another task's documents
+    return model.to(resolve_device(cfg.device))
 
 
 def adamw(model, lr):
@@ -331,84 +316,77 @@ def adamw(model, lr):
 
 
 def training_batches(cfg, data):
-    """batch(step): (tokens, queries, answers) of training rows [s*B, s*B + B), s = step mod S."""
-    B, S, device = cfg.batch_size, cfg.train_size // cfg.batch_size, resolve_device(cfg.device)
-    tokens = data.train.tokens[: S * B].to(device)                  # (S*B, l)
-    queries = data.train.positions["query"][: S * B].to(device)     # (S*B,)
-    answers = data.train.answers[: S * B].to(device)                # (S*B,)
-    widths = data.train.lengths[: S * B].view(S, B).max(1).values.tolist()
+    """batch(step): (tokens, queries, answers) of the training rows of batch step mod n_batches
+    (the fixed training set walked in order, the partial last batch dropped)."""
+    size, n_batches, device = cfg.batch_size, cfg.train_size // cfg.batch_size, resolve_device(cfg.device)
+    used = n_batches * size
+    tokens = data.train.tokens[:used].to(device)                    # (b, l): every batch's rows
+    queries = data.train.positions["query"][:used].to(device)       # (b,)
+    answers = data.train.answers[:used].to(device)                  # (b,)
+    widths = data.train.lengths[:used].view(n_batches, size).max(1).values.tolist()
 
     def batch(step):
-        s = step % S
-        rows = slice(s * B, s * B + B)
-        return tokens[rows, :widths[s]], queries[rows], answers[rows]
+        i = step % n_batches
+        rows = slice(i * size, i * size + size)
+        return tokens[rows, :widths[i]], queries[rows], answers[rows]
     return batch
 
 
-def build(cfg, vocab_size):
-    """The model of a config on its device, initialised from cfg.seed alone (models.build_model)."""
-    cfg = cfg.resolved()
-    model = models.build_model(cfg.arch, vocab_size, cfg.d_model, cfg.n_layers, pos_emb=cfg.pos_emb,
-                               n_positions=cfg.n_positions, n_heads=cfg.n_heads, d_conv=cfg.d_conv,
-                               long_only=cfg.long_only, freeze_features=cfg.freeze_features,
-                               kernels=cfg.kernels, seed=cfg.seed)
-    model.task = cfg.task                   # models.check_dataset refuses another task's documents
-    return model.to(resolve_device(cfg.device))
+# --- One training run: the loop, written out (as nanoGPT's train.py writes it).
+
+def train(cfg, *, data=None, log=None):
+    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe):
+    config, name, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device,
+    final (the final model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
+    cfg = cfg.check().resolved()
+    data = make_data(cfg, data)            # documents cfg's model cannot take fail here
+    prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
+    log = log or (lambda msg: print(prefix + msg, file=sys.stderr, flush=True))
+    torch.manual_seed(cfg.seed)            # the init comes from cfg.seed alone
+    model = build(cfg, data.vocab_size)    # on cfg's device
+    optimizer = adamw(model, cfg.lr)
+    batch = training_batches(cfg, data)
+    total, start = cfg.total_steps(), time.time()
+    history, loss_sum, n_losses, error = [], 0.0, 0, None
+    model.train()
+    for step in range(total + 1):
+        if step % cfg.eval_every == 0 or step == total:     # evaluate, step 0 and the last included
+            train_loss = (loss_sum / n_losses).item() if n_losses else None
+            entry = history_entry(model, data, cfg, step, train_loss)
+            history.append(entry)
+            rate = step / max(time.time() - start, 1e-9)    # steps per second
+            eta = f"{(total - step) / rate / 60:.1f} min" if step else "?"
+            attrib = ("" if "attrib_value" not in entry else " | attrib -" if entry["attrib_low_signal"]
+                      else f" | attrib V {entry['attrib_value']:.2f} Q {entry['attrib_query']:.2f}")
+            log(f"step {step}/{total} | loss {'-' if train_loss is None else f'{train_loss:.3f}'} | "
+                f"acc {entry['acc']:.3f}{attrib} | {rate:.1f} steps/s | ETA {eta}")
+            loss_sum, n_losses = 0.0, 0
+        if step == total:
+            break
+        for group in optimizer.param_groups:                # the schedule
+            group["lr"] = lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr)
+        loss = answer_loss(model, *batch(step))             # forward
+        if not torch.isfinite(loss):                        # a NaN/inf would poison every later step
+            error = FAILED.format(loss.item(), step, cfg.lr)
+            log(f"FAILED: {error}")
+            break
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()                                     # backward
+        optimizer.step()                                    # AdamW
+        loss_sum, n_losses = loss_sum + loss.detach(), n_losses + 1
+    return run_record(cfg, model, history, step, error, time.time() - start), model
 
 
-def record_evaluation(model, cfgs, data, step, train_loss, histories, start):
-    """Append each member's history_entry at `step`; returns the log line 'step 200/6000 | ...'."""
-    members = model.members() if isinstance(model, Ensemble) else [model]
-    losses = train_loss.reshape(-1).tolist() if train_loss is not None else [None] * len(cfgs)
-    for cfg, member, history, loss in zip(cfgs, members, histories, losses):
-        history.append(history_entry(member, data, cfg, step, loss))
-    total, rate = cfgs[0].total_steps(), step / max(time.time() - start, 1e-9)
-    s = int(max(0, (total - step) / rate)) if step else 0               # seconds left
-    h, m = divmod(s // 60, 60)
-    eta = (f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}") if step else "?"
-    if len(histories) > 1:
-        accs = " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
-        return (f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s "
-                f"({len(histories) * rate:.1f} model-steps/s) | ETA {eta}")
-    entry = histories[0][-1]
-    loss = "-" if entry["train_loss"] is None else f"{entry['train_loss']:.3f}"
-    value, query = fmt_attrib(entry, "attrib_value"), fmt_attrib(entry, "attrib_query")
-    return (f"step {step}/{total} | loss {loss} | acc {entry['acc']:.3f}"
-            + (f" | test {entry['test_acc']:.3f}" if "test_acc" in entry else "")
-            + (f" | attrib V {value} Q {query}" if "attrib_value" in entry else "")
-            + f" | {rate:.1f} steps/s | ETA {eta}")
-
-
-def run_results(model, cfgs, histories, step, error, wall):
-    """[(record, model)] of fit's runs; a failed one keeps its history up to its failed step."""
-    lone = [(step, error) if error else None]
-    members = model.members() if isinstance(model, Ensemble) else [model]
-    failures = model.failures(cfgs) if isinstance(model, Ensemble) else lone
-    out = []
-    for cfg, member, history, failure in zip(cfgs, members, histories, failures):
-        steps_done, error = failure or (cfg.total_steps(), None)
-        history = [dict(h) for h in history if h["step"] <= steps_done]
-        timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
-        final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
-        out.append((json_safe({
-            "config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
-            "error": error, "n_params": models.count_parameters(member),
+def run_record(cfg, model, history, steps_done, error, wall):
+    """The result of a run, JSON-safe: a failed one keeps its history up to its failed step."""
+    history = [dict(h) for h in history if h["step"] <= steps_done]
+    timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
+    final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
+    return {"config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
+            "error": error, "n_params": sum(p.numel() for p in model.parameters()),
             "device": resolve_device(cfg.device), "final": final, "history": history,
             "wall_s": round(wall, 2), "steps_done": steps_done, "total_steps": cfg.total_steps(),
-            "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
-            "timeline_s": round(timeline_s, 3)}), member))
-    return out
-
-
-def stderr_log(prefix=""):
-    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
-    return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
-
-
-def fmt_attrib(entry, key):
-    """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
-    value = entry.get(key)
-    return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
+            "steps_per_s": round(steps_done / max(wall, 1e-9), 2), "timeline_s": round(timeline_s, 3)}
 
 
 # --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
@@ -430,7 +408,8 @@ def history_entry(model, data, cfg, step, train_loss):
 
 def evaluate_all(model, data):
     """evaluate()'s on data.eval, plus test_* (held-out split) and novel_* (ATR: data.novel)."""
-    _check_is_data(data)
+    if not isinstance(data, Data):
+        raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
     metrics = {k: v for k, v in evaluate(model, data.eval).items() if k != "n"}
     if data.test is not None:
         metrics.update({f"test_{k}": v for k, v in evaluate(model, data.test).items() if k != "n"})
@@ -439,61 +418,6 @@ def evaluate_all(model, data):
         metrics[f"{prefix}novel_acc"] = evaluate(model, ds.subset(mask.nonzero().squeeze(1)))["acc"]
         metrics[f"{prefix}novel_frac"] = mask.float().mean().item()
     return metrics
-
-
-# --- Checks of a run's data, before any training.
-
-def _check_is_data(data):
-    if not isinstance(data, Data):
-        raise ValueError(f"data must be a mechsm.Data (make_data(cfg)); got {type(data).__name__}.")
-
-
-def check_data(cfg, data):
-    """One-line ValueError unless data holds cfg's task (else its model is recorded as cfg's)."""
-    _check_is_data(data)
-    meta = data.train.meta
-    if data.train.task != cfg.task:
-        raise ValueError(f"data holds {data.train.task} documents, but cfg.task is {cfg.task!r}.")
-    if cfg.task == "ar":
-        made = {k: meta.get(k) for k in AR_FIELDS}
-    else:
-        grammar = meta.get("grammar") or {}
-        made = {k: grammar.get(k) for k in PCFG_FIELDS}
-        made.update(data_seed=grammar.get("seed"), max_terminals=meta.get("max_terminals"))
-    made["holdout"] = meta.get("holdout")
-    for name, value in made.items():
-        if value != getattr(cfg, name):
-            raise ValueError(f"data was made with {name}={value!r}, but cfg has "
-                             f"{name}={getattr(cfg, name)!r}: the data is not cfg's {cfg.task} task.")
-
-
-def check_length(cfg, data=None):
-    """One-line ValueError, before training, when cfg's documents exceed models.position_limit."""
-    cfg = cfg.resolved()
-    limit = models.position_limit(cfg.arch, cfg.pos_emb, cfg.n_positions)
-    if limit is None or cfg.task != "ar" and cfg.max_terminals + 5 <= limit:
-        return
-    if cfg.task == "ar":
-        length = 2 * cfg.num_pairs + 5
-    else:
-        data = data or _make_data(_data_key(cfg))
-        length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
-    if length > limit:
-        what = "learned positions" if cfg.pos_emb else "implicit filter positions"
-        raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s model has "
-                         f"{limit} {what}; raise n_positions or shorten the documents")
-
-
-def probe_task(cfg):
-    """The vocabulary size of cfg's task, from a few documents (tasks' ValueError if impossible)."""
-    return _make_data(_data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
-
-
-def novel_mask(train, dataset):
-    """(n,) bool: the documents of `dataset` not verbatim in `train` (README, difference 8)."""
-    seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
-    return torch.tensor([row[:n].tobytes() not in seen for row, n in
-                         zip(dataset.tokens.numpy(), dataset.lengths.tolist())], dtype=torch.bool)
 
 
 # --- Checkpoints: the state_dict plus everything needed to rebuild the exact model.
@@ -534,7 +458,7 @@ def save(model, cfg, path):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
     replace(cfg, device="cpu").check()                  # saved where its device is absent: valid
     vocab = getattr(model, "build_args", {}).get("vocab_size")
-    probe = _make_data.__wrapped__(_data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))
+    probe = make_documents.__wrapped__(data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))
     if vocab != probe.vocab_size:
         raise ValueError(f"cfg: its {cfg.task} task has a vocabulary of {probe.vocab_size} tokens, but the "
                          f"model's has {vocab}; cfg does not describe this model")
@@ -604,13 +528,26 @@ def load(path, device="cpu"):
     return model.to(resolve_device(device)), cfg
 
 
-# === The batched Ensemble: r runs as one model, r times the work per kernel launch (run.py bench).
+# ==================================================================================================
+# Below: many runs at once, a learner can skip it. Runs that differ only in lr and seed train as one
+# batched model (r times the work per kernel launch: run.py bench), each as train() trains it alone,
+# to rounding; test_all.py compares every member with its lone run.
+# ==================================================================================================
+
+def group_key(cfg):
+    """What the runs of one group share: every Config field but lr and seed."""
+    shared = {k: v for k, v in asdict(cfg.resolved()).items() if k not in ("lr", "seed")}
+    return json.dumps(shared, sort_keys=True)
+
 
 class Ensemble:
     """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their
-    parameters are the rows of ONE (r, P) leaf, their logits a vmap of functional_call on one base
-    module, the summed loss gives each row its member's gradient, one StackedAdamW step for all. A
-    member whose loss is not finite is dead from that step on, its weights those of that step."""
+    parameters are the rows of ONE (r, n_params) leaf, their logits a vmap of functional_call on one
+    base module, the summed loss gives each row its member's gradient, and train_step applies
+    torch.optim.AdamW's single-tensor update (0.9, 0.999, eps 1e-8, no weight decay) op for op, an
+    lr per member. A member whose loss is not finite fails at that step: its row steps by 0 from
+    then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
+    BETAS, EPS = (0.9, 0.999), 1e-8
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
@@ -625,37 +562,52 @@ class Ensemble:
         with torch.no_grad():
             flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()])
                                 for m in self.modules])
-        self.flat = flat.requires_grad_()                               # (r, P): the trainable leaf
+        self.flat = flat.requires_grad_()                               # (r, n_params): the leaf
         r = len(self.modules)
         self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
         self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: alive
         self.failed_loss = torch.zeros(r, dtype=flat.dtype, device=flat.device)
-        self.optimizer = StackedAdamW(self)
+        self.exp_avg, self.exp_avg_sq, self.n_steps = torch.zeros_like(flat), torch.zeros_like(flat), 0
 
     def __call__(self, tokens, readout):
         """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
-        def logits(row):                # row (P,): one member's parameters, as views of it
+        def logits(row):                # row (n_params,): one member's parameters, as views of it
             params = {n: (x.detach() if n in self.frozen else x).view(shape)
                       for n, shape, x in zip(self.names, self.shapes, row.split(self.sizes))}
             return torch.func.functional_call(self.base, params, (tokens,), {"readout": readout})
         return torch.func.vmap(logits)(self.flat)
 
-    def drop_failed(self, losses):
-        """losses (r,), failed members' 0; a non-finite loss fails its member (no host sync)."""
-        step, finite = self.optimizer.n_steps, torch.isfinite(losses.detach())
+    def losses(self, tokens, queries, answers):
+        """Every member's answer_loss (r,), a failed member's 0; a non-finite one fails its member
+        at this step (no host sync)."""
+        logits = self(tokens, queries)                                          # (r, b, v)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
+                                 reduction="none").mean(1)                      # (r,)
+        finite = torch.isfinite(losses.detach())
         newly = self.alive & ~finite
-        self.failed_step = torch.where(newly, step, self.failed_step)
+        self.failed_step = torch.where(newly, self.n_steps, self.failed_step)
         self.failed_loss = torch.where(newly, losses.detach(), self.failed_loss)
         self.alive = self.alive & finite
         return torch.where(self.alive, losses, 0.0)
 
-    def failures(self, cfgs):
-        """Per member (its config in cfgs): None, or (step, error) as a lone run reports it."""
-        return [None if s < 0 else (s, FAILED.format(loss, s, c.lr))
-                for s, loss, c in zip(self.failed_step.tolist(), self.failed_loss.tolist(), cfgs)]
-
-    def train(self):
-        self.base.train()
+    def train_step(self, tokens, queries, answers, lrs):
+        """One AdamW step of every member on one batch at its lr (lrs[i]); returns losses() (r,)."""
+        losses = self.losses(tokens, queries, answers)
+        self.flat.grad = None
+        losses.sum().backward()
+        with torch.no_grad():
+            flat, alive, (beta1, beta2) = self.flat, self.alive, self.BETAS
+            self.n_steps += 1
+            bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
+            grad = torch.where(alive[:, None], flat.grad, 0.0)              # (r, n_params): failed: 0
+            lrs = torch.tensor(lrs, dtype=torch.float64).to(flat.device)
+            neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]    # (r, 1): 0 when failed
+            self.exp_avg.lerp_(grad, 1 - beta1)
+            self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
+            flat.addcdiv_(self.exp_avg * neg_step, denom)                  # p -= lr / bias1 * m / denom
+        return losses
 
     def members(self):
         """The members as ordinary modules, each row of the stacked leaf copied into its own."""
@@ -665,63 +617,46 @@ class Ensemble:
                     p.copy_(x.view_as(p))
         return self.modules
 
-
-class StackedAdamW:
-    """torch.optim.AdamW's single-tensor step (0.9, 0.999, eps 1e-8, no weight decay), op for op, on
-    an Ensemble's (r, P) leaf, a param group (lr) per member: each follows its lone run to rounding.
-    A dead member's row steps by 0; so does a frozen or unused parameter (torch's skips it)."""
-
-    BETAS, EPS = (0.9, 0.999), 1e-8
-
-    def __init__(self, ensemble):
-        self.ensemble, flat = ensemble, ensemble.flat
-        self.param_groups = [{"lr": 0.0} for _ in ensemble.modules]
-        self.exp_avg, self.exp_avg_sq = torch.zeros_like(flat), torch.zeros_like(flat)
-        self.n_steps = 0
-
-    def zero_grad(self, set_to_none=True):
-        self.ensemble.flat.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        flat, alive, (beta1, beta2) = self.ensemble.flat, self.ensemble.alive, self.BETAS
-        self.n_steps += 1
-        bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
-        grad = torch.where(alive[:, None], flat.grad, 0.0)              # (r, P): dead rows get 0
-        lrs = torch.tensor([g["lr"] for g in self.param_groups], dtype=torch.float64).to(flat.device)
-        neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]    # (r, 1): 0 when dead
-        self.exp_avg.lerp_(grad, 1 - beta1)
-        self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
-        flat.addcdiv_(self.exp_avg * neg_step, denom)                  # p -= lr / bias1 * m / denom
-
-
-def group_key(cfg):
-    """What the runs of one group share: every Config field but lr and seed."""
-    shared = {k: v for k, v in asdict(cfg.resolved()).items() if k not in ("lr", "seed")}
-    return json.dumps(shared, sort_keys=True)
+    def failures(self, cfgs):
+        """Per member (its config in cfgs): None, or (step, error) as a lone run reports it."""
+        return [None if s < 0 else (s, FAILED.format(loss, s, c.lr))
+                for s, loss, c in zip(self.failed_step.tolist(), self.failed_loss.tolist(), cfgs)]
 
 
 def train_group(configs, *, data=None, log=None):
-    """Train configs that differ only in lr and seed as one Ensemble with train()'s loop:
+    """Train configs that differ only in lr and seed as one Ensemble, in a loop like train()'s:
     [(result, model)], each what train(cfg) returns (to rounding) plus "group": {"size", "index"};
     wall_s is the group's. A member whose loss goes NaN/inf fails there; the others go on."""
-    cfgs, data = setup(configs, data)
+    cfgs = [c.check().resolved() for c in configs]
+    if not cfgs or len({group_key(c) for c in cfgs}) > 1:
+        raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
+    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
+        raise ValueError("train_group: configs: two have the same lr and seed")
     cfg, r = cfgs[0], len(cfgs)
-    log = log or stderr_log(f"[{cfg.arch} d{cfg.d_model} x{r}] ")
+    data = make_data(cfg, data)
+    log = log or (lambda msg: print(f"[{cfg.arch} d{cfg.d_model} x{r}] {msg}", file=sys.stderr, flush=True))
     ens = Ensemble([build(c, data.vocab_size) for c in cfgs])  # own seeds
     log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
         f"seeds {','.join(str(c.seed) for c in cfgs)}")
-    pairs = fit(cfgs, ens, ens.optimizer, data, log)
-    for i, (result, _) in enumerate(pairs):
-        result["group"] = {"size": r, "index": i}
+    batch, total, start = training_batches(cfg, data), cfg.total_steps(), time.time()
+    histories, loss_sum, n_losses = [[] for _ in cfgs], 0.0, 0
+    ens.base.train()
+    for step in range(total + 1):
+        if step % cfg.eval_every == 0 or step == total:
+            losses = (loss_sum / n_losses).tolist() if n_losses else [None] * r
+            for c, member, history, loss in zip(cfgs, ens.members(), histories, losses):
+                history.append(history_entry(member, data, c, step, loss))
+            rate, accs = step / max(time.time() - start, 1e-9), " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
+            log(f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({r * rate:.1f} model-steps/s)")
+            loss_sum, n_losses = 0.0, 0
+        if step == total:
+            break
+        lrs = [lr_at(step, total, c.warmup_frac, c.schedule, c.lr) for c in cfgs]
+        loss_sum, n_losses = loss_sum + ens.train_step(*batch(step), lrs).detach(), n_losses + 1
+    wall, pairs = time.time() - start, []
+    for i, (c, member, history, failure) in enumerate(zip(cfgs, ens.members(), histories,
+                                                          ens.failures(cfgs))):
+        steps_done, error = failure or (total, None)
+        record = run_record(c, member, history, steps_done, error, wall)
+        pairs.append(({**record, "group": {"size": r, "index": i}}, member))
     return pairs
-
-
-def json_safe(x):
-    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return None if isinstance(x, float) and not math.isfinite(x) else x

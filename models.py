@@ -4,10 +4,12 @@ Follows Arora et al. 2025 (arXiv 2505.15105), Sec. 4 and App. B, with the parame
 and init of zoology (model.py, mixers/*.py), mamba-ssm (modules/mamba_simple.py) and, for DeltaNet,
 flash-linear-attention (fla/layers/delta_net.py), plus a HookPoint on every tensor an intervention
 may patch (README, difference 10). Sections: 1 HookPoint, Mixer; 2 slow reference kernels; 3 the
-mixers; 4 blocks, LM, init, registry, build_model; 5 fast kernels, each equal to a reference of 2.
+mixers; 4 TransformerBlock, the LM and its init, registry, build_model; 5 fast kernels, each
+equal to a reference of 2.
 
-Shapes: b batch, l length, d d_model, e Mamba inner (2d), n SSM state, h heads, k head width (d/h),
-f Based features, v vocabulary, c conv channels, r vmapped ensemble members (mechsm.train_group).
+Shape letters (the README's glossary): b batch, l sequence length (t, s: positions in it), d d_model,
+v vocabulary, h heads, w head width (d/h), e Mamba's inner width (2d), n SSM state size, f Based's
+feature dim, c conv channels, o Hyena's filter width, r runs trained as one model (mechsm.Ensemble).
 """
 
 import contextlib
@@ -33,13 +35,15 @@ class HookPoint(nn.Identity):
 
 class Mixer(nn.Module):
     """A sequence mixer (b, l, d) -> (b, l, d), built as Mixer(d_model, layer_idx, n_layers,
-    reference, **options), options it does not take ignored; subclasses implement `mix`. Read by:"""
+    reference, **options), options it does not take ignored; subclasses implement `mix`. What
+    generic code must know of a mixer is declared on its class:"""
     INTERNAL_SITES = []     # the inner hooks interventions.py patches by default
     READS = {}              # extra summary numbers: name -> (inner hook, position), read in layer 0
     POS_EMB = False         # learned absolute positions (the paper's convention: attention only)
     FIXED_LENGTH = False    # a filter or table of n_positions rows: documents must fit n_positions
     D_CONV = None           # the short-conv sizes the mixer accepts (None: no short conv)
-    MAMBA_BLOCK = False     # built in MambaBlocks (RMSNorm, no MLP, Mamba's init rules)
+    BLOCK = None            # the block it is built in; None: TransformerBlock (Mamba: MambaBlock)
+    DOWN_SCALED = None      # its Linear into the residual stream, whose init is scaled down (GPT-2)
 
     def __init__(self, reference=False):
         super().__init__()
@@ -85,22 +89,22 @@ def _shift_right(x, s):
 
 
 def short_conv_reference(x, weight, bias=None):
-    """Causal depthwise short conv SC_K: y_t = bias + sum_j w_j x_{t-(K-1)+j}. x (b, l, c), weight
-    (c, 1, K) (Conv1d's: weight[:, 0, K-1] multiplies the current token), bias (c,) or None."""
+    """Causal depthwise short conv SC: y_t = bias + sum_j w_j x_{t-(size-1)+j}. x (b, l, c), weight
+    (c, 1, size) (Conv1d's: weight[:, 0, -1] multiplies the current token), bias (c,) or None."""
     kernel = weight.shape[-1]
     y = torch.zeros_like(x) if bias is None else bias.expand_as(x).clone()
     for j in range(kernel):
-        y = y + weight[:, 0, j] * _shift_right(x, kernel - 1 - j)  # tap j looks K-1-j steps back
+        y = y + weight[:, 0, j] * _shift_right(x, kernel - 1 - j)  # tap j looks size-1-j steps back
     return y
 
 
 def delta_rule_recurrent(q, k, v, beta):
-    """The delta rule as a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h) -> o (b, l, h, k):
+    """The delta rule as a loop over tokens. q, k, v (b, l, h, w), beta (b, l, h) -> o (b, l, h, w):
     S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k)."""
     b, l, h, dk = k.shape
-    S = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, k, k)
+    S = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, w, w)
     outputs = []
-    for q_t, k_t, v_t, beta_t in zip(*(t.unbind(1) for t in (q, k, v, beta))):  # (b,h,k) x3, (b,h)
+    for q_t, k_t, v_t, beta_t in zip(*(t.unbind(1) for t in (q, k, v, beta))):  # (b,h,w) x3, (b,h)
         retrieved = torch.einsum("bhkv,bhk->bhv", S, k_t)                          # S^T k_t
         S = S + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
         outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t) / math.sqrt(dk))
@@ -111,11 +115,12 @@ def delta_rule_recurrent(q, k, v, beta):
 
 class MLP(nn.Module):
     """TransformerBlock's MLP (zoology's): GELU(x W1^T + b1) W2^T + b2, width 4d, exact erf GELU."""
+    DOWN_SCALED = "fc2"     # into the residual stream: its init is scaled down (LM's init pass)
 
     def __init__(self, d_model):
         super().__init__()
         self.fc1 = nn.Linear(d_model, 4 * d_model)
-        self.fc2 = nn.Linear(4 * d_model, d_model)  # down-scaled by the init pass
+        self.fc2 = nn.Linear(4 * d_model, d_model)
         self.hook_in, self.hook_out = HookPoint(), HookPoint()  # after the 2nd norm; before the add
 
     def forward(self, x):
@@ -138,43 +143,47 @@ class Attention(Mixer):
     softmax(q k^T / sqrt(k), causal) v; out = z W_o^T + b_o. The pattern is explicit (a site)."""
     POS_EMB = True
     INTERNAL_SITES = ["hook_pattern", "hook_z"]
+    DOWN_SCALED = "out_proj"
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
         super().__init__(reference)
         self.n_heads = n_heads
         self.Wqkv = nn.Linear(d_model, 3 * d_model, bias=False)  # the paper's bias=False: only here
         self.out_proj = nn.Linear(d_model, d_model)
-        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,k)
-        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l); (b,l,h,k)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b,l,h,w)
+        self.hook_pattern, self.hook_z = HookPoint(seq_dim=2), HookPoint()  # (b,h,l,l); (b,l,h,w)
 
     def mix(self, x):
         b, l, d = x.shape
-        q, k, v = self.Wqkv(x).view(b, l, 3, self.n_heads, -1).unbind(2)  # (b,l,h,k) x3
+        q, k, v = self.Wqkv(x).view(b, l, 3, self.n_heads, -1).unbind(2)  # (b,l,h,w) x3
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
-        scores = torch.einsum("bthk,bshk->bhts", q, k) / math.sqrt(d // self.n_heads)  # (b,h,l,l)
+        scores = torch.einsum("bthw,bshw->bhts", q, k) / math.sqrt(d // self.n_heads)  # (b,h,l,l)
         # -inf, not upstream's -1e4: exactly zero weight (a difference of ~e^-1e4)
         future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)
         pattern = self.hook_pattern(scores.masked_fill(future, float("-inf")).softmax(dim=-1))
-        z = self.hook_z(torch.einsum("bhts,bshk->bthk", pattern, v))  # (b,l,h,k)
+        z = self.hook_z(torch.einsum("bhts,bshw->bthw", pattern, v))  # (b,l,h,w)
         return self.out_proj(z.reshape(b, l, d))
 
 
 def hyena_positional_features(n_positions):
-    """Z (P, 3), the input of Hyena's and BaseConv's filters: Z[n] = (n/(P-1), cos w_n, -sin w_n),
-    w_n = 2 pi 1e-4 n/P (Hyena's features, one band), never rescaled to l."""
-    n = torch.arange(n_positions, dtype=torch.float32)
-    angle = 2 * math.pi * 1e-4 * n / n_positions
-    return torch.stack([n / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=1)
+    """Z (n_positions, 3), the input of Hyena's and BaseConv's filters: Z[t] = (t/(P-1), cos a_t,
+    -sin a_t), a_t = 2 pi 1e-4 t/P, P = n_positions (Hyena's features, one band), never rescaled to l."""
+    t = torch.arange(n_positions, dtype=torch.float32)
+    angle = 2 * math.pi * 1e-4 * t / n_positions
+    return torch.stack([t / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=1)
 
 
 class BaseConv(Mixer):
-    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC_K(u) (kernel
-    size K >= 1) or, for kernel_size=-1, LC(u; kappa) + u, kappa (l, d) a ReLU MLP of features Z."""
+    """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC(u) (a short
+    conv of kernel_size >= 1) or, for kernel_size=-1, LC(u; kappa) + u, kappa (l, d) a ReLU MLP of
+    features Z. Layers alternate kernel sizes 3 and -1; d_conv sets every layer's, long_only: all -1."""
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
+    D_CONV = range(1, 2**31)
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, kernel_size=3,
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False,
                  n_positions=1024, freeze_features=False, **options):
         super().__init__(reference)
+        kernel_size = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
         self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
         self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()
@@ -216,10 +225,10 @@ class BasedAttention(Mixer):
         self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, 1e-12
         self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in "qk")
         self.proj_v = nn.Linear(d_model, d_model, bias=False)
-        self.proj_o = nn.Linear(d_model, d_model, bias=False)  # upstream's name: NOT down-scaled
+        self.proj_o = nn.Linear(d_model, d_model, bias=False)
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
-        self.hook_v, self.hook_y = HookPoint(), HookPoint()              # (b,l,h,k); y (b,l,d)
+        self.hook_v, self.hook_y = HookPoint(), HookPoint()              # (b,l,h,w); y (b,l,d)
         self.hook_pattern = HookPoint(seq_dim=2)                         # phi(q).phi(k) (b,h,l,l)
 
     def mix(self, x):
@@ -229,28 +238,28 @@ class BasedAttention(Mixer):
         k = self.hook_k(self.proj_k(x).view(b, l, h, f))
         v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
         phi_q, phi_k = self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k))
-        kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,F) x (b,l,h,F) -> (b,h,l,l)
+        kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,1+f+f^2) twice -> (b,h,l,l)
         causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
         pattern = self.hook_pattern(kernel * causal)
-        num = torch.einsum("bhts,bshk->bthk", pattern, v)       # (b,l,h,k)
+        num = torch.einsum("bhts,bshw->bthw", pattern, v)       # (b,l,h,w)
         den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
         return self.proj_o(self.hook_y((num / (den + self.eps)).reshape(b, l, d)))
 
 
 class H3(Mixer):
-    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head a diagonal SSM on the m x m
-    products k~ v^T: k~ = LC(k; K^s) + D^k k, w = LC(k~ v^T; K^d) + D^d k~ v^T,
-    o_j = sum_i q_i w_ij, out = o W_o + b_o."""
+    """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head (h = d/w heads of
+    width w = h3_head_dim) a diagonal SSM on the w x w products k~ v^T: k~ = LC(k; K^s) + D^k k,
+    z = LC(k~ v^T; K^d) + D^d k~ v^T, o_j = sum_i q_i z_ij, out = o W_o + b_o."""
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024,
                  h3_head_dim=2, **options):
         super().__init__(reference)
-        d, n, m, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
-        if d % m or n % 2:
+        d, n, w, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
+        if d % w or n % 2:
             raise ValueError("H3 needs d_model % h3_head_dim == 0 and an even d_state "
-                             f"(got {d}, {m}, {n})")
-        self.d_state, self.head_dim, self.n_heads = n, m, h
+                             f"(got {d}, {w}, {n})")
+        self.d_state, self.head_dim, self.n_heads = n, w, h
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         # Shift SSM per channel: state = down-shift(state) + B^s k_t, output C^s . state
         self.shift_B = nn.Parameter(torch.eye(n)[0].repeat(d, 1))  # (d,n) one-hot: K^s = C^s[:,:l]
@@ -263,11 +272,11 @@ class H3(Mixer):
         self.diag_B = nn.Parameter(torch.tensor([1.0, 0.0]).repeat(h, n // 2, 1))  # 1 + 0i (re, im)
         self.diag_C = nn.Parameter(torch.randn(h, n // 2, 2) * math.sqrt(0.5))  # complex N(0, 1)
         self.diag_D = nn.Parameter(torch.randn(h))                                  # D^d
-        self.output_linear = nn.Linear(d, d)  # not out_proj, so NOT down-scaled
+        self.output_linear = nn.Linear(d, d)
         self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()  # (b, l, d)
         self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()
         self.hook_k_tilde, self.hook_kv, self.hook_y = HookPoint(), HookPoint(), HookPoint()
-        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()  # K^d; w
+        self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()  # K^d; z
 
     def shift_kernel(self, length):
         """K^s (l, d), the shift SSM's response: K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag]."""
@@ -302,35 +311,35 @@ class H3(Mixer):
 
     def mix(self, x):
         b, l, d = x.shape
-        h, m = self.n_heads, self.head_dim
+        h, w = self.n_heads, self.head_dim
         q, k = self.hook_q(self.q_proj(x)), self.hook_k(self.k_proj(x))            # (b, l, d)
         v = self.hook_v(self.v_proj(x))
         shift_kernel = self.hook_shift_kernel(self.shift_kernel(l))                 # (l, d)
         shift_out = self.hook_shift_out(long_conv(k, shift_kernel, reference=self.reference))
         k_tilde = self.hook_k_tilde(shift_out + self.shift_D * k)                   # (b, l, d)
-        # channel c = head*m + i; kv[h, i, j] = k~_{h,i} v_{h,j}: m*m signals per head
-        kv = self.hook_kv(k_tilde.view(b, l, h, m, 1) * v.view(b, l, h, 1, m))  # (b, l, h, m, m)
+        # channel c = head*w + i; kv[h, i, j] = k~_{h,i} v_{h,j}: w*w signals per head
+        kv = self.hook_kv(k_tilde.view(b, l, h, w, 1) * v.view(b, l, h, 1, w))  # (b, l, h, w, w)
         ssm_kernel = self.hook_ssm_kernel(self.ssm_kernel(l))                       # (l, h)
-        per_signal = ssm_kernel[:, :, None].expand(l, h, m * m).reshape(l, h * m * m)  # per head
-        w = long_conv(kv.reshape(b, l, h * m * m), per_signal, self.reference).view(b, l, h, m, m)
-        w = self.hook_ssm_out(w + self.diag_D[:, None, None] * kv)  # (b, l, h, m, m)
-        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, m), w)  # read out with the query
-        return self.output_linear(self.hook_y(o.transpose(2, 3).reshape(b, l, d)))  # channel j*H+h
+        per_signal = ssm_kernel[:, :, None].expand(l, h, w * w).reshape(l, h * w * w)  # per head
+        z = long_conv(kv.reshape(b, l, h * w * w), per_signal, self.reference).view(b, l, h, w, w)
+        z = self.hook_ssm_out(z + self.diag_D[:, None, None] * kv)  # (b, l, h, w, w)
+        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, w), z)  # read out with the query
+        return self.output_linear(self.hook_y(o.transpose(2, 3).reshape(b, l, d)))  # channel j*h + head
 
 
 class HyenaFilter(nn.Module):
-    """Hyena's implicit long filter h (l, d): h[n] = (W_4 g_3) * exp(-tau_n alpha),
-    g_i = sin(omega (W_i g_{i-1} + b_i)), g_0 = Z[n]."""
+    """Hyena's implicit long filter h (l, d): h[t] = (W_4 g_3) * exp(-tau_t alpha),
+    g_i = sin(omega (W_i g_{i-1} + b_i)), g_0 = Z[t]; o = order, the filter MLP's width."""
 
     def __init__(self, d_model, order, n_positions):
         super().__init__()
-        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (P, 3), trained
-        self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (P,) tau_n = n/(P-1)
+        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (n_positions, 3), trained
+        self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (n_positions,) tau_t
         self.lin1 = nn.Linear(3, order)
         self.lin2, self.lin3 = nn.Linear(order, order), nn.Linear(order, order)
         self.lin_out = nn.Linear(order, d_model, bias=False)
         self.freq = nn.Parameter(torch.ones(order))  # omega, ONE for all three sines, as upstream
-        # alpha: decay rates 15.35..3.07 per channel (window 1e-2 at 30%..150% of P), never trained
+        # alpha: decay rates 15.35..3.07 per channel (window 1e-2 at 30%..150% of n_positions), fixed
         target = math.log(1e-2)
         self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())
 
@@ -343,10 +352,11 @@ class HyenaFilter(nn.Module):
 
 
 class Hyena(Mixer):
-    """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC_3(x W_in + b_in), s = v x1,
-    y = LC(s; h) + 0 beta s (the paper's; hyena_skip: beta s), out = (y x2) W_out + b_out."""
+    """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC(x W_in + b_in) (kernel size 3),
+    s = v x1, y = LC(s; h) + 0 beta s (the paper's; hyena_skip: beta s), out = (y x2) W_out + b_out."""
     FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
+    DOWN_SCALED = "out_proj"
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_positions=1024,
                  hyena_order=64, hyena_skip=False, **options):
@@ -357,7 +367,7 @@ class Hyena(Mixer):
         self.short_filter = nn.Conv1d(3 * d, 3 * d, kernel_size=3, groups=3 * d)  # for short_conv
         self.filter = HyenaFilter(d, hyena_order, n_positions)
         self.skip = nn.Parameter(torch.randn(d))   # beta
-        self.out_proj = nn.Linear(d, d)             # down-scaled by the init pass
+        self.out_proj = nn.Linear(d, d)
         self.hook_in_proj, self.hook_short = HookPoint(), HookPoint()  # (b, l, 3d) each
         self.hook_pregate, self.hook_filter = HookPoint(), HookPoint(seq_dim=None)  # s; h (l,d)
         self.hook_longconv, self.hook_postgate = HookPoint(), HookPoint()          # (b, l, d) each
@@ -376,37 +386,53 @@ class Hyena(Mixer):
         return self.out_proj(self.hook_postgate(y * x2))
 
 
+class MambaBlock(nn.Module):
+    """r += Mamba(RMSNorm(r)); no MLP (zoology's MambaBlock)."""
+    GPT2_INIT = False       # LM's init pass: mamba_ssm's rules (the Linears keep their own init)
+
+    def __init__(self, d_model, mixer):
+        super().__init__()
+        self.hook_resid_pre = HookPoint()
+        self.norm, self.mixer = RMSNorm(d_model), mixer
+        self.hook_resid_post = HookPoint()
+
+    def forward(self, r):
+        r = self.hook_resid_pre(r)
+        return self.hook_resid_post(r + self.mixer(self.norm(r)))
+
+
 class Mamba(Mixer):
     """Mamba's selective SSM (mamba_ssm/modules/mamba_simple.py, 2.2.4), per token t, state h_t:
-      [xi | z] = x W_in^T; u = SiLU(SC_K(xi)); [dt | B | C] = u W_x^T; Delta = softplus(W_dt dt + b);
+      [xi | z] = x W_in^T; u = SiLU(SC(xi)); [dt | B | C] = u W_x^T; Delta = softplus(W_dt dt + b);
       h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);
       out = y W_out^T, A = -exp(A_log) (e, n): selective_scan_reference. d_conv=0: no short conv."""
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
     READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the conv carrying the key forward
-    D_CONV = range(5)                                          # 0 removes the conv
-    MAMBA_BLOCK = True
+    D_CONV = range(5)                                          # 0: no conv
+    BLOCK = MambaBlock
+    DOWN_SCALED = "out_proj"
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16,
                  expand=2, **options):
         super().__init__(reference)
-        e, n, kernel = expand * d_model, d_state, d_conv or 4
+        e, n = expand * d_model, d_state
         self.d_conv, self.d_state = 4 if d_conv is None else d_conv, d_state
         self.dt_rank = math.ceil(d_model / 16)
         self.in_proj = nn.Linear(d_model, 2 * e, bias=False)
-        self.conv1d = nn.Conv1d(e, e, kernel, groups=e, padding=kernel - 1)  # for short_conv
+        if self.d_conv:  # weights for short_conv
+            self.conv1d = nn.Conv1d(e, e, self.d_conv, groups=e, padding=self.d_conv - 1)
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
-        # W_dt ~ U(+-1/sqrt(R)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [1e-3, 1e-1]
+        # W_dt ~ U(+-1/sqrt(dt_rank)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [1e-3, 1e-1]
         nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
         dt = torch.exp(torch.empty(e).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         with torch.no_grad():
             self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
-        self.dt_proj.bias._no_reinit = True  # the global init pass must not zero this bias
         self.A_log = nn.Parameter(torch.arange(1, n + 1).float().log().repeat(e, 1))  # S4D-real
         self.D = nn.Parameter(torch.ones(e))
         self.out_proj = nn.Linear(e, d_model, bias=False)
         self.hook_x, self.hook_z = HookPoint(), HookPoint()         # xi, z (b,l,e)
-        self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC_K(xi), u (b,l,e)
+        self.hook_conv_out, self.hook_u = HookPoint(), HookPoint()  # SC(xi), u (b,l,e)
         self.hook_delta, self.hook_B, self.hook_C = HookPoint(), HookPoint(), HookPoint()
         self.hook_ssm_out, self.hook_gate, self.hook_y = HookPoint(), HookPoint(), HookPoint()
 
@@ -432,8 +458,8 @@ def l2_normalize(x):
 
 
 class DeltaNet(Mixer):
-    """DeltaNet (fla/layers/delta_net.py; 1 head, K=4 convs, beta, no gate: README, difference 15):
-    q, k, v = SiLU(SC_4(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta); the delta rule
+    """DeltaNet (fla/layers/delta_net.py; 1 head, size-4 convs, beta, no gate: README, difference 15):
+    q, k, v = SiLU(SC(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta); the delta rule
     stores key -> value pairs; per-head RMSNorm (one weight); W_o. d_conv: conv size (default 4)."""
     D_CONV = range(2**31)   # 0 removes the convs
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
@@ -449,8 +475,8 @@ class DeltaNet(Mixer):
             convs = (nn.Conv1d(d, d, self.conv_size, groups=d, bias=False) for _ in range(3))
             self.q_conv, self.k_conv, self.v_conv = convs
         self.o_norm = RMSNorm(d // h)  # per head, one weight shared by the heads
-        self.o_proj = nn.Linear(d, d, bias=False)              # not down-scaled by the init pass
-        self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b,l,h,k), after SiLU and L2 norm
+        self.o_proj = nn.Linear(d, d, bias=False)
+        self.hook_q, self.hook_k = HookPoint(), HookPoint()    # (b,l,h,w), after SiLU and L2 norm
         self.hook_v, self.hook_beta, self.hook_o = HookPoint(), HookPoint(), HookPoint()
 
     def mix(self, x):
@@ -461,18 +487,19 @@ class DeltaNet(Mixer):
         if self.conv_size > 0:
             weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
             qkv = self.short_conv(qkv, weight)
-        q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b,l,h,k) each
+        q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b,l,h,w) each
         q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
         beta = self.hook_beta(torch.sigmoid(beta))
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
-        o = self.hook_o(delta_rule(q, k, v, beta))                                   # (b, l, h, k)
+        o = self.hook_o(delta_rule(q, k, v, beta))                                   # (b, l, h, w)
         return self.o_proj(self.o_norm(o).flatten(-2))  # per-head RMSNorm, heads concatenated
 
 
-# ============================================ 4. Blocks, the LM (zoology/model.py), init, registry
+# ============================================ 4. TransformerBlock, the LM and its init (zoology/model.py), registry
 
 class TransformerBlock(nn.Module):
     """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
+    GPT2_INIT = True        # LM's init pass: zoology's (GPT-2's) rules
 
     def __init__(self, d_model, mixer):
         super().__init__()
@@ -490,80 +517,75 @@ class TransformerBlock(nn.Module):
             r = r[torch.arange(r.shape[0], device=r.device), rows][:, None]  # (b,l,d) -> (b,1,d)
         return self.hook_resid_post(r + self.mlp(self.ln2(r)))
 
-    def rows_only_ok(self):
-        """Whether forward(r, rows) loses nothing: no hook on the MLP side (it would see (b, 1, d))."""
-        sites = [self.ln2, *self.mlp.modules(), self.hook_resid_post]
-        return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
-                    or any(m._forward_hooks or m._forward_pre_hooks for m in sites))
-
-
-class MambaBlock(nn.Module):
-    """r += Mamba(RMSNorm(r)); no MLP (zoology's MambaBlock)."""
-
-    def __init__(self, d_model, mixer):
-        super().__init__()
-        self.hook_resid_pre = HookPoint()
-        self.norm, self.mixer = RMSNorm(d_model), mixer
-        self.hook_resid_post = HookPoint()
-
-    def forward(self, r):
-        r = self.hook_resid_pre(r)
-        return self.hook_resid_post(r + self.mixer(self.norm(r)))
-
 
 class LM(nn.Module):
     """Token (+ learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
 
     def __init__(self, vocab_size, d_model, blocks, pos_emb=False, n_positions=1024):
+        """Then the init pass over every module, as the classes declare it, drawn in module order and
+        the DOWN_SCALED weights last. GPT2_INIT blocks (zoology's _init_weights, GPT-2's): embeddings
+        and Linear weights N(0, 0.02^2), Linear biases 0, each module's DOWN_SCALED Linear N(0,
+        (0.02/sqrt(2 n_layers))^2). Otherwise (MambaBlock, mamba_ssm's _init_weights): embeddings
+        N(0, 0.02^2), the Linears keep the init their mixer gave them (Mamba's dt_proj bias), the
+        DOWN_SCALED weight is redrawn torch's default / sqrt(n_layers). Convolutions keep theirs."""
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(n_positions, d_model) if pos_emb else None
         self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(d_model)
         self.build_args = {}  # filled by build_model, enough to rebuild this model
+        gpt2, n_layers = all(block.GPT2_INIT for block in blocks), len(blocks)
+        for module in self.modules():
+            if isinstance(module, nn.Embedding) or gpt2 and isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+            if gpt2 and isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for module in self.modules():
+            if getattr(module, "DOWN_SCALED", None):
+                weight = getattr(module, module.DOWN_SCALED).weight
+                if gpt2:
+                    nn.init.normal_(weight, std=0.02 / math.sqrt(2 * n_layers))
+                else:   # torch's default Linear init, U(+-1/sqrt(fan_in)), scaled down
+                    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+                    with torch.no_grad():
+                        weight.div_(math.sqrt(n_layers))
 
-    def hidden(self, tokens, rows=None):
-        """The final residual stream (b, l, d) before ln_f; (b, 1, d) at rows (b,) if given."""
-        check_tokens(tokens, self.embed.num_embeddings)
-        b, l = tokens.shape
+    def forward(self, tokens, readout=None):
+        """tokens (b, l) integer ids of the vocabulary -> logits (b, l, v), or (b, v) at readout (b,)
+        positions. Speed: with readout, the last block's MLP sees those rows only (~1/6 of a
+        Transformer step on AR), unless something hooks its side (it would see (b, 1, d))."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
+                or tokens.is_complex() or tokens.dtype == torch.bool:
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens must be a (batch, length) tensor of integer token ids; got {got}.")
+        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+            try:                          # the range read on a CPU only: no GPU sync
+                low, high = (x.item() for x in torch.aminmax(tokens))
+            except RuntimeError:          # vmap over the tokens: no .item()
+                low, high = 0, 0
+            if low < 0 or high >= self.embed.num_embeddings:
+                raise ValueError(f"tokens must be ids in [0, {self.embed.num_embeddings}) (the model's "
+                                 f"vocabulary); got {low if low < 0 else high}.")
+        l = tokens.shape[1]
         r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
         if self.pos_emb is not None:
             if l > self.pos_emb.num_embeddings:
                 raise ValueError(f"sequence length {l} exceeds n_positions={self.pos_emb.num_embeddings}.")
             r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
-        for i, block in enumerate(self.blocks):
-            r = block(r) if rows is None or i < len(self.blocks) - 1 else block(r, rows)
-        return r
-
-    def forward(self, tokens, readout=None):
-        """tokens (b, l) -> logits (b, l, v), or (b, v) at readout (b,) positions. Speed: the last
-        block's MLP then sees the readout rows only if unhooked (~1/6 of a Transformer step on AR)."""
-        last = self.blocks[-1] if len(self.blocks) else None
-        if readout is not None and isinstance(last, TransformerBlock) and last.rows_only_ok():
-            return self.logits(self.hidden(tokens, readout)[:, 0])
-        return self.logits(self.hidden(tokens), readout)
+        last, hooks = self.blocks[-1] if len(self.blocks) else None, nn.modules.module
+        mlp_side = [last.ln2, *last.mlp.modules(), last.hook_resid_post] if isinstance(last, TransformerBlock) else []
+        rows_only = readout is not None and mlp_side and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                                                              or any(m._forward_hooks or m._forward_pre_hooks for m in mlp_side))
+        for block in self.blocks[:-1] if rows_only else self.blocks:
+            r = block(r)                                           # (b,l,d)
+        if rows_only:
+            return self.logits(last(r, readout)[:, 0])             # (b,1,d) -> (b,v)
+        return self.logits(r, readout)
 
     def logits(self, r, readout=None):
         if readout is not None:
             r = r[torch.arange(r.shape[0], device=r.device), readout]  # (b,l,d) -> (b,d)
         return F.linear(self.ln_f(r), self.embed.weight)            # tied head: (.., d) -> (.., v)
-
-
-def check_tokens(tokens, vocab_size):
-    """ValueError unless tokens are (b, l) ids in [0, vocab_size), range read on a CPU (no GPU sync)."""
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise ValueError(f"tokens must be a (batch, length) tensor of token ids; got {shape}.")
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise ValueError(f"tokens must be integer token ids; got dtype {tokens.dtype}.")
-    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
-        try:
-            low, high = (x.item() for x in torch.aminmax(tokens))
-        except RuntimeError:          # vmap over the tokens: no .item()
-            return
-        if low < 0 or high >= vocab_size:
-            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary); "
-                             f"got {low if low < 0 else high}.")
 
 
 def check_dataset(model, dataset, name="dataset"):
@@ -586,134 +608,90 @@ def count_parameters(model, trainable_only=False):
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def init_weights(model, n_layers, mamba_blocks):
-    """zoology's _init_weights: embeddings N(0, 0.02^2); Transformer blocks: Linear weights N(0, 0.02^2),
-    out_proj and fc2 N(0, (0.02/sqrt(2 n_layers))^2) (GPT-2); Mamba blocks: Linear weights kept,
-    out_proj torch-default / sqrt(n_layers). Biases 0 unless _no_reinit; convs keep theirs."""
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            if not mamba_blocks:
-                nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None and not getattr(module.bias, "_no_reinit", False):
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=0.02)
-    for name, p in model.named_parameters():
-        if mamba_blocks and name.endswith("out_proj.weight"):
-            nn.init.kaiming_uniform_(p, a=math.sqrt(5))  # torch-default Linear: U(+-1/sqrt(fan_in))
-            with torch.no_grad():
-                p.div_(math.sqrt(n_layers))
-        elif not mamba_blocks and ("out_proj.weight" in name or "fc2.weight" in name):
-            nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+def based_layer(d_model, layer_idx, n_layers, reference=False, **options):
+    """based: BaseConv on even layers (kernel size 3, or d_conv, or long), linear attention on odd."""
+    mixer = BaseConv if layer_idx % 2 == 0 else BasedAttention
+    return mixer(d_model, layer_idx, n_layers, reference, **options)
 
 
-def _base_conv_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """base_conv: kernel sizes 3, -1 (implicit long conv) alternate; d_conv sets all, long_only: all long."""
-    kernel = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
-    return BaseConv(d_model, layer_idx, n_layers, reference, kernel_size=kernel, **options)
+based_layer.builds, based_layer.D_CONV = (BaseConv, BasedAttention), BaseConv.D_CONV   # its **options
 
-
-def _based_layer(d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False, **options):
-    """based: BaseConv (K=3, d_conv, or long with long_only) on even layers, linear attention on odd ones."""
-    if layer_idx % 2 == 0:
-        return _base_conv_layer(d_model, layer_idx, n_layers, reference, d_conv, long_only, **options)
-    return BasedAttention(d_model, layer_idx, n_layers, reference, **options)
-
-
-ARCHS = {}  # arch name -> one-line description (run.py's help, mechsm.Config's check)
-MIXER_CLASSES = {}  # arch name -> factory (d_model, layer_idx, n_layers, reference, **options) -> Mixer
+ARCHS = {}          # arch name -> one-line description (run.py's help, mechsm.Config's check)
+MIXER_CLASSES = {}  # arch name -> Mixer subclass or factory (d_model, layer_idx, n_layers, reference, **options)
+MIXER_OPTIONS = {}  # arch name -> the keywords (with defaults) its mixer takes: build_model's **options
 
 
 def register(name, mixer, description):
-    """Make `mixer` (a Mixer subclass, or a factory called like one) buildable as arch `name`."""
+    """Make `mixer` buildable as arch `name`: a Mixer subclass, or a factory called like one (it gets
+    the Mixer class attributes it does not set, so MIXER_CLASSES[name].POS_EMB etc. always exist).
+    A factory's options are its keywords and those of the classes it builds (its `builds`)."""
     if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
         raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
+    for attr, default in vars(Mixer).items():
+        if attr.isupper() and not hasattr(mixer, attr):
+            setattr(mixer, attr, default)
     MIXER_CLASSES[name], ARCHS[name] = mixer, description
+    MIXER_OPTIONS[name] = frozenset(p.name for f in (mixer, *getattr(mixer, "builds", ()))
+                                    for p in inspect.signature(f).parameters.values()
+                                    if p.default is not p.empty) - {"layer_idx", "n_layers", "reference"}
 
 
 # The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
-register("base_conv", _base_conv_layer, "a projection gated by short and implicit long convs + MLP")
-register("based", _based_layer, "BaseConv alternating with Taylor-feature linear attention + MLP")
+register("base_conv", BaseConv, "a projection gated by short and implicit long convs + MLP")
+register("based", based_layer, "BaseConv alternating with Taylor-feature linear attention + MLP")
 register("h3", H3, "shift SSM on keys, diagonal SSM on key-value products, query readout + MLP")
 register("hyena", Hyena, "short filter, gated implicit long convolution + MLP")
 register("mamba", Mamba, "short conv, selective SSM scan, SiLU gate; no MLP")
 register("deltanet", DeltaNet, "linear attention with the delta-rule update, short convs + MLP")
 BUILT_IN_ARCHS = tuple(ARCHS)
-_base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)  # their **options
-_base_conv_layer.D_CONV = _based_layer.D_CONV = range(1, 2**31)      # the short-conv kernel size
 
 
-def _keywords(factory):
-    """The keywords with defaults of a mixer factory and of the classes it builds (its `builds`)."""
-    return {p.name for f in (factory, *getattr(factory, "builds", ()))
-            for p in inspect.signature(f).parameters.values() if p.default is not p.empty}
-
-
-def mixer_options():
-    """The extra keywords build_model accepts: those of the registered mixers (n_head for n_heads: an error)."""
-    names = set().union(*map(_keywords, MIXER_CLASSES.values()))
-    return frozenset(names - {"layer_idx", "n_layers", "reference", "kernel_size"})  # set per layer
-
-
-def takes_option(arch, name):
-    return name in _keywords(MIXER_CLASSES[arch])
-
-
-def mixer_attr(arch, name):
-    """A class attribute of arch's mixer or factory (POS_EMB, FIXED_LENGTH, D_CONV, MAMBA_BLOCK)."""
-    return getattr(MIXER_CLASSES[arch], name, getattr(Mixer, name))
-
-
-def _pos_emb_or_default(arch, pos_emb):
-    return mixer_attr(arch, "POS_EMB") if pos_emb is None else pos_emb
-
-
-def position_limit(arch, pos_emb, n_positions):
-    """The longest sequence arch's model accepts (None: any): position tables, FIXED_LENGTH filters."""
-    return n_positions if _pos_emb_or_default(arch, pos_emb) or mixer_attr(arch, "FIXED_LENGTH") else None
+def mixer_options(arch=None):
+    """The keywords arch's mixer takes, or those of every registered mixer (build_model's **options)."""
+    return MIXER_OPTIONS[arch] if arch else frozenset().union(*MIXER_OPTIONS.values())
 
 
 def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
                 d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: attention
-    only); d_conv: short-conv size; long_only: long convs only; kernels: "fast" or "reference"; seed:
-    the init's own RNG. Bad arguments: a one-line ValueError naming the first."""
+    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: the
+    mixer's POS_EMB); d_conv: short-conv size; long_only: long convs only; kernels: "fast" or
+    "reference"; seed: the init's own RNG. Bad arguments: a one-line ValueError naming the first."""
     if arch not in MIXER_CLASSES:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
-    for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers)):
-        if not (isinstance(value, int) and value >= 1):
-            raise ValueError(f"{name} must be a positive int; got {value!r}.")
-    if not (isinstance(n_heads, int) and n_heads >= 1 and d_model % n_heads == 0):
-        raise ValueError(f"n_heads must be a positive int dividing d_model={d_model}; got {n_heads!r}.")
-    if not (isinstance(n_positions, int) and n_positions >= 2):
-        raise ValueError(f"n_positions must be an int >= 2; got {n_positions!r}.")
-    if kernels not in ("fast", "reference"):
-        raise ValueError(f"kernels must be 'fast' or 'reference'; got {kernels!r}.")
-    sizes = mixer_attr(arch, "D_CONV")
-    if d_conv is not None and sizes is not None and not (isinstance(d_conv, int) and d_conv in sizes):
-        allowed = f"{sizes.start}..{sizes.stop - 1}" if sizes.stop < 2**31 else f">= {sizes.start}"
-        raise ValueError(f"d_conv must be an int {allowed} for {arch}; got {d_conv!r}.")
-    if long_only and d_conv is not None:
-        raise ValueError("d_conv and long_only cannot both be set: long_only removes the short conv.")
-    unknown = sorted(set(options) - mixer_options())
+    mixer, sizes = MIXER_CLASSES[arch], MIXER_CLASSES[arch].D_CONV
+    whole = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low
+    sizes_text = sizes and (f"{sizes.start}..{sizes.stop - 1}" if sizes.stop < 2**31 else f">= {sizes.start}")
+    for name, value, ok, allowed in [
+            ("vocab_size", vocab_size, whole(vocab_size, 1), "a positive int"),
+            ("d_model", d_model, whole(d_model, 1), "a positive int"),
+            ("n_layers", n_layers, whole(n_layers, 1), "a positive int"),
+            ("n_heads", n_heads, whole(n_heads, 1) and whole(d_model, 1) and d_model % n_heads == 0,
+             f"a positive int dividing d_model={d_model}"),
+            ("n_positions", n_positions, whole(n_positions, 2), "an int >= 2"),
+            ("kernels", kernels, kernels in ("fast", "reference"), "'fast' or 'reference'"),
+            ("d_conv", d_conv, d_conv is None or sizes is None or whole(d_conv, 0) and d_conv in sizes,
+             f"an int {sizes_text} for {arch}"),
+            ("long_only", long_only, not (long_only and d_conv is not None), "False when d_conv is set")]:
+        if not ok:
+            raise ValueError(f"{name} must be {allowed}; got {value!r}.")
+    unknown = sorted(set(options).difference(*MIXER_OPTIONS.values()))
     if unknown:
-        known = sorted(mixer_options() | {"pos_emb", "kernels", "seed"})  # the rest: mixer options
+        known = sorted({"pos_emb", "kernels", "seed"}.union(*MIXER_OPTIONS.values()))
         close = difflib.get_close_matches(unknown[0], known, n=1)
         raise ValueError(f"build_model: unknown option {unknown[0]!r}"
                          + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
-    pos_emb = _pos_emb_or_default(arch, pos_emb)
+    pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
                       kernels=kernels, seed=seed, **options)
-    Block = MambaBlock if mixer_attr(arch, "MAMBA_BLOCK") else TransformerBlock
+    Block = mixer.BLOCK or TransformerBlock
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
-        try:  # drawn in this order: the mixers layer by layer, then the embeddings
-            blocks = [Block(d_model, MIXER_CLASSES[arch](d_model, i, n_layers, kernels == "reference",
-                                                         n_heads=n_heads, d_conv=d_conv, long_only=long_only,
-                                                         n_positions=n_positions, **options))
+        try:  # drawn in this order: the mixers layer by layer, the embeddings, LM's init pass
+            blocks = [Block(d_model, mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
+                                           d_conv=d_conv, long_only=long_only, n_positions=n_positions, **options))
                       for i in range(n_layers)]
             model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
         except (RuntimeError, MemoryError) as e:  # an allocation failure: bad input, not a crash
@@ -724,7 +702,6 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
             size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
             raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} "
                              f"model is too large to allocate{size}") from None
-        init_weights(model, n_layers, Block is MambaBlock)
     model.build_args = build_args
     return model
 
@@ -822,7 +799,7 @@ def _sum_over_e(x, states):
     return torch.bmm(x.reshape(b * l, 1, e), states.view(b * l, e, n)).view(b, l, n)
 
 
-def _row_chunks(shape, floats=1 << 17, most=8):
+def row_chunks(shape, floats=1 << 17, most=8):
     """At most `most` batch slices whose (rows, l, e, n) tensors hold ~`floats` floats. Speed: in L2
     cache, several times faster than passes over memory; a slice costs ~90 ops (vmap: most=2)."""
     b = shape[0]
@@ -831,7 +808,7 @@ def _row_chunks(shape, floats=1 << 17, most=8):
 
 
 class _SelectiveScanLoopFn(torch.autograd.Function):
-    """selective_scan_reference, one in-place op per step, a batch slice at a time (_row_chunks: in cache), only
+    """selective_scan_reference, one in-place op per step, a batch slice at a time (row_chunks: in cache), only
     the inputs saved (the backward recomputes the states in cache). Backward: g_t = C_t dy_t + decay_{t+1} g_{t+1}
     in place, then batched: dC_t = sum_e dy_t h_t, dB_t = sum_e Δ_t u_t g_t, d(Δ_t u_t) = sum_n g_t B_t,
     d(Δ_t A) = g_t h_{t-1} decay_t -> dA, dΔ. ~15 in-cache passes (unsliced: ~33 over memory, 3.5x slower)."""
@@ -840,7 +817,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
     def forward(u, delta, A, B, C, most):
         y = torch.empty_like(u)                                           # (b,l,e)
         with _one_thread():
-            for rows in _row_chunks((*u.shape, A.shape[-1]), most=most):
+            for rows in row_chunks((*u.shape, A.shape[-1]), most=most):
                 A_rows = A if A.dim() == 2 else A[rows]
                 _, states = _selective_states(u[rows], delta[rows], A_rows, B[rows])
                 y[rows] = _selective_readout(states, C[rows])
@@ -857,7 +834,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
         grad_u, grad_delta, grad_B, grad_C = (torch.empty_like(x) for x in (u, delta, B, C))
         grad_A = torch.zeros_like(A)
         with _one_thread():
-            for rows in _row_chunks((*u.shape, A.shape[-1]), most=ctx.most):
+            for rows in row_chunks((*u.shape, A.shape[-1]), most=ctx.most):
                 per_row = A.dim() == 3  # A (b, e, n): dL/dA per row
                 A_rows, grad_A_rows = (A[rows], grad_A[rows]) if per_row else (A, grad_A)
                 dy, du, d_delta = grad_y[rows], u[rows] * delta[rows], delta[rows]
@@ -897,7 +874,7 @@ def selective_scan(u, delta, A, B, C, reference=False):
 
 
 def _powers(A, length):
-    """A^0 .. A^(l-1): (h, m) complex -> (h, m, l) by doubling, P[k:2k] = P[:k] A^k (complex cumprod: ~5x slower)."""
+    """A^0 .. A^(l-1): (h, n/2) complex -> (h, n/2, l) by doubling, P[k:2k] = P[:k] A^k (complex cumprod: ~5x slower)."""
     P = A.new_empty(*A.shape, length)
     P[..., 0] = 1
     k, A_k = 1, A                                                           # A_k = A^k
@@ -909,7 +886,7 @@ def _powers(A, length):
 
 
 class _VandermondeFn(torch.autograd.Function):
-    """K (l, h) = 2 Re sum_m W A^lag, hand-written backward: only A, W saved (autograd keeps ~10 (h, m, l) tensors),
+    """K (l, h) = 2 Re sum_modes W A^lag, hand-written backward: only A, W saved (autograd keeps ~10 (h, n/2, l) tensors),
     each direction one complex bmm over the powers P: K^T = 2 Re (W^T P), dW = 2 conj(P G), dA = 2 conj(W P G')
     with G = dL/dK^T, G'[lag] = (lag+1) G[lag+1]. vmap: the members are more heads."""
 
@@ -929,7 +906,7 @@ class _VandermondeFn(torch.autograd.Function):
         lags = torch.arange(1, ctx.length, device=G.device, dtype=G.dtype)
         G_next = F.pad(G[:, 1:] * lags, (0, 1))  # G'[lag] = (lag+1) G[lag+1]
         both = torch.stack([G, G_next], -1).to(A.dtype)                     # (h, l, 2)
-        S, T = torch.bmm(_powers(A, ctx.length), both).unbind(-1)            # (h, m) each
+        S, T = torch.bmm(_powers(A, ctx.length), both).unbind(-1)            # (h, n/2) each
         return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj() is lazy, copied slowly later
 
     @staticmethod
@@ -938,7 +915,7 @@ class _VandermondeFn(torch.autograd.Function):
         return K.unflatten(1, (info.batch_size, -1)), 1  # (l, r, h), members at dim 1
 
 
-vandermonde_kernel = _VandermondeFn.apply  # H3's diagonal-SSM kernel (l, h) from modes A, W (h, m) complex
+vandermonde_kernel = _VandermondeFn.apply  # H3's diagonal-SSM kernel (l, h) from modes A, W (h, n/2) complex
 
 
 def fft_conv(u, k):
@@ -955,24 +932,24 @@ def long_conv(u, k, reference=False):
 
 
 def short_conv(x, weight, bias=None):
-    """short_conv_reference as K multiply-adds over one padded copy of x (~2x F.conv1d's CPU speed)."""
+    """short_conv_reference as `size` multiply-adds over one padded copy of x (~2x F.conv1d's CPU speed)."""
     length, kernel = x.shape[1], weight.shape[-1]
-    padded = F.pad(x, (0, 0, kernel - 1, 0))  # (b, l+K-1, c): K-1 zeros in front
-    taps = weight[:, 0].t()  # (K, c); tap j looks K-1-j steps back
+    padded = F.pad(x, (0, 0, kernel - 1, 0))  # (b, l+size-1, c): size-1 zeros in front
+    taps = weight[:, 0].t()  # (size, c); tap j looks size-1-j steps back
     y = padded[:, :length] * taps[0] if bias is None else torch.addcmul(bias, padded[:, :length], taps[0])
     for j in range(1, kernel):
-        y = torch.addcmul(y, padded[:, j:j + length], taps[j])      # y += w_j x_{t-(K-1)+j}
+        y = torch.addcmul(y, padded[:, j:j + length], taps[j])      # y += w_j x_{t-(size-1)+j}
     return y                                                        # (b, l, c)
 
 
 def delta_rule_parallel(q, k, v, beta):
     """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
     u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k)."""
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, k)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, w)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
     system = torch.tril(beta * (k @ k.transpose(-1, -2)), diagonal=-1)  # (b,h,l,l); unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
     u = torch.linalg.solve_triangular(system.to(work), (beta * v).to(work), upper=False,
-                                      unitriangular=True).to(v.dtype)               # (b, h, l, k)
+                                      unitriangular=True).to(v.dtype)               # (b, h, l, w)
     scores = torch.tril(q @ k.transpose(-1, -2))  # (b, h, l, l): q_t . k_j, j <= t
-    return (scores @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, k) -> (b, l, h, k)
+    return (scores @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, w) -> (b, l, h, w)

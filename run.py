@@ -20,6 +20,9 @@ GPU examples:
   python run.py --preset paper --device cuda       # the paper's grid, a cell's lrs and seeds as
                                                    # one batched model (--group-size K: smaller)
 
+Shape letters (the README's glossary; the benchmark's sizes): b batch, l sequence length, d d_model,
+e Mamba's inner width, n SSM state size, r runs trained as one batched model.
+
 Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard), a JSON
 line per finished run (config, metrics, history, the patching table); reruns skip what is there,
 reading all results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
@@ -455,7 +458,7 @@ def grid_runs(args, name, device):
     for flag, value in given.items():
         field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
         hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS
-               or models.takes_option(c.arch, field) for c in configs]
+               or field in models.mixer_options(c.arch) for c in configs]
         missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
         if not any(hit):
             raise ValueError(f"{opt}: does not apply to any run of this grid ({', '.join(missed)} "
@@ -487,11 +490,6 @@ KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields
 def run_key(config):
     """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
     return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
-
-
-def file_name(cfg):
-    """cfg.name() plus 8 hex digits of the run's identity (runs name() cannot tell apart)."""
-    return f"{cfg.name()}_{hashlib.sha1(run_key(asdict(cfg.resolved())).encode()).hexdigest()[:8]}"
 
 
 def config_of(record):
@@ -541,9 +539,18 @@ def read_results(out, warn=True):
     return records
 
 
+def json_safe(x):
+    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
 def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
-    line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
+    line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
     with open(path, "a+b") as f:
         if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
             f.seek(-1, os.SEEK_END)
@@ -554,8 +561,13 @@ def append_result(path, record):
         os.fsync(f.fileno())
 
 
+def stderr_log(prefix=""):
+    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
+    return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
+
+
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
-          log=mechsm.stderr_log()):
+          log=stderr_log()):
     """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
     finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
     check_runs(configs)
@@ -586,16 +598,16 @@ def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
         cfg.check()
-    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm._data_key(c) == key))
-             for key in dict.fromkeys(mechsm._data_key(c) for c in configs)}
+    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
+             for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
     built = set()
     for cfg in configs:
-        mechsm.check_length(cfg)
-        shape = (mechsm._data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
+        mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
+        shape = (mechsm.data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
             "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv",
             "long_only", "freeze_features")))
         if shape not in built:                   # a model too large to allocate is bad input
-            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm._data_key(cfg)])
+            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
             built.add(shape)
 
 
@@ -650,7 +662,7 @@ def do_job(kind, payload, out, wants):
             if ok and wants["patch"]:
                 record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
             if ok and wants["save"] and not record.get("checkpoint"):
-                path = os.path.join("ckpt", file_name(cfg) + ".pt")
+                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
                 try:
                     mechsm.save(model, cfg, os.path.join(out, path))
                     record["checkpoint"] = path
@@ -659,7 +671,7 @@ def do_job(kind, payload, out, wants):
                           "run is recorded without it", file=sys.stderr)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
-        return [mechsm.json_safe(record) for record, _ in pairs]
+        return [json_safe(record) for record, _ in pairs]
     except Exception as e:
         import traceback
         traceback.print_exc()
@@ -676,7 +688,7 @@ def patched(model, cfg, dataset):
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
-    return mechsm.json_safe({"mechanism": summary, "mechanism_table": table})
+    return json_safe({"mechanism": summary, "mechanism_table": table})
 
 
 def provenance():
@@ -855,12 +867,18 @@ def runs_table(records):
     return markdown(cells)
 
 
+def fmt_attrib(entry, key):
+    """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
+    value = entry.get(key)
+    return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
+
+
 def timeline_text(row):
     """The best run's history in one line: at most 6 evaluations (the last kept)."""
     history = row["best"].get("history") or []
     keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
-    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {mechsm.fmt_attrib(h, 'attrib_value')}/"
-             f"{mechsm.fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
+    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {fmt_attrib(h, 'attrib_value')}/"
+             f"{fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
     return f"- {row['label']}: " + "; ".join(steps)
 
 
@@ -1025,7 +1043,7 @@ def evaluate_checkpoint(args):
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    Path(folder, "result.json").write_text(json.dumps(mechsm.json_safe(record), indent=1))
+    Path(folder, "result.json").write_text(json.dumps(json_safe(record), indent=1))
     print(result_table([dict(label=cfg.arch, best=record, runs=[record], n_seeds=1)]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
@@ -1355,7 +1373,10 @@ def draw_figures(records, rows, name, folder, task="ar"):
 
 def make_step(model, data, forward=None, lr=1e-3):
     """A closure: one training step of `model` (or an Ensemble, or `forward`) on all of `data`."""
-    optimizer = model.optimizer if isinstance(model, mechsm.Ensemble) else mechsm.adamw(model, lr)
+    batch = (data.tokens, data.positions["query"], data.answers)
+    if isinstance(model, mechsm.Ensemble):
+        return lambda: model.train_step(*batch, [lr] * len(model.modules))
+    optimizer = mechsm.adamw(model, lr)
     for group in optimizer.param_groups:
         group["lr"] = lr
 

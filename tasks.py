@@ -17,8 +17,8 @@ ATR worked example (the root X -> (a, Y) with head h, Y -> (b, c) with head g):
     query "parent of b":  BOS a b c g h EOS b g EOS
     positions: key 2 (b), value 4 (g), next_key 5, divider 6, query 7, answer 8.
 
-Shape letters: n documents, l padded document length (T in the contract), m AR pairs per document,
-K number of keys, V number of values, S number of terminals |Σ|.
+Shape letters (the README's glossary): b documents, l padded document length, m AR pairs per
+document, K keys, V values (AR), N nonterminals |N|, S terminals |Σ| (ATR).
 """
 
 import bisect
@@ -42,24 +42,10 @@ def _seed(*parts):
 
 
 def _check(ok, name, allowed):
+    """The one-line ValueError of bad input: "{name} must be {allowed}". Ints are checked to be ints
+    (not bools) first: "8" or 8.0 would fail later, or make a float-sized task."""
     if not ok:
         raise ValueError(f"{name} must be {allowed}")
-
-
-def _check_ints(**values):
-    """Each must be an int, not a bool: "8" or 8.0 would fail later, or make a float-sized task."""
-    for name, value in values.items():
-        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
-               f"an int, got {value!r}")
-
-
-def _check_common(n, split, holdout, seed):
-    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
-    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(0.0 <= holdout < 1.0, "holdout", f"in [0, 1), got {holdout!r}")
-    _check(holdout == 0 or split is not None, "split",
-           "'train', 'dev' or 'test' when holdout > 0 (None has no held-out pairs to respect)")
-    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
 
 
 # --- Dataset: one container for both tasks.
@@ -70,12 +56,12 @@ ROLES = ("key", "value", "next_key", "divider", "query", "answer")
 @dataclass
 class Dataset:
     task: str                        # "ar" | "atr"
-    tokens: torch.Tensor             # (n, l) long, right-padded with PAD
-    answers: torch.Tensor            # (n,) the token the model must predict at positions["query"]
-    positions: dict                  # role -> (n,) long; roles in ROLES
+    tokens: torch.Tensor             # (b, l) long, right-padded with PAD
+    answers: torch.Tensor            # (b,) the token the model must predict at positions["query"]
+    positions: dict                  # role -> (b,) long; roles in ROLES
     vocab_size: int
     classes: dict                    # role -> [lo, hi) ids a corruption of that role draws from
-    lengths: torch.Tensor            # (n,) true length before padding
+    lengths: torch.Tensor            # (b,) true length before padding
     meta: dict = field(default_factory=dict)   # settings; meta["per_doc"] holds per-document lists
 
     def __len__(self):
@@ -119,23 +105,23 @@ class Dataset:
 
 # --- AR: vectorised over documents.
 
-def sample_distinct_slow(n, m, size, gen):
+def sample_distinct_slow(rows, m, size, gen):
     """Reference: each row is the first m entries of a fresh random permutation of range(size)."""
-    return torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(n)]) if n else \
+    return torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(rows)]) if rows else \
         torch.zeros(0, m, dtype=torch.long)
 
 
-def sample_distinct(n, m, size, gen):
-    """(n, m) long: per row, m distinct ints from range(size) in uniformly random order. Floyd's
+def sample_distinct(rows, m, size, gen):
+    """(rows, m) long: per row, m distinct ints from range(size) in uniformly random order. Floyd's
     algorithm on all rows at once: at step j = size-m .. size-1 draw t in [0, j], take t, or j if
-    the row has t already (a uniform m-subset, O(n m^2) work, no (n, size) tensor); a random argsort
-    of the columns gives a uniform order. Equal in distribution to sample_distinct_slow."""
-    out = torch.empty(n, m, dtype=torch.long)
+    the row has t already (a uniform m-subset, O(rows m^2) work, no (rows, size) tensor); a random
+    argsort of the columns gives a uniform order. Equal in distribution to sample_distinct_slow."""
+    out = torch.empty(rows, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
-        t = torch.randint(0, j + 1, (n,), generator=gen)
+        t = torch.randint(0, j + 1, (rows,), generator=gen)
         taken = (out[:, :step] == t[:, None]).any(dim=1)
         out[:, step] = torch.where(taken, torch.full_like(t, j), t)
-    return out.gather(1, torch.rand(n, m, generator=gen).argsort(dim=1))  # (n, m)
+    return out.gather(1, torch.rand(rows, m, generator=gen).argsort(dim=1))  # (rows, m)
 
 
 def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=None, holdout=0.0):
@@ -146,8 +132,13 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     (one matrix per (seed, K, V), never per split; a larger holdout holds out more); train/dev query
     only pairs not held out, test only held-out ones, redrawing documents with none (the reference
     excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
-    _check_common(n, split, holdout, seed)
-    _check_ints(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs)
+    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
+    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
+    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+    for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs)):
+        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name, f"an int, got {value!r}")
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     for name, size in (("num_keys", K), ("num_values", V)):
@@ -162,7 +153,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     q, todo = torch.empty(n, dtype=torch.long), torch.arange(n)
     for _ in range(MAX_TRIES):
         k, v = sample_distinct(len(todo), m, K, gen), sample_distinct(len(todo), m, V, gen)
-        eligible = (torch.ones_like(k, dtype=torch.bool) if heldout is None   # (r, m)
+        eligible = (torch.ones_like(k, dtype=torch.bool) if heldout is None   # (rows, m)
                     else heldout[k, v] == (split == "test"))  # argmax of score: uniform among them
         score = torch.rand(len(todo), m, generator=gen).masked_fill(~eligible, -1.0)
         ok = eligible.any(dim=1)
@@ -175,9 +166,9 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
                          f"after {MAX_TRIES} rounds; use holdout in (0, 1) large enough for test")
 
     rows = torch.arange(n)
-    pairs = torch.stack([keys + FIRST, values + FIRST + K], dim=2)   # (n, m, 2): key, value
+    pairs = torch.stack([keys + FIRST, values + FIRST + K], dim=2)   # (b, m, 2): key, value
     bos, eos = (torch.full((n, 1), t, dtype=torch.long) for t in (BOS, EOS))
-    tokens = torch.cat([bos, pairs.flatten(1), eos, pairs[rows, q], eos], 1)  # (n, 2m + 5)
+    tokens = torch.cat([bos, pairs.flatten(1), eos, pairs[rows, q], eos], 1)  # (b, 2m + 5)
     divider = torch.full((n,), 2 * m + 1)
     positions = dict(key=2 * q + 1, value=2 * q + 2, next_key=2 * q + 3,
                      divider=divider, query=divider + 1, answer=divider + 2)
@@ -200,13 +191,16 @@ def uniforms(rng, block=1 << 16):
 
 class PCFG:
     """A random right-headed PCFG in the reference's RNG order (tinylang's pcfg.py). Nonterminal
-    A is int A in [0, N), terminal t is N + t; rules[A]: RHS tuples of non-head symbols."""
+    A is int A in [0, N), terminal t is N + t; rules[A]: RHS tuples of non-head symbols. shortest,
+    longest: the exact range of a sentence's terminal counts (every rule has p > 0)."""
 
     def __init__(self, num_terminals=20, num_nonterminals=40, max_rhs_len=5, max_rules=5,
                  max_depth=10, terminal_weight=20, head="right", seed=0):
         self.params = {k: v for k, v in locals().items() if k != "self"}  # the arguments, in order
         least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
-        _check_ints(**{name: self.params[name] for name in least})
+        for name, value in self.params.items():
+            _check(name not in least or isinstance(value, (int, np.integer)) and not isinstance(value, bool),
+                   name, f"an int, got {value!r}")
         for name, low in least.items():
             why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
             _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
@@ -236,28 +230,24 @@ class PCFG:
         self.head_cum = [cum(rng.dirichlet(np.ones(S))) for _ in range(N)]
         # 6. each sentence starts from a uniformly random nonterminal (no dedicated S).
         self.start_cum = cum(np.full(N, 1.0 / N))
-
-    def sentence_lengths(self):
-        """Exact (shortest, longest) terminal counts of a sentence (all rules have p > 0)."""
-        N, low, high = self.num_nonterminals, {}, {}
-        for a in sorted(range(N), key=lambda a: -self.depth[a]):       # the deepest first
+        # terminal counts of each nonterminal's sentences, the deepest first: 1 (its head) + children's
+        low, high = {}, {}
+        for a in sorted(range(N), key=lambda a: -self.depth[a]):
             sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in r] for r in self.rules[a]]
-            low[a] = 1 + min(sum(lo for lo, _ in rhs) for rhs in sizes)  # + 1: the head
+            low[a] = 1 + min(sum(lo for lo, _ in rhs) for rhs in sizes)
             high[a] = 1 + max(sum(hi for _, hi in rhs) for rhs in sizes)
-        return min(low.values()), max(high.values())
-
-    def _open(self, a, draw):
-        """Stack frame of one expansion of a: [rhs, next index, head terminal, dependents]."""
-        rhs = self.rules[a][bisect.bisect_right(self.rule_cum[a], draw())]
-        return [rhs, 0, bisect.bisect_right(self.head_cum[a], draw()), []]
+        self.shortest, self.longest = min(low.values()), max(high.values())
 
     def sample_sentence(self, draw, max_terminals=MAX_TERMINALS):
         """One sentence (labels, parents: each terminal's parent position, -1: the root head), or
         None past max_terminals; depth-first, left to right, each head after its dependents."""
-        N = self.num_nonterminals
-        labels, parents = [], []
-        stack = [self._open(bisect.bisect_right(self.start_cum, draw()), draw)]
-        while stack:
+        N, labels, parents, stack = self.num_nonterminals, [], [], []
+        todo = bisect.bisect_right(self.start_cum, draw())      # the nonterminal to expand next
+        while todo is not None or stack:
+            if todo is not None:   # expand it: a frame [rhs, next index, head terminal, dependents]
+                rhs = self.rules[todo][bisect.bisect_right(self.rule_cum[todo], draw())]
+                stack.append([rhs, 0, bisect.bisect_right(self.head_cum[todo], draw()), []])
+                todo = None
             rhs, i, head, dependents = frame = stack[-1]
             if i < len(rhs):
                 frame[1] = i + 1
@@ -266,7 +256,7 @@ class PCFG:
                     labels.append(rhs[i] - N)
                     parents.append(-1)
                 else:
-                    stack.append(self._open(rhs[i], draw))
+                    todo = rhs[i]
             else:                          # all dependents emitted: emit the head, point them at it
                 stack.pop()
                 head_pos = len(labels)
@@ -328,16 +318,19 @@ def atr_document(labels, child, parent):
 def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_TERMINALS):
     """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`. Rejects sentences over
     max_terminals or under 3 terminals, and those without an eligible query. The (parent label,
-    child label) matrix of held-out pairs (P = holdout) is seeded by grammar.seed alone: the
+    child label) matrix of held-out pairs (each with probability holdout) is seeded by grammar.seed: the
     language's, the same for every split (the reference draws it before the grammar, so its split
     language is another PCFG: README, difference 3). train/dev query only allowed pairs, test only
     held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar)."""
-    _check_common(n, split, holdout, seed)
+    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
+    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
+    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
     _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter sentences are rejected), got {max_terminals}")
-    S, given = grammar.num_terminals, grammar.params
+    S, given, shortest, longest = grammar.num_terminals, grammar.params, grammar.shortest, grammar.longest
     _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "
            f"rightmost instance is always the root head), got {S}")
-    shortest, longest = grammar.sentence_lengths()
     _check(longest >= 3, "max_rhs_len/max_depth", "large enough for sentences of >= 3 terminals: "
            f"every sentence has at most {longest} with max_rhs_len={given['max_rhs_len']}, "
            f"max_depth={given['max_depth']} (expected max_rhs_len >= 3 or a larger max_depth)")
@@ -355,23 +348,21 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
         groups = None if miss else eligible_queries(*sent, allowed)
         if not groups:
             misses[miss or "query"] += 1
-            if misses.total() >= MAX_TRIES:
-                span = f"this grammar's range: {shortest} to {longest}"
-                _check(misses["long"] < MAX_TRIES, "max_terminals", f"larger than {max_terminals}: "
-                       f"{MAX_TRIES} sentences in a row were longer ({span} terminals)")
-                _check(misses["short"] < MAX_TRIES, "max_rhs_len/max_depth",
-                       f"larger: {MAX_TRIES} sentences in a row had under 3 terminals ({span})")
-                raise ValueError(f"grammar/holdout: {MAX_TRIES} sentences in a row had no eligible "
-                                 f"query (split={split!r}, holdout={holdout}; {misses['long']} too "
-                                 f"long for max_terminals, {misses['short']} under 3 terminals); "
-                                 "need holdout in (0, 1) that leaves pairs to query")
+            if misses.total() >= MAX_TRIES:   # name the parameter behind the most rejections
+                name = {"long": "max_terminals", "short": "max_rhs_len/max_depth",
+                        "query": "grammar/holdout"}[max(misses, key=misses.get)]
+                raise ValueError(f"{name}: {MAX_TRIES} sentences in a row rejected: {misses['long']} "
+                                 f"over max_terminals={max_terminals}, {misses['short']} under 3 "
+                                 f"terminals ({shortest} to {longest} in this grammar), "
+                                 f"{misses['query']} with no eligible query (split={split!r}, "
+                                 f"holdout={holdout})")
             continue
         misses.clear()
         docs.append((sent[0], *sample_query(groups, draw)))
         per_doc["parents"].append(sent[1])
 
     lengths = np.array([len(lab) + 5 for lab, _, _ in docs])
-    tokens = np.zeros((n, lengths.max()), dtype=np.int64)        # (n, l) PAD-filled
+    tokens = np.zeros((n, lengths.max()), dtype=np.int64)        # (b, l) PAD-filled
     child, parent = np.array([d[1:] for d in docs]).T
     for i, (labels, c, p) in enumerate(docs):
         tokens[i, : len(labels) + 5] = atr_document(labels, c, p)

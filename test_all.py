@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -405,11 +406,11 @@ def test_selective_scan_matches_reference(length, fast):
 
 @pytest.mark.parametrize("per_row_A", [False, True])
 def test_selective_scan_slices_of_the_batch_match_reference(per_row_A, monkeypatch):
-    """The CPU scan works on slices of the batch (models._row_chunks): with slices of 3 rows out of 7 (the last
+    """The CPU scan works on slices of the batch (models.row_chunks): with slices of 3 rows out of 7 (the last
     one short), A shared or one per row (as the vmap rule passes it), values and gradients are the reference's."""
-    chunks = models._row_chunks
-    monkeypatch.setattr(models, "_row_chunks", lambda shape, most=8: chunks(shape, floats=3 * math.prod(shape[1:])))
-    assert [s.stop - s.start for s in models._row_chunks((7, 6, 4, 3))] == [3, 3, 1]
+    chunks = models.row_chunks
+    monkeypatch.setattr(models, "row_chunks", lambda shape, most=8: chunks(shape, floats=3 * math.prod(shape[1:])))
+    assert [s.stop - s.start for s in models.row_chunks((7, 6, 4, 3))] == [3, 3, 1]
     gen = torch.Generator().manual_seed(0)
     b, l, e, n = 7, 6, 4, 3
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
@@ -639,9 +640,8 @@ def test_forward_backward(arch, options):
     logits = model(tokens)
     assert logits.shape == (3, 12, V)
     F.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
-    unused = {"mamba": ["conv1d"]}.get(arch, []) if options.get("d_conv") == 0 else []
-    for name, p in model.named_parameters():
-        if p.requires_grad and not any(u in name for u in unused):
+    for name, p in model.named_parameters():       # every parameter is used (d_conv=0 builds no conv)
+        if p.requires_grad:
             assert p.grad is not None and torch.isfinite(p.grad).all(), name
 
 
@@ -694,7 +694,7 @@ def test_model_follows_dtype_and_rebuilds(arch):
 def test_required_hook_names_exist(arch):
     names = {name for name, _ in small_model(arch).named_modules()}
     block_sites = ["hook_resid_pre", "mixer.hook_in", "mixer.hook_out", "hook_resid_post"]
-    if not models.mixer_attr(arch, "MAMBA_BLOCK"):
+    if models.MIXER_CLASSES[arch].BLOCK is not models.MambaBlock:
         block_sites += ["mlp.hook_in", "mlp.hook_out"]
     for i in range(2):
         for site in block_sites:
@@ -1395,11 +1395,17 @@ def test_holdout_reports_dev_and_test():
     assert {"acc", "test_acc", "test_prob", "test_loss"} <= set(r["final"])
 
 
-def test_novel_mask_finds_verbatim_repeats():
-    data = mechsm.make_data(tiny())
-    mask = mechsm.novel_mask(data.train, data.train.subset(slice(0, 5)))
-    assert not mask.any()
-    assert mechsm.novel_mask(data.train, data.eval).float().mean() > 0.9   # AR: collisions are rare
+def test_novel_masks_find_verbatim_repeats():
+    """ATR's data.novel: exactly the evaluation documents that are not a training document verbatim (a
+    tiny grammar repeats most); every test document is novel (it queries a held-out pair)."""
+    data = mechsm.make_data(tiny(task="atr", num_terminals=4, num_nonterminals=4, max_rhs_len=3,
+                                 max_depth=3, train_size=400, eval_size=200, holdout=0.3))
+    text = lambda ds: [tuple(row[:n].tolist()) for row, n in zip(ds.tokens, ds.lengths)]
+    seen = set(text(data.train))
+    for split, ds in [("eval", data.eval), ("test", data.test)]:
+        assert torch.equal(data.novel[split], torch.tensor([doc not in seen for doc in text(ds)])), split
+    assert 0 < data.novel["eval"].sum() < len(data.eval) and data.novel["test"].all()
+    assert mechsm.make_data(tiny()).novel is None                            # AR: none
 
 
 def test_config_check_names_the_field():
@@ -1645,7 +1651,7 @@ def test_every_arch_runs_under_vmap_with_no_fallback(arch, options, form, monkey
     tokens, queries = random_tokens(4, 12), torch.tensor([3, 5, 11, 7])
     answers = torch.randint(0, V, (4,), generator=torch.Generator().manual_seed(1))
     with vmap_fallback_is_an_error():
-        losses = mechsm.answer_loss(ensemble, tokens, queries, answers)               # (3,)
+        losses = ensemble.losses(tokens, queries, answers)                            # (3,)
         losses.sum().backward()
     for i, model in enumerate(members):
         mechsm.answer_loss(model, tokens, queries, answers).backward()
@@ -2148,19 +2154,21 @@ def test_python_api_errors_name_the_parameter(monkeypatch):
     monkeypatch.setattr(mechsm, "answer_loss", lambda *a: pytest.fail("trained a model its documents do not fit"))
     with pytest.raises(ValueError, match="n_positions"):
         mechsm.train(tiny(num_keys=1000, num_values=1000, num_pairs=600), log=quiet)
-    mechsm.check_length(tiny(arch="mamba", num_keys=1000, num_values=1000, num_pairs=600))   # no position limit
+    mechsm.make_data(tiny(arch="mamba", num_keys=1000, num_values=1000, num_pairs=600))   # no position limit
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device"):
             mechsm.resolve_device("cuda")
 
 
-def test_runs_that_share_a_name_get_their_own_files():
-    """name() leaves out d_conv, pos_emb, long_only, ...: the checkpoint files of runs
-    that differ only there must not overwrite each other (mamba-conv, ar-nope, based-ablation)."""
-    configs = run_cli.experiment_configs("mamba-conv") + run_cli.experiment_configs("ar-nope")
-    assert len({c.name() for c in configs}) < len(configs)
-    assert len({run_cli.file_name(c) for c in configs}) == len(configs)
-    assert run_cli.file_name(configs[0]) == run_cli.file_name(replace(configs[0], device="cuda"))
+def test_runs_that_differ_have_names_and_files_that_differ():
+    """Runs that differ only in d_conv, pos_emb, long_only, ... (mamba-conv, ar-nope, based-ablation)
+    get names, hence checkpoint files, of their own; the device is where a run happens, not what it is."""
+    configs = [c for name in ("mamba-conv", "ar-nope", "based-ablation") for c in run_cli.experiment_configs(name)]
+    assert len({run_cli.run_key(asdict(c.resolved())) for c in configs}) == len(configs)
+    assert len({c.name() for c in configs}) == len(configs)
+    mamba = configs[0]                        # pos_emb None is mamba's False: the same run, the same name
+    assert mamba.name() == replace(mamba, device="cuda").name() == replace(mamba, pos_emb=False).name()
+    assert re.fullmatch(r"ar_mamba_d64_L2_lr0.01_s0_[0-9a-f]{8}", mamba.name()), mamba.name()
 
 
 def readme_mixer_example():
@@ -2174,7 +2182,7 @@ def test_the_readme_mixer_example_registers_trains_and_patches(monkeypatch):
     """The README's example, copied from the README at test time so the two cannot drift: it
     registers a new mixer, which then builds, trains through mechsm.train and gets a mechanism table
     with its own hook site and its own extra summary number (the class's READS)."""
-    for name in ("ARCHS", "MIXER_CLASSES"):                     # the registration is undone after the test
+    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):    # the registration is undone after the test
         monkeypatch.setattr(models, name, dict(getattr(models, name)))
     exec(readme_mixer_example(), {"__name__": "readme_example"})
     assert "gated_rnn" in models.ARCHS and "gated_rnn" not in models.BUILT_IN_ARCHS
@@ -2227,7 +2235,7 @@ def test_strict_tasks_name_the_real_cause():
     with pytest.raises(ValueError, match="^num_terminals must be >= 2"):
         make_atr(5, PCFG(num_terminals=1, seed=0))
     always_seven = PCFG(num_nonterminals=1, max_rules=1, max_rhs_len=10, seed=0)   # one rule: 6 terminals + head
-    assert always_seven.sentence_lengths() == (7, 7)
+    assert (always_seven.shortest, always_seven.longest) == (7, 7)
     with pytest.raises(ValueError, match=r"^max_terminals must be >= 7 .*got 5") as excinfo:
         make_atr(5, always_seven, max_terminals=5)
     assert one_line_value_error(excinfo, "max_terminals")
@@ -2237,7 +2245,7 @@ def test_strict_tasks_name_the_real_cause():
     assert one_line_value_error(excinfo, "max_rhs_len")
     for seed in range(3):                      # the exact range brackets what the sampler draws
         g = PCFG(seed=seed)
-        lo, hi = g.sentence_lengths()
+        lo, hi = g.shortest, g.longest
         sizes = [len(make_atr(1, g, seed=s).meta["per_doc"]["parents"][0]) for s in range(20)]
         assert lo <= min(sizes) and max(sizes) <= min(hi, tasks.MAX_TERMINALS)
 
@@ -2501,17 +2509,18 @@ def test_readout_rows_only_path_equals_the_full_forward():
         model = models.build_model(arch, 50, 16, 2).double()
         fast = model(tokens, readout=readout)
         (g_fast,) = torch.autograd.grad(fast.square().sum(), model.embed.weight)
-        full = model.logits(model.hidden(tokens), readout)
+        full = model(tokens)[torch.arange(4), readout]                  # every row through every MLP
         (g_full,) = torch.autograd.grad(full.square().sum(), model.embed.weight)
         torch.testing.assert_close(fast, full, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(g_fast, g_full, rtol=1e-12, atol=1e-12)
     model, seen = models.build_model("attention", 50, 16, 2), []
-    assert model.blocks[-1].rows_only_ok()
-    handle = model.blocks[-1].hook_resid_post.register_forward_hook(lambda m, i, o: seen.append(o.shape))
-    assert not model.blocks[-1].rows_only_ok()
+    mlp = model.blocks[-1].mlp
+    mlp.forward = lambda x, forward=mlp.forward: seen.append(tuple(x.shape)) or forward(x)   # not a hook
     model(tokens, readout=readout)
-    handle.remove()
-    assert seen == [(4, 9, 16)]
+    for site in ("blocks.1.mlp.hook_out", "blocks.1.hook_resid_post"):        # a hook on the MLP's side
+        with iv.patch(model, {site: lambda act: act}):
+            model(tokens, readout=readout)
+    assert seen == [(4, 1, 16), (4, 9, 16), (4, 9, 16)]                         # rows only, then full
 
 
 def test_the_figures_command_without_matplotlib_prints_one_line_and_exits_0(tmp_path, monkeypatch, capsys):
