@@ -214,11 +214,11 @@ def make_documents(key):
             raise
         raise ValueError(f"{c['task']} task with {c['train_size']} training documents: too large to "
                          f"allocate ({' '.join(str(e).split())[:120]})") from None
-    novel = None                                # README, difference 8: documents unseen in training
-    if c["task"] == "atr":
-        seen = {row[:n].tobytes() for row, n in zip(train.tokens.numpy(), train.lengths.tolist())}
-        novel = {name: torch.tensor([row[:n].tobytes() not in seen for row, n in zip(
-            ds.tokens.numpy(), ds.lengths.tolist())]) for name, ds in [("eval", dev), ("test", test)] if ds}
+    novel, text = None, lambda ds: [row[:n].tobytes() for row, n in zip(ds.tokens.numpy(), ds.lengths)]
+    if c["task"] == "atr":                      # README, difference 8: documents unseen in training
+        seen = set(text(train))
+        novel = {name: torch.tensor([doc not in seen for doc in text(ds)])
+                 for name, ds in [("eval", dev), ("test", test)] if ds}
     return Data(train, dev, test, train.vocab_size, novel, key)
 
 
@@ -318,7 +318,8 @@ def adamw(model, lr):
 def training_batches(cfg, data):
     """batch(step): (tokens, queries, answers) of the training rows of batch step mod n_batches
     (the fixed training set walked in order, the partial last batch dropped)."""
-    size, n_batches, device = cfg.batch_size, cfg.train_size // cfg.batch_size, resolve_device(cfg.device)
+    size, device = cfg.batch_size, resolve_device(cfg.device)
+    n_batches = cfg.train_size // size
     used = n_batches * size
     tokens = data.train.tokens[:used].to(device)                    # (b, l): every batch's rows
     queries = data.train.positions["query"][:used].to(device)       # (b,)
@@ -634,7 +635,8 @@ def train_group(configs, *, data=None, log=None):
         raise ValueError("train_group: configs: two have the same lr and seed")
     cfg, r = cfgs[0], len(cfgs)
     data = make_data(cfg, data)
-    log = log or (lambda msg: print(f"[{cfg.arch} d{cfg.d_model} x{r}] {msg}", file=sys.stderr, flush=True))
+    prefix = f"[{cfg.arch} d{cfg.d_model} x{r}] "
+    log = log or (lambda msg: print(prefix + msg, file=sys.stderr, flush=True))
     ens = Ensemble([build(c, data.vocab_size) for c in cfgs])  # own seeds
     log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
         f"seeds {','.join(str(c.seed) for c in cfgs)}")
@@ -646,8 +648,9 @@ def train_group(configs, *, data=None, log=None):
             losses = (loss_sum / n_losses).tolist() if n_losses else [None] * r
             for c, member, history, loss in zip(cfgs, ens.members(), histories, losses):
                 history.append(history_entry(member, data, c, step, loss))
-            rate, accs = step / max(time.time() - start, 1e-9), " ".join(f"{h[-1]['acc']:.3f}" for h in histories)
-            log(f"step {step}/{total} | acc {accs} | {rate:.1f} steps/s ({r * rate:.1f} model-steps/s)")
+            rate, accs = step / max(time.time() - start, 1e-9), [h[-1]["acc"] for h in histories]
+            log(f"step {step}/{total} | acc {' '.join(f'{a:.3f}' for a in accs)} | "
+                f"{rate:.1f} steps/s ({r * rate:.1f} model-steps/s)")
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break

@@ -495,7 +495,7 @@ class DeltaNet(Mixer):
         return self.o_proj(self.o_norm(o).flatten(-2))  # per-head RMSNorm, heads concatenated
 
 
-# ============================================ 4. TransformerBlock, the LM and its init (zoology/model.py), registry
+# ============================================ 4. TransformerBlock, the LM and its init (zoology/model.py)
 
 class TransformerBlock(nn.Module):
     """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
@@ -556,7 +556,8 @@ class LM(nn.Module):
         Transformer step on AR), unless something hooks its side (it would see (b, 1, d))."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
                 or tokens.is_complex() or tokens.dtype == torch.bool:
-            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
+                   else type(tokens).__name__)
             raise ValueError(f"tokens must be a (batch, length) tensor of integer token ids; got {got}.")
         if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
             try:                          # the range read on a CPU only: no GPU sync
@@ -573,9 +574,10 @@ class LM(nn.Module):
                 raise ValueError(f"sequence length {l} exceeds n_positions={self.pos_emb.num_embeddings}.")
             r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
         last, hooks = self.blocks[-1] if len(self.blocks) else None, nn.modules.module
-        mlp_side = [last.ln2, *last.mlp.modules(), last.hook_resid_post] if isinstance(last, TransformerBlock) else []
-        rows_only = readout is not None and mlp_side and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                                                              or any(m._forward_hooks or m._forward_pre_hooks for m in mlp_side))
+        mlp_side = ([last.ln2, *last.mlp.modules(), last.hook_resid_post]
+                    if readout is not None and isinstance(last, TransformerBlock) else [])
+        rows_only = mlp_side and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                                      or any(m._forward_hooks or m._forward_pre_hooks for m in mlp_side))
         for block in self.blocks[:-1] if rows_only else self.blocks:
             r = block(r)                                           # (b,l,d)
         if rows_only:
@@ -617,7 +619,7 @@ def based_layer(d_model, layer_idx, n_layers, reference=False, **options):
 based_layer.builds, based_layer.D_CONV = (BaseConv, BasedAttention), BaseConv.D_CONV   # its **options
 
 ARCHS = {}          # arch name -> one-line description (run.py's help, mechsm.Config's check)
-MIXER_CLASSES = {}  # arch name -> Mixer subclass or factory (d_model, layer_idx, n_layers, reference, **options)
+MIXER_CLASSES = {}  # arch name -> Mixer subclass or factory, called as (d_model, layer_idx, n_layers, ...)
 MIXER_OPTIONS = {}  # arch name -> the keywords (with defaults) its mixer takes: build_model's **options
 
 
@@ -679,8 +681,8 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     if unknown:
         known = sorted({"pos_emb", "kernels", "seed"}.union(*MIXER_OPTIONS.values()))
         close = difflib.get_close_matches(unknown[0], known, n=1)
-        raise ValueError(f"build_model: unknown option {unknown[0]!r}"
-                         + (f" (did you mean {close[0]!r}?)" if close else f"; expected one of {', '.join(known)}"))
+        raise ValueError(f"build_model: unknown option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)"
+                         if close else f"; expected one of {', '.join(known)}"))
     pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
@@ -691,8 +693,8 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
             torch.manual_seed(seed)
         try:  # drawn in this order: the mixers layer by layer, the embeddings, LM's init pass
             blocks = [Block(d_model, mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
-                                           d_conv=d_conv, long_only=long_only, n_positions=n_positions, **options))
-                      for i in range(n_layers)]
+                                           d_conv=d_conv, long_only=long_only, n_positions=n_positions,
+                                           **options)) for i in range(n_layers)]
             model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
         except (RuntimeError, MemoryError) as e:  # an allocation failure: bad input, not a crash
             text = " ".join(str(e).split())

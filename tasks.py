@@ -42,8 +42,7 @@ def _seed(*parts):
 
 
 def _check(ok, name, allowed):
-    """The one-line ValueError of bad input: "{name} must be {allowed}". Ints are checked to be ints
-    (not bools) first: "8" or 8.0 would fail later, or make a float-sized task."""
+    """Bad input: a one-line ValueError "{name} must be {allowed}"."""
     if not ok:
         raise ValueError(f"{name} must be {allowed}")
 
@@ -138,7 +137,8 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
     for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs)):
-        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name, f"an int, got {value!r}")
+        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
+               f"an int, got {value!r}")           # "8" or 8.0 would fail later, or size a float task
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     for name, size in (("num_keys", K), ("num_values", V)):
@@ -198,9 +198,10 @@ class PCFG:
                  max_depth=10, terminal_weight=20, head="right", seed=0):
         self.params = {k: v for k, v in locals().items() if k != "self"}  # the arguments, in order
         least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
-        for name, value in self.params.items():
-            _check(name not in least or isinstance(value, (int, np.integer)) and not isinstance(value, bool),
-                   name, f"an int, got {value!r}")
+        for name in least:
+            value = self.params[name]
+            _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
+                   f"an int, got {value!r}")
         for name, low in least.items():
             why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
             _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
@@ -317,9 +318,9 @@ def atr_document(labels, child, parent):
 
 def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_TERMINALS):
     """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`. Rejects sentences over
-    max_terminals or under 3 terminals, and those without an eligible query. The (parent label,
-    child label) matrix of held-out pairs (each with probability holdout) is seeded by grammar.seed: the
-    language's, the same for every split (the reference draws it before the grammar, so its split
+    max_terminals or under 3 terminals, and those without an eligible query. The (parent label, child
+    label) matrix of held-out pairs (each with probability holdout) is seeded by grammar.seed alone:
+    the language's, the same for every split (the reference draws it before the grammar, so its split
     language is another PCFG: README, difference 3). train/dev query only allowed pairs, test only
     held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar)."""
     _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
@@ -327,8 +328,8 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
-    _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter sentences are rejected), got {max_terminals}")
-    S, given, shortest, longest = grammar.num_terminals, grammar.params, grammar.shortest, grammar.longest
+    _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter ones are rejected), got {max_terminals}")
+    S, shortest, longest, given = grammar.num_terminals, grammar.shortest, grammar.longest, grammar.params
     _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "
            f"rightmost instance is always the root head), got {S}")
     _check(longest >= 3, "max_rhs_len/max_depth", "large enough for sentences of >= 3 terminals: "

@@ -751,6 +751,19 @@ def test_transformer_init_pass():
     assert conv.abs().max() <= 1 / math.sqrt(3) and conv.abs().max() > 0.5
 
 
+def test_init_follows_the_class_declarations_and_mamba_d_conv_0_builds_no_conv(monkeypatch):
+    """The init pass scales down the Linear a class names in DOWN_SCALED, by the class's word, not by the
+    Linear's name: undeclared, attention's out_proj keeps N(0, 0.02^2). Mamba with d_conv=0 builds no
+    conv at all: 2d * (4 + 1) parameters fewer per layer than d_conv=4 (weights and biases)."""
+    std = lambda: models.build_model("attention", 500, 64, 2, seed=0).blocks[0].mixer.out_proj.weight.std().item()
+    assert abs(std() - 0.01) < 0.002
+    monkeypatch.setattr(models.Attention, "DOWN_SCALED", None)
+    assert abs(std() - 0.02) < 0.002
+    count = lambda d_conv: models.count_parameters(models.build_model("mamba", 50, 64, 2, d_conv=d_conv))
+    assert count(4) - count(0) == 2 * (128 * 4 + 128)
+    assert not any("conv" in name for name in models.build_model("mamba", 50, 64, 2, d_conv=0).state_dict())
+
+
 def test_layer_pattern_of_based_and_base_conv():
     kernel_sizes = lambda m: [getattr(b.mixer, "kernel_size", "attn") for b in m.blocks]
     assert kernel_sizes(models.build_model("base_conv", V, D, 3)) == [3, -1, 3]
