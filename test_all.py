@@ -2477,6 +2477,63 @@ def test_draw_figures_without_matplotlib_returns_none_and_writes_nothing(monkeyp
 # Results are data: results/*.md and the README's summary table are rendered from the committed records
 # ==================================================================================================
 
+def kvq_record(arch, seed, acc, key, value, query, gap=0.5, n_layers=2, status="ok"):
+    """A record with what the report reads: final accuracy, the table's headline, gap, threshold."""
+    head = {"key": key, "value": value, "query": query}
+    table = {"headline": head if n_layers > 1 else None, "gap": gap, "threshold": 0.01}
+    return {"config": {"arch": arch, "d_model": 64, "lr": 1e-3, "seed": seed, "n_layers": n_layers,
+                       "task": "ar"}, "status": status, "final": {"acc": acc}, "n_params": 10,
+            "mechanism": {f"attrib_{k}": v for k, v in head.items()}, "mechanism_table": table}
+
+
+def test_distribution_columns_equal_the_records_values():
+    """A row counts every seed: median and range of accuracy, each seed's verdict, the median
+    attributions of the seeds that can be read (a seed with no signal is counted, not read)."""
+    runs = [kvq_record("mamba", 0, 0.50, 0.0, 0.0, 1.0), kvq_record("mamba", 1, 0.84, 0.0, 0.1, 0.9),
+            kvq_record("mamba", 2, 0.01, 128.6, -112.0, -1.0, gap=0.0),
+            kvq_record("mamba", 3, 0.70, 0.1, 0.6, 0.7)]
+    row = {"runs": runs, "best": runs[1], "label": "mamba", "arch": "mamba"}
+    s = run_cli.spread(row)
+    assert s["n"] == 4 and s["readable"] == 3 and s["acc"] == [0.01, 0.50, 0.70, 0.84]
+    assert s["verdicts"] == {"direct retrieval": 2, "no signal": 1, "mixed": 1}
+    assert s["median"] == {"key": 0.0, "value": 0.1, "query": 0.9}
+    line = run_cli.result_table([row]).splitlines()[2]
+    assert "| 4 | 60.0% (1.0-84.0) |" in line and "| 0.00 | 0.10 | 0.90 |" in line
+    assert "direct retrieval 2/4" in line and "no signal 1/4" in line and "mixed 1/4" in line
+    assert run_cli.holds("direct retrieval", s) == "yes"                # 2 of the 3 readable
+    assert run_cli.holds("induction", s) == "no"
+    s["verdicts"]["mixed"], s["verdicts"]["direct retrieval"] = 2, 1
+    assert run_cli.holds("direct retrieval", s) == "no"                 # 1 of 3: no majority
+    s["readable"] = 1
+    assert run_cli.holds("direct retrieval", s) == "unreadable"         # 1 of 4 can be read
+    one = kvq_record("mamba", 0, 0.8, 0.0, 0.0, 1.0, n_layers=1)
+    assert run_cli.verdict_of(one) == "n/a (1 layer)"
+    assert "| n/a | n/a | n/a |" in run_cli.result_table([{"runs": [one], "best": one, "label": "m",
+                                                             "arch": "mamba"}])
+
+
+def test_sensitivity_table_counts_the_verdicts_a_moved_cut_or_filter_changes():
+    recs = [kvq_record("mamba", 0, 0.5, 0.0, 0.0, 0.55), kvq_record("mamba", 1, 0.5, 0.0, 0.0, 0.95),
+            kvq_record("attention", 0, 1.0, 0.0, 0.45, 0.0, gap=0.015),
+            kvq_record("attention", 1, 1.0, 0.0, 0.9, 0.0, gap=0.009)]
+    for r in recs:
+        r["config"].update(num_keys=8, num_values=8, num_pairs=2)
+    table = run_cli.sensitivity_table({name: recs if name == "ar" else [] for name in run_cli.EXPERIMENTS})
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert "| 1/4 | mixed -> induction 1 |" in rows["cut 0.4"]
+    assert "| 1/4 | direct retrieval -> mixed 1 |" in rows["cut 0.6"]
+    assert "| 1/4 | no signal -> induction 1 |" in rows["gap filter halved"]
+    assert "| 1/4 | mixed -> no signal 1 |" in rows["gap filter doubled"]
+
+
+def test_the_drift_test_fails_when_one_rendered_number_is_edited():
+    readme = open(os.path.join(HERE, "README.md")).read()
+    start = readme.index(run_cli.SUMMARY[0])
+    i = start + next(j for j, c in enumerate(readme[start:]) if c.isdigit() and readme[start + j + 1] == ".")
+    edited = readme[:i] + str((int(readme[i]) + 1) % 10) + readme[i + 1:]
+    assert run_cli.readme_with_summary(edited, os.path.join(HERE, "results")) != edited
+
+
 def test_results_and_the_readme_summary_are_rendered_from_the_committed_records():
     """Every experiment has its records and its markdown in results/; rendering the markdown and the
     README's summary table again from the records gives the committed text, to the character, so no
