@@ -1779,7 +1779,7 @@ def test_run_list_prints_every_experiment_with_paper_numbers_and_times(capsys):
     out = capsys.readouterr().out
     for name in run_cli.EXPERIMENTS:
         assert f"\n{name} " in "\n" + out, name
-    assert "91.25%" in out and "92.19%" in out and "95.62% dev / 68.12% test" in out and "96.25%" in out
+    assert "91.25%" in out and "92.19%" in out and "95.62%, 68.12%" in out and "96.25%" in out
     assert out.count("quick: ") == len(run_cli.EXPERIMENTS) and out.count("| paper: ") == len(run_cli.EXPERIMENTS)
 
 
