@@ -77,7 +77,7 @@ QUICK_VOCAB = 1024
 # The paper's numbers: its text, and at our width (d 64) read from its figure files (tinylang's
 # notebooks/figs/: ar_32.pdf, pos_embed.pdf, ar_32_layers_with_3.pdf, mamba_ar_32.pdf, based_ar_32.pdf,
 # atr.pdf, atr_gen.pdf; "box": the medians of atr_box.pdf). The PDFs are vector drawings, so these
-# are the plotted values (accuracies on 320 documents). The paper's AR has 8,192 keys and 32 pairs.
+# are the plotted values (accuracies on 320 documents; the paper's AR: README, difference 19).
 WIDTHS_PAPER = {"attention": "6.56 / 100 / 100 / 100 / 100%", "base_conv": "0 / 0.94 / 3.75 / "
                 "6.56 / 9.69%", "based": "24.38 / 93.12 / 99.06 / 98.75 / 99.06%", "h3": "0.94 / "
                 "0.62 / 1.88 / 2.50 / 1.56%", "hyena": "0.62 / 0.94 / 2.81 / 13.75 / 29.69%",
