@@ -1,8 +1,8 @@
-"""models.py: the language model, its seven sequence mixers and their kernels, in plain PyTorch.
+"""models.py: the language model, its eight sequence mixers and their kernels, in plain PyTorch.
 
 Follows Arora et al. 2025 (arXiv 2505.15105), Sec. 4 and App. B, with the parameter names, shapes
-and init of zoology (model.py, mixers/*.py), mamba-ssm (modules/mamba_simple.py) and, for DeltaNet,
-flash-linear-attention (fla/layers/delta_net.py), plus a HookPoint on every tensor an intervention
+and init of zoology (model.py, mixers/*.py), mamba-ssm (modules/mamba_simple.py) and, for DeltaNet and
+Gated DeltaNet, flash-linear-attention (fla/layers/delta_net.py, gated_deltanet.py), plus a HookPoint on every tensor an intervention
 may patch (README, difference 10). Sections: 1 HookPoint, Mixer; 2 slow reference kernels; 3 the
 mixers; 4 blocks, LM, init, registry, build_model; 5 fast kernels, each equal to a reference of 2.
 
@@ -94,13 +94,16 @@ def short_conv_reference(x, weight, bias=None):
     return y
 
 
-def delta_rule_recurrent(q, k, v, beta):
+def delta_rule_recurrent(q, k, v, beta, log_alpha=None):
     """The delta rule as a loop over tokens. q, k, v (b, l, h, k), beta (b, l, h) -> o (b, l, h, k):
-    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k)."""
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k). Gated (log_alpha
+    (b, l, h)): S_{t-1} first decays to alpha_t S_{t-1} (fla/ops/gated_delta_rule/naive.py)."""
     b, l, h, dk = k.shape
     S = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, k, k)
+    alpha = torch.ones_like(beta) if log_alpha is None else log_alpha.exp()  # x 1: exact, DeltaNet's
     outputs = []
-    for q_t, k_t, v_t, beta_t in zip(*(t.unbind(1) for t in (q, k, v, beta))):  # (b,h,k) x3, (b,h)
+    for q_t, k_t, v_t, beta_t, alpha_t in zip(*(t.unbind(1) for t in (q, k, v, beta, alpha))):
+        S = alpha_t[..., None, None] * S                                           # decay
         retrieved = torch.einsum("bhkv,bhk->bhv", S, k_t)                          # S^T k_t
         S = S + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
         outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t) / math.sqrt(dk))
@@ -465,8 +468,40 @@ class DeltaNet(Mixer):
         q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
         beta = self.hook_beta(torch.sigmoid(beta))
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
-        o = self.hook_o(delta_rule(q, k, v, beta))                                   # (b, l, h, k)
-        return self.o_proj(self.o_norm(o).flatten(-2))  # per-head RMSNorm, heads concatenated
+        o = self.hook_o(delta_rule(q, k, v, beta, *self.log_decay(x)))             # (b, l, h, k)
+        return self.o_proj(self.readout(o, x).flatten(-2))  # heads concatenated
+
+    def log_decay(self, x):
+        return ()  # DeltaNet's state never decays
+
+    def readout(self, o, x):
+        return self.o_norm(o)  # per-head RMSNorm
+
+
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025, eq. 10; fla/layers/gated_deltanet.py): DeltaNet
+    whose state decays, S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T (S as value x key),
+    alpha_t = exp(-exp(A_log) softplus(x W_a + dt_bias)) per head (Mamba-2's), and whose output is
+    gated: RMSNorm(o) * SiLU(x W_g) (fla's FusedRMSNormGated). fla's head widths are 0.75d (keys) and
+    1.5d (values); ours d and d, one head by default, as our DeltaNet (README, difference 15)."""
+
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
+                 **options):
+        super().__init__(d_model, layer_idx, n_layers, reference, n_heads=n_heads, d_conv=d_conv)
+        d, h = d_model, n_heads
+        self.a_proj, self.g_proj = nn.Linear(d, h, bias=False), nn.Linear(d, d, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h).uniform_(0, 16).log())  # decay rates exp(A_log) ~ U(0, 16)
+        dt = torch.exp(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt), as Mamba's
+        self.hook_log_alpha, self.hook_gate = HookPoint(), HookPoint()  # (b,l,h); SiLU(x W_g) (b,l,d)
+
+    def log_decay(self, x):
+        """(log alpha (b, l, h),): log alpha_t = -exp(A_log) softplus(x W_a + dt_bias) < 0."""
+        return (self.hook_log_alpha(-self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)),)
+
+    def readout(self, o, x):
+        gate = self.hook_gate(F.silu(self.g_proj(x))).unflatten(-1, (self.n_heads, -1))  # (b,l,h,k)
+        return self.o_norm(o) * gate
 
 
 # ============================================ 4. Blocks, the LM (zoology/model.py), init, registry
@@ -631,7 +666,7 @@ def register(name, mixer, description):
     MIXER_CLASSES[name], ARCHS[name] = mixer, description
 
 
-# The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
+# The built-in architectures (the paper's six, then DeltaNet and Gated DeltaNet), in the order of tables.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
 register("base_conv", _base_conv_layer, "a projection gated by short and implicit long convs + MLP")
 register("based", _based_layer, "BaseConv alternating with Taylor-feature linear attention + MLP")
@@ -639,6 +674,7 @@ register("h3", H3, "shift SSM on keys, diagonal SSM on key-value products, query
 register("hyena", Hyena, "short filter, gated implicit long convolution + MLP")
 register("mamba", Mamba, "short conv, selective SSM scan, SiLU gate; no MLP")
 register("deltanet", DeltaNet, "linear attention with the delta-rule update, short convs + MLP")
+register("gated_deltanet", GatedDeltaNet, "DeltaNet with a decaying state and a gated output + MLP")
 BUILT_IN_ARCHS = tuple(ARCHS)
 _base_conv_layer.builds, _based_layer.builds = (BaseConv,), (BaseConv, BasedAttention)  # their **options
 _base_conv_layer.D_CONV = _based_layer.D_CONV = range(1, 2**31)      # the short-conv kernel size
@@ -965,14 +1001,26 @@ def short_conv(x, weight, bias=None):
     return y                                                        # (b, l, c)
 
 
-def delta_rule_parallel(q, k, v, beta):
+def decay_matrix(log_alpha):
+    """D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t (G = cumsum log alpha), 0 above the
+    diagonal: how much of what was written at j survives at t. log_alpha (b, l, h) -> (b, h, l, l)."""
+    G = log_alpha.transpose(1, 2).cumsum(-1)                                       # (b, h, l)
+    future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
+    return (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()
+
+
+def delta_rule_parallel(q, k, v, beta, log_alpha=None):
     """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
-    u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k)."""
+    u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k).
+    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by D = decay_matrix."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, k)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
-    system = torch.tril(beta * (k @ k.transpose(-1, -2)), diagonal=-1)  # (b,h,l,l); unit diagonal
+    gram, scores = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)  # (b, h, l, l): k_t . k_j, q_t . k_j
+    if log_alpha is not None:
+        decay = decay_matrix(log_alpha)
+        gram, scores = gram * decay, scores * decay
+    system = torch.tril(beta * gram, diagonal=-1)  # (b,h,l,l); unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
     u = torch.linalg.solve_triangular(system.to(work), (beta * v).to(work), upper=False,
                                       unitriangular=True).to(v.dtype)               # (b, h, l, k)
-    scores = torch.tril(q @ k.transpose(-1, -2))  # (b, h, l, l): q_t . k_j, j <= t
-    return (scores @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, k) -> (b, l, h, k)
+    return (torch.tril(scores) @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, k) -> (b, l, h, k)

@@ -269,7 +269,8 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 # The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
 # part 3 (results/bench.txt, the other core busy with one job as in a 2-job sweep), scaled per grid.
 CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
-                   "mamba": 43.7, "deltanet": 79.2}
+                   "mamba": 43.7, "deltanet": 79.2,
+                   "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
