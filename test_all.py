@@ -1021,7 +1021,7 @@ def test_hyena_skip_is_inert_by_default():
 HOOKS = {
     Hyena: ["hook_in_proj", "hook_short", "hook_pregate", "hook_filter", "hook_longconv", "hook_postgate"],
     H3: ["hook_q", "hook_k", "hook_v", "hook_shift_kernel", "hook_shift_out", "hook_k_tilde", "hook_kv",
-         "hook_ssm_kernel", "hook_ssm_out", "hook_y"],
+         "hook_ssm_kernel", "hook_ssm_out", "hook_o", "hook_y"],
     DeltaNet: ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_o"],
     GatedDeltaNet: ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_log_alpha", "hook_o", "hook_gate"],
 }
@@ -1064,6 +1064,48 @@ def test_model_forward_backward_and_kernels(arch, options):
     changed = tokens.clone()
     changed[:, 9] = (changed[:, 9] + 1) % 30
     assert torch.allclose(fast(changed)[:, :9], logits[:, :9], atol=1e-12)
+
+
+@pytest.mark.parametrize("arch,options", VARIANTS + [("hyena", {"hyena_skip": True}), ("deltanet", {"n_heads": 2}),
+                                                    ("gated_deltanet", {"n_heads": 2})])
+def test_effective_map_applied_to_the_values_is_the_mixers_activation(arch, options):
+    """Before any reduction, float64: einsum(M, v) of Mixer.effective_map equals the activation at its
+    MAP_SITE captured in an ordinary forward (BaseConv's short conv: less its bias times the gate p)."""
+    model = small_model(arch, **options)
+    with torch.no_grad():
+        for p in model.parameters():                     # away from the init's zeros and ones
+            p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(p.numel())))
+    sites = [f"blocks.{i}.mixer.{s}" for i, b in enumerate(model.blocks) for s in ("hook_in", type(b.mixer).MAP_SITE)]
+    acts = iv.record(model, random_tokens(), sites)
+    for i, mixer in enumerate(block.mixer for block in model.blocks):
+        x, target = acts[f"blocks.{i}.mixer.hook_in"], acts[f"blocks.{i}.mixer.{mixer.MAP_SITE}"].flatten(2)
+        M, v = mixer.effective_map(x)
+        assert M.shape[:2] == v.shape[:2] and M.shape[2:] == (12, 12) and torch.all(M.triu(1) == 0)
+        if isinstance(mixer, models.BaseConv) and mixer.kernel_size != -1:
+            target = target - mixer.capture(x, "hook_proj")["hook_proj"] * mixer.conv.bias
+        torch.testing.assert_close(torch.einsum("bcts,bcse->btce", M, v).flatten(2), target, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("arch", list(models.ARCHS))
+def test_effective_attention_is_causal_finite_and_attention_s_pattern(arch):
+    model, tokens = small_model(arch, n_heads=2) if arch == "attention" else small_model(arch), random_tokens()
+    maps = iv.effective_attention(model, tokens)
+    assert len(maps) == 2 and all(m.shape == (3, 12, 12) and torch.isfinite(m).all() for m in maps)
+    assert all(torch.all(m.triu(1) == 0) and torch.all(m.sum(-1) > 0) for m in maps)
+    if arch == "attention":
+        patterns = iv.record(model, tokens, [f"blocks.{i}.mixer.hook_pattern" for i in range(2)])
+        for i, m in enumerate(maps):
+            torch.testing.assert_close(m, patterns[f"blocks.{i}.mixer.hook_pattern"].mean(1))
+
+
+def test_effective_record_is_one_documents_rows_json_safe(data):
+    model = patching_model("gated_deltanet", data.vocab_size)
+    eff = iv.effective_record(model, data, doc=2)
+    at = {r: int(data.positions[r][2]) for r in ("key", "value", "next_key", "query")}
+    maps = iv.effective_attention(model, data.tokens[2:3])
+    assert eff["positions"] == at and json.loads(json.dumps(eff)) == eff
+    assert eff["query"] == [m[0, at["query"], :at["query"] + 1].tolist() for m in maps]
+    assert eff["value"] == maps[0][0, at["value"], :at["value"] + 1].tolist()
 
 
 def test_float32_default_h3_runs():
@@ -1912,6 +1954,8 @@ def test_records_carry_the_full_patching_table_and_a_checkpoint_relative_to_out(
     checkpoint path is relative to --out: the folder can move and still resume and report."""
     record, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path / "a", patch=True, save=True)
     assert record["mechanism_table"]["rows"] and "conv@next_key" in record["mechanism"]
+    assert len(record["effective"]["query"]) == 2 and set(record["effective"]["positions"]) == {
+        "key", "value", "next_key", "query"}                    # the effective-attention figure's maps
     assert not os.path.isabs(record["checkpoint"]) and (tmp_path / "a" / record["checkpoint"]).is_file()
     assert set(record["provenance"]) == {"date", "machine", "torch", "commit"}
     os.rename(tmp_path / "a", tmp_path / "moved")
@@ -2483,6 +2527,17 @@ def test_box_groups_the_runs_with_signal_by_arch(figure):
     assert list(data) == ["attention", "hyena", "mamba"]       # fixed order; mamba's low run out
     np.testing.assert_array_equal(data["attention"]["value"], [0.9, 2.0])
     np.testing.assert_array_equal(data["mamba"]["query"], [0.95])
+
+
+def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
+    eff = {"positions": {"key": 1, "value": 2, "next_key": 3, "query": 4},
+           "query": [[0.1, 0.2, 0.4, 0.1, 0.2], [0.0, 0.5, 1.0, 0.0, 0.5]], "value": [0.2, 0.1, 0.1]}
+    records = [{**fig_record("mamba"), "effective": eff}, fig_record("attention")]   # attention: none, skipped
+    panels = fs.plot_effective(figure(), fig_rows(records))
+    assert [p["label"] for p in panels] == ["mamba"]
+    assert panels[0]["rows"] == ["L0 @query", "L1 @query", "L0 @value"]
+    np.testing.assert_allclose(panels[0]["cells"], [[0.25, 0.5, 1, 0.25, 0.5], [0, 0.5, 1, 0, 0.5],
+                                                       [1, 0.5, 0.5, np.nan, np.nan]])
 
 
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
