@@ -425,6 +425,37 @@ def _summary(score, n_layers, low_signal, threshold):
             "later_layers": {s: {k: score[s, k] for k in ("value", "query")} for s in later}}
 
 
+# --- Effective attention: where each position reads, from each mixer's own exact map (Mixer.effective_map).
+
+def reduce_map(M):
+    """(b, c, l, l) -> (b, l, l): the mean over the c heads or channels of |M|. For attention, the pattern
+    averaged over heads. Lost: signs (channels that cancel both count), which channel reads where, and
+    the size of the value read (a position whose value is ~0 still counts)."""
+    return M.abs().mean(1)
+
+
+@torch.no_grad()
+def effective_attention(model, tokens, reduce=True):
+    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t), from the
+    mixer's own exact map (Mixer.effective_map, (b, c, l, l) per head or channel), reduced by reduce_map;
+    reduce=False: the effective_map pairs (M, v) themselves."""
+    hooks = [f"blocks.{i}.mixer.hook_in" for i in range(len(model.blocks))]
+    inputs = record(model, tokens, hooks)
+    maps = [block.mixer.effective_map(inputs[h]) for block, h in zip(model.blocks, hooks)]
+    return [reduce_map(M) for M, _ in maps] if reduce else maps
+
+
+def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "query")):
+    """JSON-safe maps of one document for a run's record: {"positions": {role: t}, "query": [layer i's
+    row at the query, positions 0..query], "value": [layer 0's row at the value, 0..value]}."""
+    check_dataset(model, dataset)
+    tokens = dataset.tokens[doc:doc + 1].to(next(model.parameters()).device)
+    maps = effective_attention(model, tokens)                                 # n x (1, l, l)
+    at = {role: int(dataset.positions[role][doc]) for role in roles}
+    return {"positions": at, "query": [m[0, at["query"], :at["query"] + 1].tolist() for m in maps],
+            "value": maps[0][0, at["value"], :at["value"] + 1].tolist()}
+
+
 # --- Output: the terminal heatmap (the PNG figures are run.py's).
 
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour

@@ -292,7 +292,8 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 # The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
 # part 3 (results/bench.txt, the other core busy with one job as in a 2-job sweep), scaled per grid.
 CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
-                   "mamba": 43.7, "deltanet": 79.2}
+                   "mamba": 43.7, "deltanet": 79.2,
+                   "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
@@ -692,13 +693,15 @@ def do_job(kind, payload, out, wants):
 
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table and the numbers tables show."""
+    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
+    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
-    return mechsm.json_safe({"mechanism": summary, "mechanism_table": table})
+    return mechsm.json_safe({"mechanism": summary, "mechanism_table": table,
+                             "effective": interventions.effective_record(model, dataset)})
 
 
 def provenance():
@@ -1349,6 +1352,28 @@ def plot_box(fig, records):
     return out
 
 
+def plot_effective(fig, rows):
+    """Per label (its widest row), the best run's effective attention on one document: the query's row
+    in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
+    rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("effective")]
+    panels = []
+    for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 1.5), rows):
+        eff = row["best"]["effective"]
+        lines = [*eff["query"], eff["value"]]
+        cells = np.full((len(lines), len(eff["query"][0])), np.nan)
+        for i, line in enumerate(lines):
+            cells[i, :len(line)] = np.array(line) / max(max(line), 1e-30)
+        names = [f"L{i} @query" for i in range(len(eff["query"]))] + ["L0 @value"]
+        ax.imshow(cells, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+        at = eff["positions"]
+        ax.set_xticks(list(at.values()), [r.replace("_", " ") for r in at], fontsize=6, rotation=90)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_title(f"{label} (d {row['d_model']})", fontsize=9)
+        panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells})
+    fig.suptitle("Where the query reads: effective attention, each row / its max (one document)")
+    return panels
+
+
 def draw_figures(records, rows, name, folder, task="ar"):
     """folder/<name>_<kind>.png of each kind that applies (a probe: its scatter): {kind: data};
     None without matplotlib."""
@@ -1360,7 +1385,9 @@ def draw_figures(records, rows, name, folder, task="ar"):
     kinds = {"scatter": (plot_scatter, records, patched_runs(records)), "timeline": (plot_timeline, rows, rows),
              "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows)),
              "width": (plot_width, rows, several),
-             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True))}
+             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True)),
+             "effective": (plot_effective, rows,
+                           task in ("ar", "atr") and any(r["best"].get("effective") for r in rows))}
     os.makedirs(folder, exist_ok=True)
     out = {}
     for kind, (draw, data, wanted) in kinds.items():

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import H3, DeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
+from models import H3, DeltaNet, GatedDeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
 from tasks import BOS, EOS, PAD, PCFG, Dataset, make_ar, make_atr, uniforms
 import interventions as iv
 import mechsm
@@ -566,14 +566,14 @@ def test_kernel_vmap_rules_equal_a_loop_over_members():
 # models.py: backbone and mixers
 # ==================================================================================================
 
-ARCH_UNDER_TEST = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet"]
+ARCH_UNDER_TEST = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet", "gated_deltanet"]
 
 # Parameter totals of the upstream modules at v=8195, P=1024, 2 layers, pos_emb on, tied head counted once.
 PARAM_COUNTS = {  # d_model: {arch: count}
     16: {"attention": 154_000, "base_conv": 155_936, "based": 153_024, "hyena": 179_984, "h3": 268_848, "mamba": 154_288},
     32: {"attention": 320_288, "base_conv": 317_952, "based": 315_776, "hyena": 348_832, "h3": 549_984, "mamba": 314_976},
     64: {"attention": 689_728, "base_conv": 669_632, "based": 670_464, "hyena": 723_392, "h3": 1_149_120,
-         "mamba": 655_552, "deltanet": 691_392},
+         "mamba": 655_552, "deltanet": 691_392, "gated_deltanet": 699_716},
     128: {"attention": 1_576_064, "base_conv": 1_483_584, "based": 1_496_576, "hyena": 1_619_968, "h3": 2_494_848,
           "mamba": 1_413_504},
     256: {"attention": 3_938_560, "base_conv": 3_553_856, "based": 3_615_744, "hyena": 4_002_944, "h3": 5_776_128,
@@ -589,6 +589,7 @@ REQUIRED_HOOKS = {
     "hyena": ["hook_in_proj", "hook_short", "hook_pregate", "hook_longconv", "hook_postgate"],
     "h3": ["hook_q", "hook_k", "hook_v", "hook_shift_out", "hook_k_tilde", "hook_ssm_out", "hook_y"],
     "deltanet": ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_o"],
+    "gated_deltanet": ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_log_alpha", "hook_o", "hook_gate"],
 }
 
 V, D = 50, 16
@@ -809,6 +810,8 @@ MIXER_VARIANTS = {
     "deltanet": (DeltaNet, {}),
     "deltanet_h2": (DeltaNet, {"n_heads": 2}),
     "deltanet_noconv": (DeltaNet, {"n_heads": 2, "d_conv": 0}),
+    "gated_deltanet": (GatedDeltaNet, {}),
+    "gated_deltanet_h2": (GatedDeltaNet, {"n_heads": 2}),
 }
 
 
@@ -832,6 +835,7 @@ def inputs(b=2, l=11, d=16, seed=1):
 @pytest.mark.parametrize("cls,options,expected", [
     (Hyena, {}, 33_280), (H3, {}, 246_144),
     (DeltaNet, {"n_heads": 1}, 17_280), (DeltaNet, {"n_heads": 2}, 17_312), (DeltaNet, {"n_heads": 4}, 17_424),
+    (GatedDeltaNet, {}, 17_280 + 64 + 64 * 64 + 2),  # + W_a (d, h), W_g (d, d), A_log, dt_bias (h)
 ])
 def test_mixer_parameter_counts(cls, options, expected):
     assert models.count_parameters(cls(64, 0, 2, **options)) == expected
@@ -846,7 +850,7 @@ def test_model_parameter_counts(arch, d_model, n_heads, expected):
 
 
 def test_registry_and_init_pass():
-    assert {"hyena", "h3", "deltanet"} <= set(models.MIXER_CLASSES)
+    assert {"hyena", "h3", "deltanet", "gated_deltanet"} <= set(models.MIXER_CLASSES)
     model = models.build_model("hyena", 50, 64, 2, seed=0)
     mixer = model.blocks[0].mixer
     # Hyena's out_proj is down-scaled to N(0, 0.01^2); H3's output_linear and DeltaNet's o_proj are not.
@@ -880,17 +884,19 @@ def test_mixer_causality(name):
         assert not torch.allclose(y2[:, t], y[:, t])
 
 
-def test_delta_rule_parallel_equals_loop_with_gradients():
+@pytest.mark.parametrize("gated", [False, True])
+def test_delta_rule_parallel_equals_loop_with_gradients(gated):
     g = torch.Generator().manual_seed(0)
     b, l, h, k = 2, 10, 3, 4
     q, key, v = (torch.randn(b, l, h, k, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
     beta = torch.rand(b, l, h, dtype=torch.float64, generator=g, requires_grad=True)
-    keys = models.l2_normalize(key)
-    out_loop, out_par = delta_rule_recurrent(q, keys, v, beta), delta_rule_parallel(q, keys, v, beta)
+    log_alpha = -torch.rand(b, l, h, dtype=torch.float64, generator=g).requires_grad_()  # alpha in (0.37, 1)
+    keys, gate, wrt = models.l2_normalize(key), (log_alpha,) if gated else (), (q, key, v, beta, log_alpha)
+    out_loop, out_par = delta_rule_recurrent(q, keys, v, beta, *gate), delta_rule_parallel(q, keys, v, beta, *gate)
     assert torch.allclose(out_loop, out_par, atol=1e-12)
     weights = torch.randn(out_loop.shape, dtype=torch.float64, generator=g)
-    grads_loop = torch.autograd.grad((out_loop * weights).sum(), (q, key, v, beta), retain_graph=True)
-    grads_par = torch.autograd.grad((out_par * weights).sum(), (q, key, v, beta))
+    grads_loop = torch.autograd.grad((out_loop * weights).sum(), wrt[:4 + gated], retain_graph=True)
+    grads_par = torch.autograd.grad((out_par * weights).sum(), wrt[:4 + gated])
     for a, b_ in zip(grads_loop, grads_par):
         assert torch.allclose(a, b_, atol=1e-10)
 
@@ -912,6 +918,46 @@ def test_delta_rule_retrieves_and_overwrites(delta_rule):
     read = delta_rule(q, k_batch, v_batch, ones.expand(n_pairs, -1, -1))[:, -1, 0] * math.sqrt(k_dim)
     expected = torch.cat([values[-1:], values[1:n_pairs]])                           # k_0 now holds the new value
     assert torch.allclose(read, expected, atol=1e-12)
+
+
+def fla_naive_recurrent_gated_delta_rule(q, k, v, beta, g):
+    """fla/ops/gated_delta_rule/naive.py's naive_recurrent_gated_delta_rule, written out (no initial state)."""
+    q, k, v, beta, g = (x.transpose(1, 2) for x in (q, k, v, beta, g))
+    B, H, T, K = k.shape
+    o, h = torch.zeros(B, H, T, v.shape[-1]).to(v), torch.zeros(B, H, K, v.shape[-1]).to(v)
+    q = q * K ** -0.5
+    for i in range(T):
+        h = h * g[:, :, i].exp()[..., None, None]
+        b_v = (v[:, :, i] - (h * k[:, :, i][..., None]).sum(-2)) * beta[:, :, i][..., None]
+        h = h + k[:, :, i].unsqueeze(-1) * b_v.unsqueeze(-2)
+        o[:, :, i] = torch.einsum("bhd,bhdm->bhm", q[:, :, i], h)
+    return o.transpose(1, 2)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_gated_deltanet_equals_fla_layer_with_naive_recurrence(reference):
+    """The mixer equals fla's GatedDeltaNet layer (fla/layers/gated_deltanet.py, use_gate, short convs),
+    written out with fla's naive recurrence and gate (naive_gdn_gate): q scaled by 1/sqrt(d_k)."""
+    mixer, x = make("gated_deltanet_h2"), inputs()
+    mixer.reference = reference
+    h, l = mixer.n_heads, x.shape[1]
+    conv = lambda z, c: F.silu(F.conv1d(z.transpose(1, 2), c.weight, padding=3, groups=16)[..., :l].transpose(1, 2))
+    q, k, v = (conv(p(x), c).unflatten(-1, (h, -1)) for p, c in
+               [(mixer.q_proj, mixer.q_conv), (mixer.k_proj, mixer.k_conv), (mixer.v_proj, mixer.v_conv)])
+    l2 = lambda z: z / torch.sqrt((z * z).sum(-1, keepdim=True) + 1e-6)
+    beta, g = torch.sigmoid(mixer.b_proj(x)), -mixer.A_log.exp() * F.softplus(mixer.a_proj(x) + mixer.dt_bias)
+    o = fla_naive_recurrent_gated_delta_rule(l2(q), l2(k), v, beta, g)                   # (b, l, h, k)
+    gate = F.silu(mixer.g_proj(x)).unflatten(-1, (h, -1))
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * mixer.o_norm.weight * gate  # FusedRMSNormGated
+    torch.testing.assert_close(mixer(x), mixer.o_proj(o.flatten(-2)), rtol=1e-10, atol=1e-12)
+
+
+def test_gated_deltanet_init():
+    """fla's init: exp(A_log) ~ U(0, 16), softplus(dt_bias) log-uniform in [1e-3, 1e-1]; o_proj not down-scaled."""
+    mixer = models.build_model("gated_deltanet", 50, 64, 2, seed=0, n_heads=8).blocks[0].mixer
+    dt = F.softplus(mixer.dt_bias)
+    assert dt.min() >= 1e-3 - 1e-7 and dt.max() <= 1e-1 + 1e-7 and 0 < mixer.A_log.exp().min() <= mixer.A_log.exp().max() < 16
+    assert 0.018 < mixer.o_proj.weight.std() < 0.022 and 0.018 < mixer.g_proj.weight.std() < 0.022
 
 
 # --- H3 specifics -------------------------------------------------------------------------------
@@ -975,12 +1021,13 @@ def test_hyena_skip_is_inert_by_default():
 HOOKS = {
     Hyena: ["hook_in_proj", "hook_short", "hook_pregate", "hook_filter", "hook_longconv", "hook_postgate"],
     H3: ["hook_q", "hook_k", "hook_v", "hook_shift_kernel", "hook_shift_out", "hook_k_tilde", "hook_kv",
-         "hook_ssm_kernel", "hook_ssm_out", "hook_y"],
+         "hook_ssm_kernel", "hook_ssm_out", "hook_o", "hook_y"],
     DeltaNet: ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_o"],
+    GatedDeltaNet: ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_log_alpha", "hook_o", "hook_gate"],
 }
 
 
-@pytest.mark.parametrize("name", ["hyena", "h3", "deltanet_h2"])
+@pytest.mark.parametrize("name", ["hyena", "h3", "deltanet_h2", "gated_deltanet_h2"])
 def test_every_hook_is_used_downstream(name):
     """Each HookPoint exists, INTERNAL_SITES name real hooks, and a hook's return value changes the output."""
     mixer, x = make(name), inputs()
@@ -1000,7 +1047,8 @@ def test_every_hook_is_used_downstream(name):
         assert torch.equal(mixer(x), clean)
 
 
-@pytest.mark.parametrize("arch,options", [("hyena", {}), ("h3", {"h3_d_state": 64}), ("deltanet", {"n_heads": 2})])
+@pytest.mark.parametrize("arch,options", [("hyena", {}), ("h3", {"h3_d_state": 64}), ("deltanet", {"n_heads": 2}),
+                                          ("gated_deltanet", {"n_heads": 2})])
 def test_model_forward_backward_and_kernels(arch, options):
     torch.manual_seed(0)
     tokens = torch.randint(0, 30, (2, 17))
@@ -1016,6 +1064,48 @@ def test_model_forward_backward_and_kernels(arch, options):
     changed = tokens.clone()
     changed[:, 9] = (changed[:, 9] + 1) % 30
     assert torch.allclose(fast(changed)[:, :9], logits[:, :9], atol=1e-12)
+
+
+@pytest.mark.parametrize("arch,options", VARIANTS + [("hyena", {"hyena_skip": True}), ("deltanet", {"n_heads": 2}),
+                                                    ("gated_deltanet", {"n_heads": 2})])
+def test_effective_map_applied_to_the_values_is_the_mixers_activation(arch, options):
+    """Before any reduction, float64: einsum(M, v) of Mixer.effective_map equals the activation at its
+    MAP_SITE captured in an ordinary forward (BaseConv's short conv: less its bias times the gate p)."""
+    model = small_model(arch, **options)
+    with torch.no_grad():
+        for p in model.parameters():                     # away from the init's zeros and ones
+            p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(p.numel())))
+    sites = [f"blocks.{i}.mixer.{s}" for i, b in enumerate(model.blocks) for s in ("hook_in", type(b.mixer).MAP_SITE)]
+    acts = iv.record(model, random_tokens(), sites)
+    for i, mixer in enumerate(block.mixer for block in model.blocks):
+        x, target = acts[f"blocks.{i}.mixer.hook_in"], acts[f"blocks.{i}.mixer.{mixer.MAP_SITE}"].flatten(2)
+        M, v = mixer.effective_map(x)
+        assert M.shape[:2] == v.shape[:2] and M.shape[2:] == (12, 12) and torch.all(M.triu(1) == 0)
+        if isinstance(mixer, models.BaseConv) and mixer.kernel_size != -1:
+            target = target - mixer.capture(x, "hook_proj")["hook_proj"] * mixer.conv.bias
+        torch.testing.assert_close(torch.einsum("bcts,bcse->btce", M, v).flatten(2), target, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("arch", list(models.ARCHS))
+def test_effective_attention_is_causal_finite_and_attention_s_pattern(arch):
+    model, tokens = small_model(arch, n_heads=2) if arch == "attention" else small_model(arch), random_tokens()
+    maps = iv.effective_attention(model, tokens)
+    assert len(maps) == 2 and all(m.shape == (3, 12, 12) and torch.isfinite(m).all() for m in maps)
+    assert all(torch.all(m.triu(1) == 0) and torch.all(m.sum(-1) > 0) for m in maps)
+    if arch == "attention":
+        patterns = iv.record(model, tokens, [f"blocks.{i}.mixer.hook_pattern" for i in range(2)])
+        for i, m in enumerate(maps):
+            torch.testing.assert_close(m, patterns[f"blocks.{i}.mixer.hook_pattern"].mean(1))
+
+
+def test_effective_record_is_one_documents_rows_json_safe(data):
+    model = patching_model("gated_deltanet", data.vocab_size)
+    eff = iv.effective_record(model, data, doc=2)
+    at = {r: int(data.positions[r][2]) for r in ("key", "value", "next_key", "query")}
+    maps = iv.effective_attention(model, data.tokens[2:3])
+    assert eff["positions"] == at and json.loads(json.dumps(eff)) == eff
+    assert eff["query"] == [m[0, at["query"], :at["query"] + 1].tolist() for m in maps]
+    assert eff["value"] == maps[0][0, at["value"], :at["value"] + 1].tolist()
 
 
 def test_float32_default_h3_runs():
@@ -1875,6 +1965,8 @@ def test_records_carry_the_full_patching_table_and_a_checkpoint_relative_to_out(
     checkpoint path is relative to --out: the folder can move and still resume and report."""
     record, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path / "a", patch=True, save=True)
     assert record["mechanism_table"]["rows"] and "conv@next_key" in record["mechanism"]
+    assert len(record["effective"]["query"]) == 2 and set(record["effective"]["positions"]) == {
+        "key", "value", "next_key", "query"}                    # the effective-attention figure's maps
     assert not os.path.isabs(record["checkpoint"]) and (tmp_path / "a" / record["checkpoint"]).is_file()
     assert set(record["provenance"]) == {"date", "machine", "torch", "commit"}
     os.rename(tmp_path / "a", tmp_path / "moved")
@@ -2450,6 +2542,17 @@ def test_box_groups_the_runs_with_signal_by_arch(figure):
     assert list(data) == ["attention", "hyena", "mamba"]       # fixed order; mamba's low run out
     np.testing.assert_array_equal(data["attention"]["value"], [0.9, 2.0])
     np.testing.assert_array_equal(data["mamba"]["query"], [0.95])
+
+
+def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
+    eff = {"positions": {"key": 1, "value": 2, "next_key": 3, "query": 4},
+           "query": [[0.1, 0.2, 0.4, 0.1, 0.2], [0.0, 0.5, 1.0, 0.0, 0.5]], "value": [0.2, 0.1, 0.1]}
+    records = [{**fig_record("mamba"), "effective": eff}, fig_record("attention")]   # attention: none, skipped
+    panels = fs.plot_effective(figure(), fig_rows(records))
+    assert [p["label"] for p in panels] == ["mamba"]
+    assert panels[0]["rows"] == ["L0 @query", "L1 @query", "L0 @value"]
+    np.testing.assert_allclose(panels[0]["cells"], [[0.25, 0.5, 1, 0.25, 0.5], [0, 0.5, 1, 0, 0.5],
+                                                       [1, 0.5, 0.5, np.nan, np.nan]])
 
 
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
