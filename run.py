@@ -87,7 +87,8 @@ QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pai
                 n_layers=2, train_size=100_032, steps=6000, eval_every=1000)
 QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
 QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
-             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3]}
+             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3],
+             "gated_deltanet": [1e-3]}
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
 # 64 terminals (README, difference 14). Step budgets per arch from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
@@ -156,13 +157,14 @@ EXPERIMENTS = {e.name: e for e in [
                 "mamba": "d 64: 80.62% (d 256: 91.25%); direct retrieval",
                 "hyena": "d 64: 2.81% (d 256: 29.69%); direct retrieval",
                 "h3": "d 64: 1.88%; direct retrieval", **LATER},
-               quick(QUICK_AR, archs(*"mamba attention h3 deltanet hyena based base_conv".split())
+               quick(QUICK_AR, archs(*"mamba attention h3 deltanet gated_deltanet hyena based "
+                                     "base_conv".split())
                      + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds=SEEDS_SENSITIVE),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
                {a: f"d 16-256: {v}" for a, v in WIDTHS_PAPER.items()},
-               quick(QUICK_AR, archs(*ALL_ARCHS), widths=(16, 32, 64, 128)),
+               quick(QUICK_AR, archs(*PAPER_ARCHS, "deltanet"), widths=(16, 32, 64, 128)),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "d 64: 9.1% (d 256: 5.62%)", "attention (PE)": "d 64: 100%"},
@@ -198,7 +200,8 @@ EXPERIMENTS = {e.name: e for e in [
                 "hyena": "d 64: 85.31%; box K .48 V .08 Q .50: direct retrieval (Q .495)",
                 "mamba": "d 64: 96.25%; box K .55 V .03 Q .29: held at the key (Sec. 5.2's text: "
                 "retrieval at the query)"},
-               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
+               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv",
+                                      "gated_deltanet"),
                      seeds={"mamba": SEEDS5, "*": SEEDS3}),
                paper(PAPER_ATR, archs(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",

@@ -1857,7 +1857,15 @@ def test_experiment_narrowing_and_unknown_names():
     assert [(c.arch, c.num_keys, c.seed, c.steps, c.lr) for c in configs] == \
         [("mamba", 1024, 5, 10, 1e-2), ("attention", 1024, 5, 10, 5e-4), ("mamba", 256, 5, 10, 1e-2)]
     added = run_cli.experiment_configs("atr-8192", archs=["mamba"])          # an arch the grid lacks
-    assert [(c.arch, c.num_terminals, c.steps) for c in added] == [("mamba", 8192, 4000)]
+    assert [(c.arch, c.num_terminals, c.steps, c.seed) for c in added] == [("mamba", 8192, 4000, s)
+                                                                            for s in (0, 1, 2)]
+    replicates = run_cli.experiment_configs("ar", archs=["mamba", "attention"])   # 5 and 3 seeds
+    assert [(c.arch, c.num_keys, c.seed) for c in replicates] == [("mamba", 1024, s) for s in range(5)] \
+        + [("attention", 1024, s) for s in range(3)] + [("mamba", 256, s) for s in range(5)]
+    args = run_cli.build_parser().parse_args(["--arch", "mamba"])                # a first run: seed 0
+    assert {c.seed for c in run_cli.grid_runs(args, "ar", "cpu")[0]} == {0}
+    args = run_cli.build_parser().parse_args(["--arch", "mamba", "--replicates"])
+    assert {c.seed for c in run_cli.grid_runs(args, "ar", "cpu")[0]} == set(range(5))
     with pytest.raises(ValueError, match="experiment"):
         run_cli.experiment_configs("ar-width")
     with pytest.raises(ValueError, match="preset"):
