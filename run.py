@@ -707,6 +707,30 @@ def patched(model, cfg, dataset):
                              "effective": interventions.effective_record(model, dataset)})
 
 
+def add_effective(folder, name, log=print):
+    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
+    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
+    final metrics must equal the record's). Other fields of the record stay as they are."""
+    path = os.path.join(folder, f"{name}.jsonl")
+    records = read_results(path)
+    for row in best_by_lr(records):
+        record = row["best"]
+        if record.get("effective") or record["status"] != "ok":
+            continue
+        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
+        if os.path.isfile(ckpt):
+            model = mechsm.load(ckpt)[0]
+        else:
+            log(f"{name}: retraining {record['name']} for its effective attention")
+            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
+            if json.loads(json.dumps(mechsm.json_safe(again["final"]))) != record["final"]:
+                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
+                                 "record's; maps not added")
+        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
+    Path(path).write_text("".join(json.dumps(mechsm.json_safe(r), sort_keys=True) + "\n"
+                                  for r in records))
+
+
 def provenance():
     """Where and with what a record was made: date, machine, torch, the code's git commit."""
     try:
