@@ -1012,7 +1012,15 @@ def summary_table(folder="results"):
     seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
                   for r in unique)
     out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
-               "patching (the records' wall times summed; every run on one thread).")
+               "patching (the records' wall times summed; every run on one thread), made by `python "
+               "run.py --experiment NAME --replicates --out results` for each experiment, split into "
+               "processes with `--shard I/N --jobs 1`.")
+    first = [r for r in records["ar"] if r["config"]["seed"] == 0]
+    minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
+    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
+               f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
+               f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
+               "jobs, so an upper bound).")
     timing = os.path.join(folder, "ar.command.json")
     if os.path.exists(timing):
         c = json.load(open(timing))
