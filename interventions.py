@@ -67,11 +67,15 @@ def _check_threshold(threshold):
                          f"gap at or below which there is no signal); got {threshold!r}.")
 
 
-def _check_roles(name, roles, allowed):
-    """Each of roles must be in allowed, else a ValueError naming the parameter and the choices."""
-    for role in roles:
-        if not isinstance(role, str) or role not in allowed:
-            raise ValueError(f"{name} must be among {', '.join(allowed)}; got {role!r}.")
+def _check_names(name, names, allowed):
+    """names must be a non-empty list (or tuple) of names in allowed, else a ValueError naming the
+    parameter and the choices (a lone string too: it would be read letter by letter)."""
+    choices = ", ".join(list(allowed)[:6]) + ", ..." * (len(allowed) > 6)
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
+        raise ValueError(f"{name} must be a non-empty list of names among {choices}; got {names!r}.")
+    for n in names:
+        if not isinstance(n, str) or n not in allowed:
+            raise ValueError(f"{name} must be among {choices}; got {n!r}.")
 
 
 # --- Sites: every HookPoint with a seq_dim, named as in model.named_modules().
@@ -111,18 +115,20 @@ def patch(model, edits):
     handles = []
 
     def hook(site, fn):
-        def run(module, inputs, out):
-            out = fn(out)
-            if not isinstance(out, torch.Tensor):     # a hook's None would leave it unchanged
-                raise ValueError(f"edits[{site!r}] must return the activation tensor to use; "
-                                 f"got {type(out).__name__}.")
+        def run(module, inputs, act):
+            out = fn(act)
+            if not isinstance(out, torch.Tensor) or out.shape != act.shape:   # None: left unchanged
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"edits[{site!r}] must return the activation to use, a tensor of "
+                                 f"its shape {tuple(act.shape)}; got {got}.")
             return out
         return run
 
     try:
         for site, fn in edits.items():
-            if not isinstance(modules.get(site), HookPoint):
-                raise KeyError(f"{site!r} is not a HookPoint of this model")
+            if not isinstance(modules.get(site), HookPoint) or not callable(fn):
+                raise ValueError(f"edits: {site!r} must be a HookPoint of this model (hook_points("
+                                 f"model)) and its edit a function of the activation; got {fn!r}.")
             handles.append(modules[site].register_forward_hook(hook(site, fn)))
         yield model
     finally:
@@ -166,7 +172,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); README
     difference 1); strict=True also excludes the document's own tokens (the corrupted key points to
     no other answer). One draw per document, reused by every site (README, difference 6)."""
-    _check_roles("role", [role], tuple(dataset.classes))
+    _check_names("role", [role], tuple(dataset.classes))
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
     pos = dataset.positions[role].to(tokens.device)
@@ -207,7 +213,7 @@ def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answer
 def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
     """Ratio of means over documents (as the paper's code), not a mean of per-document ratios:
         score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt), on probabilities (N,).
-    low_signal when the gap is <= threshold; score is nan when the gap is exactly 0."""
+    low_signal when the gap is <= threshold or not a number; score is nan when the gap is 0."""
     _check_threshold(threshold)
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
@@ -215,7 +221,7 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
         "score": (patched - corrupted) / gap if gap != 0 else float("nan"),
         "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
         "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
-        "low_signal": gap <= threshold,
+        "low_signal": not gap > threshold,                 # NaN probabilities: no signal
     }
 
 
@@ -367,11 +373,9 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
     _check_threshold(threshold)
-    _check_roles("positions", positions, POSITIONS)
-    unknown = [s for s in sites or () if s not in hook_points(model)]
-    if unknown:
-        raise ValueError(f"sites must be patchable sites of this model (hook_points(model), e.g. "
-                         f"{', '.join(default_sites(model)[:3])}, ...); got {unknown[0]!r}.")
+    _check_names("positions", positions, POSITIONS)
+    if sites is not None:
+        _check_names("sites", sites, list(hook_points(model)))
     model.eval()
     docs = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
     data, clean, corrupted, answers, query = docs
@@ -468,11 +472,15 @@ def _shade(x):
 def render_heatmap(result, *, sites=None):
     """Terminal table: rows 'L{layer} {label}' (sites: names or labels to keep), cells score*100."""
     positions = result["positions"]
+    if sites is not None:
+        known = dict.fromkeys(name for r in result["rows"] for name in (r["site"], r["label"]))
+        _check_names("sites", sites, list(known))
     rows = [r for r in result["rows"] if sites is None or r["site"] in sites or r["label"] in sites]
     names = [f"L{r['layer']} {r['label']}" for r in rows]
     width = max([len(n) for n in names] + [4])
-    lines = [f"{result.get('arch')}: p_clean {result['p_clean']:.3f}  p_corrupt "
-             f"{result['p_corrupt']:.3f}  gap {result['gap']:.3f}"
+    prob = lambda x: "nan" if x is None else f"{x:.3f}"                  # NaN in JSON: None
+    lines = [f"{result.get('arch')}: p_clean {prob(result['p_clean'])}  p_corrupt "
+             f"{prob(result['p_corrupt'])}  gap {prob(result['gap'])}"
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
     pct = lambda x: "--" if x is None else round(100 * x)
