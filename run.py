@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -256,6 +257,15 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
         raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
+    for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
+        if values is not None and (isinstance(values, str) or not isinstance(values, (list, tuple, range))
+                                   or not values):
+            raise ValueError(f"{param}: got {values!r}, expected a non-empty list (None: the grid's)")
+    by_list = {"arch": "archs", "d_model": "widths", "lr": "lrs", "seed": "seeds"}
+    for field in fields_:
+        if field in by_list or field not in {f.name for f in fields(mechsm.Config)}:
+            raise ValueError(f"{field}: " + (f"set by {by_list[field]}=[...]" if field in by_list
+                                             else "not a mechsm.Config field"))
     grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
     runs = grid["runs"]
     if archs is not None:
@@ -345,24 +355,29 @@ def catalogue():
 # ============================================ The command line
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError and refuses an unknown or repeated option ('-5': a value)."""
+    """argparse that raises ValueError, refuses an unknown or repeated option, and reads the token
+    after an option that takes a value as its value, even one that starts with '-' (--lr -1e-3)."""
 
     def error(self, message):
         raise ValueError(message)
 
     def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        known, given, twice = self._option_string_actions, set(), []
-        for token in args[:args.index("--")] if "--" in args else args:
-            name = token.split("=", 1)[0]
-            if token[:1] != "-" or token == "-" or token[1] in "0123456789.":
-                continue
-            if name not in known:
-                close = difflib.get_close_matches(name, list(known), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ValueError(f"unknown option {name}{hint}; see run.py --help")
-            twice += [name] if known[name].dest in given else []
-            given.add(known[name].dest)
+        args = list(sys.argv[1:] if args is None else args)
+        known, given, twice, i = self._option_string_actions, set(), [], 0
+        end = args.index("--") if "--" in args else len(args)
+        while i < end:
+            token, name = args[i], args[i].split("=", 1)[0]
+            if token[:1] == "-" and token != "-":
+                if name not in known:
+                    close = difflib.get_close_matches(name, list(known), n=1)
+                    hint = f" (did you mean {close[0]}?)" if close else ""
+                    raise ValueError(f"unknown option {name}{hint}; see run.py --help")
+                twice += [name] if known[name].dest in given else []
+                given.add(known[name].dest)
+                if (known[name].nargs is None and "=" not in token and i + 1 < end
+                        and args[i + 1].split("=", 1)[0] not in known):
+                    args[i:i + 2], end = [f"{token}={args[i + 1]}"], end - 1   # its value, even -1e-3
+            i += 1
         namespace, extras = super().parse_known_args(args, namespace)
         if twice:
             raise ValueError(f"{twice[0]}: given twice; give it once (a comma list for several "
@@ -371,8 +386,9 @@ class Parser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def typed(kind, many=False):
-    """An argparse type: an int (|x| <= 2**62), a finite float or a non-empty str, or a list."""
+def typed(kind, many=False, zero=False):
+    """An argparse type: a non-empty str, or a positive (zero: or 0) int (<= 2**62) or finite float;
+    many: a comma list of them, ints also a range of seeds lo-hi (0-4)."""
     def one(text):
         text = text.strip()
         if not text:
@@ -384,11 +400,21 @@ def typed(kind, many=False):
                 f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text} is out of range")
+        if kind is not str and not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"got {text}, expected a {'non-negative' if zero else 'positive'} "
+                                             f"{'integer' if kind is int else 'number'}")
         return value
 
-    def span(part):                                   # ints also a range of seeds, e.g. 0-4
+    def span(part):
         lo, dash, hi = part.strip().partition("-")
-        return range(one(lo), one(hi) + 1) if dash and kind is int and lo else [one(part)]
+        if not (dash and kind is int and lo):
+            return [one(part)]
+        values = range(one(lo), one(hi) + 1)
+        if not 0 < len(values) <= 10_000:
+            raise argparse.ArgumentTypeError(f"{part.strip()} is " + (
+                f"a range of {len(values):,} values, at most 10,000" if values else "an empty range: "
+                "lo-hi needs lo <= hi"))
+        return values
     return (lambda text: [v for part in text.split(",") for v in span(part)]) if many else one
 
 
@@ -397,9 +423,9 @@ def build_parser():
                "from the experiment's preset (README: what each runs).",
                formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(flag, kind=None, many=False, switch=False, **kw):
+    def a(flag, kind=None, many=False, switch=False, zero=False, **kw):
         if kind is not None:
-            kw["type"] = typed(kind, many)
+            kw["type"] = typed(kind, many, zero)
         p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
@@ -410,7 +436,7 @@ def build_parser():
     a("--arch", str, True, help="an arch, a comma list or 'all' (" + ", ".join(ALL_ARCHS) + ")")
     a("--d-model", int, True, help="width(s), e.g. 64 or 16,32,64")
     a("--lr", float, True, help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
-    a("--seeds", int, True, help="model seed(s): 42, or 0,1,2, or 0-4")
+    a("--seeds", int, True, zero=True, help="model seed(s): 42, or 0,1,2, or 0-4")
     a("--replicates", switch=True, help="quick grids: every seed of each row, as results/ holds "
       "(default: seed 0 only, a first run)")
     # model, task, training: each sets the Config field of its name (--layers: n_layers)
@@ -429,7 +455,8 @@ def build_parser():
             ("--batch-size", "batch size (paper: 32)"),
             ("--eval-every", "steps between evaluations (paper: 200), and always the last"),
             ("--eval-size", "evaluation documents (paper: 320)")]:
-        a(flag, float if flag == "--holdout" else int, help=text)
+        a(flag, float if flag == "--holdout" else int, zero=flag in ("--d-conv", "--holdout", "--data-seed"),
+          help=text)
     a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: per arch)")
     a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
@@ -494,13 +521,15 @@ def grid_runs(args, name, device):
 
 def shard_of(text):
     """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
+    source = "--shard"
     if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
         text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
+        source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (the shard when --shard is not given)"
     if text is None:
         return 0, 1
     i, slash, n = text.partition("/")
     if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
-        raise ValueError(f"--shard: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
+        raise ValueError(f"{source}: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
     return int(i), int(n)
 
 
@@ -527,21 +556,39 @@ def config_of(record):
 
 
 def is_record(x):
-    """Whether a parsed line is a record the report can read (field types; a relative ckpt)."""
-    number = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+    """Whether a parsed line is a record every reader can read (tables, timeline, figures, heatmap):
+    the fields they use, of their types; a checkpoint path inside the folder."""
+    num = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+    nums = lambda d, keys=None: isinstance(d, dict) and all(num(d.get(k)) for k in keys or d)
+    text = lambda v: v is None or isinstance(v, str)
+
+    def readable(table):                                  # interventions.mechanism's dict
+        rows, positions = table.get("rows"), table.get("positions")
+        return (isinstance(rows, list) and isinstance(positions, list)
+                and all(isinstance(p, str) for p in positions)
+                and all(isinstance(r, dict) and isinstance(r.get("site"), str) and isinstance(
+                    r.get("label"), str) and num(r.get("layer")) and nums(r.get("scores")) for r in rows)
+                and nums(table, ("p_clean", "p_corrupt", "gap")) and isinstance(table.get("verdict"), str)
+                and isinstance(table.get("low_signal"), bool) and text(table.get("verdict_reason"))
+                and nums(table.get("headline") or {}) and nums(table.get("extra") or {}))
     if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
             and x.get("status") in ("ok", "failed")):
         return False
-    c, final, ckpt = x["config"], x.get("final"), x.get("checkpoint")
-    history, mech = x.get("history", []), x.get("mechanism") or {}
-    return (isinstance(c.get("arch"), str) and c.get("lr") is not None and number(c.get("lr"))
-            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
+    c, final, ckpt, history = x["config"], x.get("final"), x.get("checkpoint"), x.get("history", [])
+    mech, table = x.get("mechanism") or {}, x.get("mechanism_table")
+    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS
+            and num(c.get("lr")) and c.get("lr") is not None
+            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers", "eval_size"))
+            and all(v is None or isinstance(v, (str, int, float)) for v in c.values())
             and isinstance(x.get("n_params"), int) and isinstance(final, dict)
-            and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(history, list) and all(isinstance(h, dict) and number(h.get("step"))
-                                                  and number(h.get("acc")) for h in history)
-            and isinstance(mech, dict) and isinstance(x.get("mechanism_table") or {}, dict)
-            and all(number(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
+            and all(num(v) for k, v in final.items() if k.endswith(("acc", "prob")))
+            and isinstance(history, list) and all(
+                nums(h, ("acc", "attrib_value", "attrib_query")) and isinstance(h.get("step"), int)
+                for h in history)
+            and isinstance(mech, dict) and text(mech.get("verdict"))
+            and all(num(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
+            and len({"attrib_key", "attrib_value", "attrib_query"} & set(mech)) in (0, 3)
+            and (table is None or isinstance(table, dict) and readable(table))
             and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
                  and ".." not in ckpt.split("/")))
 
@@ -567,6 +614,26 @@ def read_results(out, warn=True):
     return records
 
 
+def latest(records):
+    """Each run once, its last record, in the order first met."""
+    return list({run_key(r["config"]): r for r in records}.values())
+
+
+def out_path(out, *parts):
+    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
+    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
+    leaves `out`; a file hard-linked to other names)."""
+    path, real = os.path.join(out, *parts), os.path.realpath(out)
+    if os.path.commonpath([real, os.path.realpath(path)]) != real:
+        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
+                         "(remove the link)")
+    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
+        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
+                         "which writing it would change too; not written (remove it or copy it)")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
+
+
 def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(mechsm.json_safe(record), sort_keys=True) + "\n").encode()
@@ -584,12 +651,18 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
           log=mechsm.stderr_log()):
     """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
     finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
+    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
+    for name, value, ok, expected in [
+            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("jobs", jobs, isinstance(jobs, int) and jobs > 0, "a positive integer"),
+            ("shard", shard, isinstance(i, int) and isinstance(n, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
+        if not ok:
+            raise ValueError(f"{name}: got {value!r}, expected {expected}")
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
     for cfg in configs:
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
-    i, n = shard
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
     saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
@@ -601,11 +674,16 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
-    results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
+    results = out_path(out, results_name(shard))
     for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
-    latest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    return [latest[k] for k in unique if k in latest]
+    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    return [newest[k] for k in unique if k in newest]
+
+
+def results_name(shard):
+    """The results file that shard (I, N) appends to."""
+    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
 
 
 def check_runs(configs):
@@ -661,6 +739,11 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 def do_job(kind, payload, out, wants):
     """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
+    def without(cfg, what, e):     # a part that fails (a full disk: torch's RuntimeError) costs
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]   # that part, not the run
+        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
+              file=sys.stderr)
+
     try:
         if kind == "patch":
             cfg, record = payload
@@ -674,15 +757,19 @@ def do_job(kind, payload, out, wants):
         for record, model in pairs:
             cfg, ok = config_of(record), record["status"] == "ok"
             if ok and wants["patch"]:
-                record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+                try:
+                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+                except Exception as e:
+                    if kind == "patch":          # nothing new to record
+                        raise
+                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
             if ok and wants["save"] and not record.get("checkpoint"):
                 path = os.path.join("ckpt", file_name(cfg) + ".pt")
                 try:
-                    mechsm.save(model, cfg, os.path.join(out, path))
+                    mechsm.save(model, cfg, out_path(out, path))
                     record["checkpoint"] = path
-                except OSError as e:
-                    print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the "
-                          "run is recorded without it", file=sys.stderr)
+                except Exception as e:
+                    without(cfg, "checkpoint not saved", e)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
         return [mechsm.json_safe(record) for record, _ in pairs]
@@ -929,8 +1016,7 @@ def render(name, preset, records, folder=None):
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
-    timing = os.path.join(folder or "", f"{name}.command.json")
-    c = json.load(open(timing)) if folder and os.path.exists(timing) else None
+    c = read_command(folder, name) if folder else None
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
         f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
@@ -946,6 +1032,24 @@ def render(name, preset, records, folder=None):
         + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
            f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
            f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
+
+
+def read_command(folder, name):
+    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
+    warning if it cannot be read."""
+    path = os.path.join(folder, f"{name}.command.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
+                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
+            return c
+    except (ValueError, OSError, RecursionError):
+        pass
+    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
+    return None
 
 
 def holds(paper_text, s):
@@ -1000,7 +1104,8 @@ def summary_table(folder="results"):
                 lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
                               + (f": {exp.finding}" if i == 0 else ""), **line})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
-    extras = [f"{row['label']}: " + (", ".join(fmt_num(r["mechanism"][name]) for r in row["runs"]
+    mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
+    extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
                                            if verdict_of(r) not in UNREADABLE) or "none")
               for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
               if "@" in name]
@@ -1021,9 +1126,8 @@ def summary_table(folder="results"):
                f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
                f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
                "jobs, so an upper bound).")
-    timing = os.path.join(folder, "ar.command.json")
-    if os.path.exists(timing):
-        c = json.load(open(timing))
+    c = read_command(folder, "ar")
+    if c:
         out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
                    f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
     for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
@@ -1074,23 +1178,22 @@ def pivot(records, across):
 def evaluate_checkpoint(args):
     """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     device = mechsm.resolve_device(args.device or "auto")
-    model, cfg = mechsm.load(args.checkpoint, device=device)
-    cfg = replace(cfg, device=device, eval_size=args.eval_size or cfg.eval_size).check()
+    model, cfg = mechsm.load(args.checkpoint, device=device)          # cfg.device: this device
+    cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    folder = os.path.join(args.out or "out", "checkpoint_eval",
-                          os.path.splitext(os.path.basename(args.checkpoint))[0] + "-" + digest)
-    os.makedirs(folder, exist_ok=True)
+    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
+        os.path.basename(args.checkpoint))[0] + "-" + digest, "result.json")
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    Path(folder, "result.json").write_text(json.dumps(mechsm.json_safe(record), indent=1))
+    Path(path).write_text(json.dumps(mechsm.json_safe(record), indent=1))
     print(result_table([dict(label=cfg.arch, best=record, runs=[record], n_seeds=1)]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
               + interventions.render_heatmap(record["mechanism_table"]))
-    print(f"\nresult in {folder}/result.json", file=sys.stderr)
+    print(f"\nresult in {path}", file=sys.stderr)
 
 
 def run(argv=None):
@@ -1104,29 +1207,34 @@ def run(argv=None):
         raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
                          f"{'bench' if command == 'bench' else '--' + command} (it takes "
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
+    folder = args.figures or args.report
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--{command} {folder}: no such folder")
     if command != "train":
         {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
          "checkpoint": lambda: evaluate_checkpoint(args),
          "figures": lambda: redraw_figures(args.figures),
          "report": lambda: report_folder(args.report)}[command]()
         return 0
-    if args.experiment and args.task:
-        raise ValueError("--task and --experiment: give one of them (--task atr is --experiment "
-                         "atr)")
+    for a, b, both in [("--task", "--experiment", args.task and args.experiment),
+                       ("--epochs", "--steps", args.epochs and args.steps),
+                       ("--replicates", "--seeds", args.replicates and args.seeds),
+                       ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
+        if both:
+            raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
     device = mechsm.resolve_device(args.device or "auto")
     configs, notes = grid_runs(args, name, device)
     check_runs(configs)                              # bad input: one line, before anything runs
     for note in notes:
         print(note, file=sys.stderr)
-    for flag, value in (("--jobs", args.jobs), ("--group-size", args.group_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag}: got {value}, expected a positive integer")
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:                                             # an unwritable --out fails now, not at the end
-        os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, ".write_test"), "w").close()
+    try:               # now, not at the end: an unwritable --out, a file of it that links out of it
+        for part in [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
+                     *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]:
+            out_path(out, part)
+        open(out_path(out, ".write_test"), "w").close()
         os.remove(os.path.join(out, ".write_test"))
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
@@ -1142,18 +1250,22 @@ def run(argv=None):
     if not records:
         raise ValueError("no run finished; nothing to report")
     trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
-                                                  for r in records))
-    if draw_figures(records, best_by_lr(records), name, out, configs[0].task) is None:
+    path = out_path(out, f"{name}.jsonl")    # records already there are kept: added to, never replaced
+    kept = {run_key(r["config"]): r for r in read_results(path)}
+    for record in records:
+        if kept.get(run_key(record["config"])) != record:
+            append_result(path, record)
+    everything = latest(read_results(path, warn=False))         # the report: the folder's records
+    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
         print(FIGURES_HINT, file=sys.stderr)
     if trained:
-        Path(out, f"{name}.command.json").write_text(json.dumps({
-            "command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
+            "command": shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]),
             "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
             "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    rows, text = render(name, preset, records, out)
-    Path(out, f"{name}.md").write_text(text)
+    rows, text = render(name, preset, everything, out)
+    Path(out_path(out, f"{name}.md")).write_text(text)
     print(text.split("\n", 2)[2].split("\n![")[0])
     tables = [row for row in rows if row["best"].get("mechanism_table")]
     if tables:
@@ -1183,12 +1295,12 @@ def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the README too)."""
     written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
     for name in written:
-        records = read_results(os.path.join(folder, f"{name}.jsonl"))
-        Path(folder, f"{name}.md").write_text(render(name, "quick", records, folder)[1])
-    if os.path.abspath(folder) == os.path.join(HERE, "results"):
+        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
+        Path(out_path(folder, f"{name}.md")).write_text(render(name, "quick", records, folder)[1])
+    readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
+    if readme:
         Path(README).write_text(readme_with_summary(Path(README).read_text(), folder))
-    print(f"{len(written)} reports written to {folder}/"
-          + (" and the README's summary" if written else ""))
+    print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" * readme))
 
 
 def redraw_figures(folder):
@@ -1202,8 +1314,8 @@ def redraw_figures(folder):
     for name in EXPERIMENTS:
         path = os.path.join(folder, f"{name}.jsonl")
         keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
-        records = read_results(path) if os.path.exists(path) else [
-            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
+        records = latest(read_results(path) if os.path.exists(path) else [
+            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys])
         if records:
             draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
@@ -1233,6 +1345,7 @@ def main(argv=None):
 # ============================================ Figures: the paper's plots, from the records alone
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
+FIGURE_KINDS = ("scatter", "timeline", "heatmaps", "width", "box", "effective")   # <experiment>_<kind>.png
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
 FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
@@ -1423,13 +1536,12 @@ def draw_figures(records, rows, name, folder, task="ar"):
              "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True)),
              "effective": (plot_effective, rows,
                            task in ("ar", "atr") and any(r["best"].get("effective") for r in rows))}
-    os.makedirs(folder, exist_ok=True)
     out = {}
     for kind, (draw, data, wanted) in kinds.items():
         if wanted and (kind == "scatter" or not getattr(EXPERIMENTS.get(name), "probe", False)):
             fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
-            fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
+            fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
     return out
 
 

@@ -9,6 +9,7 @@ learns, a rerun trains nothing, bad input exits with one line). Run: pytest -q t
 from dataclasses import asdict, replace
 import collections
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -1195,7 +1196,7 @@ def test_hooks_removed_after_exception(data):
     assert no_hooks_left(model)
     with torch.no_grad():
         assert torch.equal(model(data.tokens), before)
-    with pytest.raises(KeyError):  # not a HookPoint: refused before anything is registered
+    with pytest.raises(ValueError, match="blocks.0.ln1"):  # not a HookPoint: refused before any is registered
         with iv.patch(model, {"blocks.0.hook_resid_pre": lambda a: a, "blocks.0.ln1": lambda a: a}):
             pass
     assert no_hooks_left(model)
@@ -2210,13 +2211,17 @@ def test_repeated_and_empty_values_and_options_a_command_ignores_are_one_line_er
         assert one_error_line(capsys.readouterr().err, needle), argv
 
 
-def test_a_checkpoint_that_cannot_be_written_keeps_the_run_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("error, why", [  # a full disk: an OSError, or torch's zip writer's RuntimeError
+    (OSError(28, "No space left on device"), "No space left on device"),
+    (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"), "unexpected pos 64")])
+def test_a_checkpoint_that_cannot_be_written_keeps_the_run_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys,
+                                                                                       error, why):
     def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        raise error
     monkeypatch.setattr(torch, "save", full_disk)
     record, = sweep_grid(tiny(timeline_docs=0), ["attention"], [16], [3e-3], [0], tmp_path, save=True)
     assert record["status"] == "ok" and record["checkpoint"] is None
-    assert "not saved (No space left on device)" in capsys.readouterr().err
+    assert "not saved (" in (err := capsys.readouterr().err) and why in err
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
     assert len(run_cli.read_results(str(tmp_path))) == 1
 
@@ -2239,6 +2244,178 @@ def test_what_used_to_be_a_traceback_is_one_line(tmp_path, capsys):
         assert run_cli.main((argv if argv[0] == "bench" else base + argv)) == 2, argv
         assert one_error_line(capsys.readouterr().err, needle), argv
     assert (out / "results.jsonl").read_text() == '{"keep": "me"}\n'
+
+
+def tiny_checkpoint(path, **kw):
+    """An untrained tiny model saved as a checkpoint (its config's device: kw's or cpu)."""
+    cfg = tiny(**kw)
+    model = mechsm.build(replace(cfg, device="cpu"), mechsm.probe_task(cfg))
+    return mechsm.save(model, replace(cfg, device="cpu"), str(path)), model
+
+
+def test_nothing_is_written_through_a_link_out_of_the_folder(tmp_path, capsys):
+    """A file or folder of --out (or of --figures/--report FOLDER) that links elsewhere is refused in
+    one line (exit 2) by every writer, before any training; the file it links to stays as it was."""
+    notes, elsewhere = tmp_path / "notes.txt", tmp_path / "elsewhere"
+    notes.write_text("mine")
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ar.jsonl").write_text(open(os.path.join(HERE, "results", "ar.jsonl")).read())
+    ckpt, _ = tiny_checkpoint(tmp_path / "good.pt")
+    train = TINY_CLI + ["--steps", "2", "--no-interventions", "--out", str(out)]
+    cases = [("ar.md", ["--report", str(out)]), ("ar_timeline.png", train), ("ar.command.json", train),
+             ("results.jsonl", train), ("ckpt", train),
+             ("checkpoint_eval", ["--checkpoint", ckpt, "--out", str(out), "--no-interventions"])]
+    if importlib.util.find_spec("matplotlib"):                    # without it no figure is written
+        cases.append(("ar_scatter.png", ["--figures", str(out)]))
+    for name, argv in cases:
+        (out / name).symlink_to(elsewhere if name in ("ckpt", "checkpoint_eval") else notes)
+        assert run_cli.main(argv) == 2, name
+        assert one_error_line(capsys.readouterr().err, f"{out / name}"), name
+        (out / name).unlink()
+    os.link(notes, out / "ar.md")                                 # a hard link: the same file
+    assert run_cli.main(["--report", str(out)]) == 2 and one_error_line(capsys.readouterr().err, "hard-linked")
+    assert notes.read_text() == "mine" and not list(elsewhere.iterdir())
+    assert not (out / "results.jsonl").exists()                 # refused before anything was trained
+
+
+def test_a_folder_s_records_are_added_to_never_replaced(tmp_path, capsys):
+    """A run into a folder that holds an experiment's records (a copy of results/) keeps every one of
+    them, byte for byte, and adds its own beside them; the table and figures show them all."""
+    out = tmp_path / "myres"
+    out.mkdir()
+    committed = open(os.path.join(HERE, "results", "ar.jsonl")).read()
+    (out / "ar.jsonl").write_text(committed)
+    argv = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    text = (out / "ar.jsonl").read_text()
+    assert text.startswith(committed) and text.count("\n") == committed.count("\n") + 1
+    assert "Records: 15 runs" in (out / "ar.md").read_text() and "| attention (d 64," in (out / "ar.md").read_text()
+    assert run_cli.main(argv) == 0                               # a rerun: nothing new, nothing lost
+    assert (out / "ar.jsonl").read_text() == text
+
+
+def test_empty_ranges_and_empty_lists_are_refused_naming_the_argument(tmp_path, capsys):
+    """An empty (or reversed) range, an empty list or a lone string where a list is expected never
+    falls back to a default grid: one line naming the option, or a ValueError naming the parameter."""
+    base = TINY_CLI[:2] + TINY_TASK + ["--steps", "2", "--no-interventions", "--no-save", "--out", str(tmp_path)]
+    for argv, needle in [(["--seeds", "3-1"], "--seeds"), (["--seeds", "0-99999999999"], "--seeds")]:
+        assert run_cli.main(base + argv) == 2, argv
+        assert one_error_line(capsys.readouterr().err, needle), argv
+    assert not list(tmp_path.iterdir())                                  # nothing trained
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    for call, name in [*[(lambda p=p: run_cli.experiment_configs("ar", **{p: []}), p)
+                         for p in ("archs", "widths", "lrs", "seeds")],
+                       (lambda: run_cli.experiment_configs("ar", archs="mamba"), "archs"),
+                       (lambda: run_cli.sweep([], str(tmp_path)), "configs"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, sites=[]), "sites"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, positions="key"), "positions")]:
+        with pytest.raises(ValueError) as excinfo:
+            call()
+        assert one_line_value_error(excinfo, name), name
+
+
+def test_arguments_that_do_not_apply_are_refused_never_ignored(tmp_path, capsys):
+    """A value a command cannot honour (an eval size of 0, --epochs beside --steps, --replicates beside
+    --seeds, a grid field experiment_configs sets from its lists) is refused, never silently dropped."""
+    ckpt, _ = tiny_checkpoint(tmp_path / "good.pt")
+    for argv, needle in [(["--checkpoint", ckpt, "--eval-size", "0"], "--eval-size"),
+                         (TINY_CLI + ["--epochs", "2", "--steps", "3"], "--epochs and --steps"),
+                         (TINY_CLI + ["--replicates", "--seeds", "0"], "--replicates and --seeds"),
+                         (TINY_CLI + ["--preset", "paper", "--replicates"], "--replicates and --preset paper"),
+                         (TINY_CLI + ["--jobs", "-1"], "--jobs"), (TINY_CLI + ["--d-conv", "-1"], "--d-conv")]:
+        assert run_cli.main(argv + ["--out", str(tmp_path / "o")]) == 2, argv
+        assert one_error_line(capsys.readouterr().err, needle), argv
+    assert not (tmp_path / "o").exists()
+    for kw, name in [(dict(d_model=32), "widths"), (dict(lr=1e-3), "lrs"), (dict(seed=1), "seeds"), (dict(bogus=1), "bogus")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            run_cli.experiment_configs("ar", **kw)
+        assert one_line_value_error(excinfo, name)
+
+
+def test_a_patch_that_changes_the_shape_is_refused_naming_the_site():
+    """An edit returning another shape (act[:1] would give every document document 0's logits), or an
+    edit that is not a function, is a ValueError naming the site; the hooks are removed."""
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    site = "blocks.1.hook_resid_pre"
+    for edit in (lambda act: act[:1], lambda act: act[..., :8], lambda act: act.sum(-1), 0.0):
+        with pytest.raises(ValueError, match=site) as excinfo:
+            with iv.patch(model, {site: edit}):
+                model(data.tokens, readout=data.positions["query"])
+        assert one_line_value_error(excinfo, site) and no_hooks_left(model)
+
+
+def test_nan_probabilities_read_no_signal():
+    """A model whose probabilities are NaN has nothing to attribute: "no signal", never "mixed"."""
+    nan = torch.tensor([float("nan")])
+    assert iv.attribution(nan, torch.tensor([0.1]), torch.tensor([0.2]))["low_signal"]
+    assert iv.verdict(float("nan"), float("nan"), False)[0] == "no signal"
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    model.blocks[0].mixer.hook_out.register_forward_hook(lambda m, i, o: o * float("nan"))
+    table = iv.mechanism(model, data, n_docs=8)
+    assert table["verdict"] == "no signal" and table["low_signal"]
+    assert "p_clean nan" in iv.render_heatmap(mechsm.json_safe(table))
+
+
+def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
+    """<experiment>.command.json's command for an --out with a space is a shell line that gives back
+    the same arguments."""
+    out = tmp_path / "my results"
+    argv = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    import shlex
+    command = json.loads((out / "ar.command.json").read_text())["command"]
+    assert shlex.split(command) == ["python", "run.py", *argv]
+
+
+def test_a_checkpoint_trained_on_a_gpu_loads_on_the_cpu(tmp_path, capsys):
+    """A checkpoint whose config says cuda (trained on a GPU) loads here with device="cpu" (its config's
+    device rewritten), and run.py --checkpoint evaluates it; a bad device is a ValueError naming it."""
+    path, model = tiny_checkpoint(tmp_path / "cpu.pt")
+    blob = torch.load(path, weights_only=True)
+    blob["config"]["device"] = "cuda"
+    torch.save(blob, tmp_path / "cuda.pt")
+    loaded, cfg = mechsm.load(str(tmp_path / "cuda.pt"), device="cpu")
+    tokens = make_ar(4, num_keys=16, num_values=16, num_pairs=4).tokens
+    assert cfg.device == "cpu" and torch.equal(loaded(tokens), model(tokens))
+    assert run_cli.main(["--checkpoint", str(tmp_path / "cuda.pt"), "--device", "cpu", "--no-interventions",
+                         "--out", str(tmp_path / "o")]) == 0
+    with pytest.raises(ValueError, match="device") as excinfo:
+        mechsm.load(path, device="gpu")
+    assert one_line_value_error(excinfo, "device")
+
+
+def test_what_used_to_be_unclear_names_its_cause(tmp_path, capsys, monkeypatch):
+    """A negative value names its option (argparse took -1e-3 for an option); a record a reader could
+    not read (a history entry without a step) is skipped with one warning by the report, the figures
+    and a rerun; a lone string for sites says a list was expected; a bad SLURM_ARRAY_TASK_ID is
+    blamed on it, not on --shard; --figures / --report of a missing folder exit 2."""
+    for argv, needle in [(["--lr", "-1e-3"], "--lr: got -1e-3, expected a positive number"),
+                         (["--figures", str(tmp_path / "nope")], "--figures"),
+                         (["--report", str(tmp_path / "nope")], "--report")]:
+        assert run_cli.main(argv + (["--out", str(tmp_path)] if argv[0] == "--lr" else [])) == 2, argv
+        assert one_error_line(capsys.readouterr().err, needle), argv
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "x")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
+    with pytest.raises(ValueError, match="^SLURM_ARRAY_TASK_ID") as excinfo:
+        run_cli.shard_of(None)
+    assert "--shard:" not in str(excinfo.value)
+    records = open(os.path.join(HERE, "results", "ar.jsonl")).read().splitlines()
+    broken = json.loads(records[0])
+    del broken["history"][1]["step"]
+    (tmp_path / "ar.jsonl").write_text("\n".join(records[1:] + [json.dumps(broken)]) + "\n")
+    for command in ["--report"] + ["--figures"] * bool(importlib.util.find_spec("matplotlib")):
+        assert run_cli.main([command, str(tmp_path)]) == 0
+        assert capsys.readouterr().err.count("ar.jsonl:14: not a run record") == 1, command
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    with pytest.raises(ValueError, match="sites must be a non-empty list") as excinfo:
+        iv.mechanism(model, data, n_docs=4, sites="blocks.0.hook_resid_pre")
+    assert one_line_value_error(excinfo, "got 'blocks.0.hook_resid_pre'")
 
 
 def test_python_api_errors_name_the_parameter(monkeypatch):
