@@ -139,6 +139,7 @@ def patch(model, edits):
 @torch.no_grad()
 def record(model, tokens, sites, take=None):
     """{site: a clone of its activation (or take(site, activation))} from one forward on tokens."""
+    _check_names("sites", sites, [n for n, m in model.named_modules() if isinstance(m, HookPoint)])
     store = {}
 
     def keep(site):

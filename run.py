@@ -559,25 +559,32 @@ def is_record(x):
     """Whether a parsed line is a record every reader can read (tables, timeline, figures, heatmap):
     the fields they use, of their types; a checkpoint path inside the folder."""
     num = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+    real = lambda v: num(v) and v is not None
     nums = lambda d, keys=None: isinstance(d, dict) and all(num(d.get(k)) for k in keys or d)
+    reals = lambda v: isinstance(v, list) and len(v) > 0 and all(map(real, v))
     text = lambda v: v is None or isinstance(v, str)
 
     def readable(table):                                  # interventions.mechanism's dict
-        rows, positions = table.get("rows"), table.get("positions")
+        rows, positions, head = table.get("rows"), table.get("positions"), table.get("headline")
         return (isinstance(rows, list) and isinstance(positions, list)
                 and all(isinstance(p, str) for p in positions)
                 and all(isinstance(r, dict) and isinstance(r.get("site"), str) and isinstance(
                     r.get("label"), str) and num(r.get("layer")) and nums(r.get("scores")) for r in rows)
-                and nums(table, ("p_clean", "p_corrupt", "gap")) and isinstance(table.get("verdict"), str)
-                and isinstance(table.get("low_signal"), bool) and text(table.get("verdict_reason"))
-                and nums(table.get("headline") or {}) and nums(table.get("extra") or {}))
+                and nums(table, ("p_clean", "p_corrupt", "gap", "seconds")) and real(table.get("threshold"))
+                and isinstance(table.get("verdict"), str) and isinstance(table.get("low_signal"), bool)
+                and text(table.get("verdict_reason")) and nums(table.get("extra") or {})
+                and (head is None or nums(head) and {"key", "value", "query"} <= set(head)))
+
+    def drawable(e):                                      # interventions.effective_record's dict
+        return (isinstance(e, dict) and isinstance(e.get("query"), list) and e["query"]
+                and all(map(reals, e["query"] + [e.get("value")])) and isinstance(e.get("positions"), dict)
+                and all(isinstance(v, int) for v in e["positions"].values()))
     if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
             and x.get("status") in ("ok", "failed")):
         return False
     c, final, ckpt, history = x["config"], x.get("final"), x.get("checkpoint"), x.get("history", [])
     mech, table = x.get("mechanism") or {}, x.get("mechanism_table")
-    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS
-            and num(c.get("lr")) and c.get("lr") is not None
+    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS and real(c.get("lr"))
             and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers", "eval_size"))
             and all(v is None or isinstance(v, (str, int, float)) for v in c.values())
             and isinstance(x.get("n_params"), int) and isinstance(final, dict)
@@ -589,6 +596,8 @@ def is_record(x):
             and all(num(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
             and len({"attrib_key", "attrib_value", "attrib_query"} & set(mech)) in (0, 3)
             and (table is None or isinstance(table, dict) and readable(table))
+            and (x.get("effective") is None or drawable(x["effective"]))
+            and num(x.get("wall_s")) and isinstance(x.get("provenance") or {}, dict)
             and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
                  and ".." not in ckpt.split("/")))
 
@@ -1209,7 +1218,8 @@ def run(argv=None):
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
     folder = args.figures or args.report
     if folder and not os.path.isdir(folder):
-        raise ValueError(f"--{command} {folder}: no such folder")
+        raise ValueError(f"--{command} {folder}: " + ("not a folder" if os.path.exists(folder) else
+                                                        "no such folder"))
     if command != "train":
         {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
          "checkpoint": lambda: evaluate_checkpoint(args),
