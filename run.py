@@ -22,8 +22,9 @@ GPU examples:
 
 Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard), a JSON
 line per finished run (config, metrics, history, the patching table); reruns skip what is there,
-reading all results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
-<experiment>_*.png (figures, with matplotlib), ckpt/ (checkpoints). Bad input prints one line
+reading all results*.jsonl of --out. <experiment>.jsonl (its records, added to, never rewritten),
+<experiment>.md (the table, the timeline, the paper's numbers), <experiment>_*.png (figures, with
+matplotlib), ckpt/ (checkpoints); nothing through a link that leaves --out. Bad input prints one line
 "error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers, keeping every finished run.
 """
 
@@ -609,18 +610,22 @@ def read_results(out, warn=True):
     for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError):
-                    record = None
-                if is_record(record):
+                record = parse_record(line)
+                if record:
                     records.append(record)
-                elif warn:
+                elif warn and line.strip():
                     print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
                           "skipped", file=sys.stderr)
     return records
+
+
+def parse_record(line):
+    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if is_record(record) else None
 
 
 def latest(records):
@@ -807,9 +812,11 @@ def add_effective(folder, name, log=print):
     """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
     predates them: from its checkpoint, else retrained (training is deterministic; the retrained
     final metrics must equal the record's). Other fields of the record stay as they are."""
-    path = os.path.join(folder, f"{name}.jsonl")
-    records = read_results(path)
-    for row in best_by_lr(records):
+    path = out_path(folder, f"{name}.jsonl")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
+    for row in best_by_lr([r for r in parsed if r]):
         record = row["best"]
         if record.get("effective") or record["status"] != "ok":
             continue
@@ -823,8 +830,9 @@ def add_effective(folder, name, log=print):
                 raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
                                  "record's; maps not added")
         record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
+        changed.add(id(record))
     Path(path).write_text("".join(json.dumps(mechsm.json_safe(r), sort_keys=True) + "\n"
-                                  for r in records))
+                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
 
 
 def provenance():
