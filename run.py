@@ -42,6 +42,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -788,8 +789,9 @@ def do_job(kind, payload, out, wants):
             record.setdefault("provenance", provenance())
         return [mechsm.json_safe(record) for record, _ in pairs]
     except Exception as e:
-        import traceback
-        traceback.print_exc()
+        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
+            import traceback
+            traceback.print_exc()
         name = payload[0] if kind == "train" else payload[0].name()
         print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
               "it)", file=sys.stderr)
@@ -1252,8 +1254,7 @@ def run(argv=None):
         for part in [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
                      *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]:
             out_path(out, part)
-        open(out_path(out, ".write_test"), "w").close()
-        os.remove(os.path.join(out, ".write_test"))
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | "
