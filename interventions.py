@@ -71,7 +71,7 @@ def _check_names(name, names, allowed):
     """names must be a non-empty list (or tuple) of names in allowed, else a ValueError naming the
     parameter and the choices (a lone string too: it would be read letter by letter)."""
     choices = ", ".join(list(allowed)[:6]) + ", ..." * (len(allowed) > 6)
-    if isinstance(names, str) or not isinstance(names, (list, tuple)) or not names:
+    if not (isinstance(names, (list, tuple)) and names):
         raise ValueError(f"{name} must be a non-empty list of names among {choices}; got {names!r}.")
     for n in names:
         if not isinstance(n, str) or n not in allowed:

@@ -260,8 +260,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     if preset not in PRESETS:
         raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
     for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
-        if values is not None and (isinstance(values, str) or not isinstance(values, (list, tuple, range))
-                                   or not values):
+        if values is not None and not (isinstance(values, (list, tuple, range)) and values):
             raise ValueError(f"{param}: got {values!r}, expected a non-empty list (None: the grid's)")
     by_list = {"arch": "archs", "d_model": "widths", "lr": "lrs", "seed": "seeds"}
     for field in fields_:
@@ -754,8 +753,9 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 def do_job(kind, payload, out, wants):
     """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
-    def without(cfg, what, e):     # a part that fails (a full disk: torch's RuntimeError) costs
-        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]   # that part, not the run
+    # a part of a finished run that fails (a full disk: torch's RuntimeError) costs that part only
+    def without(cfg, what, e):
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
         print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
               file=sys.stderr)
 
