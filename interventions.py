@@ -67,6 +67,17 @@ def _check_threshold(threshold):
                          f"gap at or below which there is no signal); got {threshold!r}.")
 
 
+def _check_names(name, names, allowed):
+    """names must be a non-empty list (or tuple) of names in allowed, else a ValueError naming the
+    parameter and the choices (a lone string too: it would be read letter by letter)."""
+    choices = ", ".join(list(allowed)[:6]) + ", ..." * (len(allowed) > 6)
+    if not (isinstance(names, (list, tuple)) and names):
+        raise ValueError(f"{name} must be a non-empty list of names among {choices}; got {names!r}.")
+    for n in names:
+        if not isinstance(n, str) or n not in allowed:
+            raise ValueError(f"{name} must be among {choices}; got {n!r}.")
+
+
 # --- Sites: every HookPoint with a seq_dim, named as in model.named_modules().
 
 def hook_points(model):
@@ -104,18 +115,20 @@ def patch(model, edits):
     handles = []
 
     def hook(site, fn):
-        def run(module, inputs, out):
-            out = fn(out)
-            if not isinstance(out, torch.Tensor):     # a hook's None would leave it unchanged
-                raise ValueError(f"edits[{site!r}] must return the activation tensor to use; "
-                                 f"got {type(out).__name__}.")
+        def run(module, inputs, act):
+            out = fn(act)
+            if not isinstance(out, torch.Tensor) or out.shape != act.shape:   # None: left unchanged
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"edits[{site!r}] must return the activation to use, a tensor of "
+                                 f"its shape {tuple(act.shape)}; got {got}.")
             return out
         return run
 
     try:
         for site, fn in edits.items():
-            if not isinstance(modules.get(site), HookPoint):
-                raise KeyError(f"{site!r} is not a HookPoint of this model")
+            if not isinstance(modules.get(site), HookPoint) or not callable(fn):
+                raise ValueError(f"edits: {site!r} must be a HookPoint of this model (hook_points("
+                                 f"model)) and its edit a function of the activation; got {fn!r}.")
             handles.append(modules[site].register_forward_hook(hook(site, fn)))
         yield model
     finally:
@@ -126,6 +139,8 @@ def patch(model, edits):
 @torch.no_grad()
 def record(model, tokens, sites, take=None):
     """{site: a clone of its activation (or take(site, activation))} from one forward on tokens."""
+    if isinstance(sites, str) or not sites:        # each site is checked by patch
+        raise ValueError(f"sites must be a non-empty list of HookPoint names; got {sites!r}.")
     store = {}
 
     def keep(site):
@@ -201,15 +216,17 @@ def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answer
 def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
     """Ratio of means over documents (as the paper's code), not a mean of per-document ratios:
         score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt), on probabilities (b,).
-    low_signal when the gap is <= threshold; score is None when the gap is exactly 0."""
+    low_signal when the gap is <= threshold or not a number; score is None when the gap is 0 (or a
+    probability is not a number), so that every result is JSON."""
     _check_threshold(threshold)
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
+    score = (patched - corrupted) / gap if gap != 0 else math.nan
     return {
-        "score": (patched - corrupted) / gap if gap != 0 else None,
+        "score": score if math.isfinite(score) else None,
         "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
         "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
-        "low_signal": gap <= threshold,
+        "low_signal": not gap > threshold,                 # NaN probabilities: no signal
     }
 
 
@@ -344,13 +361,9 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
     _check_threshold(threshold)
-    wrong = [p for p in positions if not isinstance(p, str) or p not in POSITIONS]
-    if wrong:
-        raise ValueError(f"positions must be among {', '.join(POSITIONS)}; got {wrong[0]!r}.")
-    unknown = [s for s in sites or () if s not in hook_points(model)]
-    if unknown:
-        raise ValueError(f"sites must be patchable sites of this model (hook_points(model), e.g. "
-                         f"{', '.join(default_sites(model)[:3])}, ...); got {unknown[0]!r}.")
+    _check_names("positions", positions, POSITIONS)
+    if sites is not None:
+        _check_names("sites", sites, list(hook_points(model)))
     model.eval()
     docs = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
     data, clean, corrupted, answers, query = docs
@@ -404,6 +417,37 @@ def _summary(score, n_layers, low_signal, threshold):
             "later_layers": {s: {k: score[s, k] for k in ("value", "query")} for s in later}}
 
 
+# --- Effective attention: where each position reads, from each mixer's own exact map (Mixer.effective_map).
+
+def reduce_map(M):
+    """(b, c, l, l) -> (b, l, l): the mean over the c heads or channels of |M|. For attention, the pattern
+    averaged over heads. Lost: signs (channels that cancel both count), which channel reads where, and
+    the size of the value read (a position whose value is ~0 still counts)."""
+    return M.abs().mean(1)
+
+
+@torch.no_grad()
+def effective_attention(model, tokens, reduce=True):
+    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t), from the
+    mixer's own exact map (Mixer.effective_map, (b, c, l, l) per head or channel), reduced by reduce_map;
+    reduce=False: the effective_map pairs (M, v) themselves."""
+    hooks = [f"blocks.{i}.mixer.hook_in" for i in range(len(model.blocks))]
+    inputs = record(model, tokens, hooks)
+    maps = [block.mixer.effective_map(inputs[h]) for block, h in zip(model.blocks, hooks)]
+    return [reduce_map(M) for M, _ in maps] if reduce else maps
+
+
+def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "query")):
+    """JSON-safe maps of one document for a run's record: {"positions": {role: t}, "query": [layer i's
+    row at the query, positions 0..query], "value": [layer 0's row at the value, 0..value]}."""
+    check_dataset(model, dataset)
+    tokens = dataset.tokens[doc:doc + 1].to(next(model.parameters()).device)
+    maps = effective_attention(model, tokens)                                 # n x (1, l, l)
+    at = {role: int(dataset.positions[role][doc]) for role in roles}
+    return {"positions": at, "query": [m[0, at["query"], :at["query"] + 1].tolist() for m in maps],
+            "value": maps[0][0, at["value"], :at["value"] + 1].tolist()}
+
+
 # --- Output: the terminal heatmap (the PNG figures are run.py's).
 
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour
@@ -416,11 +460,15 @@ def _shade(x):
 def render_heatmap(result, *, sites=None):
     """Terminal table: rows 'L{layer} {label}' (sites: names or labels to keep), cells score*100."""
     positions = result["positions"]
+    if sites is not None:
+        known = dict.fromkeys(name for r in result["rows"] for name in (r["site"], r["label"]))
+        _check_names("sites", sites, list(known))
     rows = [r for r in result["rows"] if sites is None or r["site"] in sites or r["label"] in sites]
     names = [f"L{r['layer']} {r['label']}" for r in rows]
     width = max([len(n) for n in names] + [4])
-    lines = [f"{result.get('arch')}: p_clean {result['p_clean']:.3f}  p_corrupt "
-             f"{result['p_corrupt']:.3f}  gap {result['gap']:.3f}"
+    prob = lambda x: "nan" if x is None else f"{x:.3f}"                  # NaN in JSON: None
+    lines = [f"{result.get('arch')}: p_clean {prob(result['p_clean'])}  p_corrupt "
+             f"{prob(result['p_corrupt'])}  gap {prob(result['gap'])}"
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
     pct = lambda x: "--" if x is None else round(100 * x)

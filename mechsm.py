@@ -482,7 +482,9 @@ def save(model, cfg, path):
 
 def load(path, device="cpu"):
     """(model, cfg) from a checkpoint of save(), built from its config (exactly Config's fields,
-    valid) that must agree with its build_args and weights; else a one-line CheckpointError."""
+    valid) that must agree with its build_args and weights; else a one-line CheckpointError. The
+    model and cfg.device are `device`'s, wherever it was trained (a GPU's checkpoint on a laptop)."""
+    Config(device=device).check()                       # a bad device: a ValueError naming it
     fail = lambda what: CheckpointError(f"checkpoint {path}: {what}")
     oneline = lambda e: " ".join(str(e).split())
     if not os.path.isfile(path):
@@ -502,8 +504,7 @@ def load(path, device="cpu"):
                                     f"has an unknown field {unknown[0]!r}")
                    + "; expected exactly mechsm.Config's fields")
     try:
-        cfg = Config(**config)
-        replace(cfg, device="cpu").check()              # trained on a GPU, loaded here: still valid
+        cfg = replace(Config(**config), device=device).check()
     except ValueError as e:
         raise fail(f"its config is invalid ({oneline(e)})") from None
     # the model must read its own config's documents (no unknown ids, no data it was not trained on)
@@ -526,7 +527,7 @@ def load(path, device="cpu"):
     if what:
         raise fail(f"does not rebuild its model ({what})")
     model.task = cfg.task                               # check_dataset refuses other tasks' data
-    return model.to(resolve_device(device)), cfg
+    return model, cfg
 
 
 # ==================================================================================================

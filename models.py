@@ -1,15 +1,16 @@
-"""models.py: the language model, its seven sequence mixers and their kernels, in plain PyTorch.
+"""models.py: the language model, its eight sequence mixers and their kernels, in plain PyTorch.
 
 Follows Arora et al. 2025 (arXiv 2505.15105), Sec. 4 and App. B, with the parameter names, shapes
-and init of zoology (model.py, mixers/*.py), mamba-ssm (modules/mamba_simple.py) and, for DeltaNet,
-flash-linear-attention (fla/layers/delta_net.py), plus a HookPoint on every tensor an intervention
-may patch (README, difference 10). Sections: 1 HookPoint, Mixer; 2 slow reference kernels; 3 the
-mixers; 4 TransformerBlock, the LM and its init, registry, build_model; 5 fast kernels, each
-equal to a reference of 2.
+and init of zoology (model.py, mixers/*.py), mamba-ssm (modules/mamba_simple.py) and, for DeltaNet
+and Gated DeltaNet, flash-linear-attention (fla/layers/delta_net.py, gated_deltanet.py), plus a
+HookPoint on every tensor an intervention may patch (README, difference 10). Sections: 1 HookPoint,
+Mixer; 2 slow reference kernels; 3 the mixers; 4 TransformerBlock, the LM and its init, registry,
+build_model; 5 fast kernels, each equal to a reference of 2.
 
 Shape letters (the README's glossary): b batch, l sequence length (t, s: positions in it), d d_model,
 v vocabulary, h heads, w head width (d/h), e Mamba's inner width (2d), n SSM state size, f Based's
-feature dim, c conv channels, o Hyena's filter width, r runs trained as one model (mechsm.Ensemble).
+feature dim, c conv channels (effective_map: heads or channels), o Hyena's filter width, r runs
+trained as one model (mechsm.Ensemble).
 """
 
 import contextlib
@@ -44,6 +45,7 @@ class Mixer(nn.Module):
     D_CONV = None           # the short-conv sizes the mixer accepts (None: no short conv)
     BLOCK = None            # the block it is built in; None: TransformerBlock (Mamba: MambaBlock)
     DOWN_SCALED = None      # its Linear into the residual stream, whose init is scaled down (GPT-2)
+    MAP_SITE = None         # the inner hook effective_map reproduces
 
     def __init__(self, reference=False):
         super().__init__()
@@ -53,6 +55,24 @@ class Mixer(nn.Module):
 
     def forward(self, x):
         return self.hook_out(self.mix(self.hook_in(x)))
+
+    def effective_map(self, x):
+        """(M (b, c, l, l), v (b, c, l, e)): the mixer on input x as c maps (heads or channels) from
+        positions s to t applied to its value stream v, its gates, keys and decays held fixed: the
+        activation at MAP_SITE, (b, l, c*e) in memory, is einsum("bcts,bcse->btce", M, v)."""
+        raise NotImplementedError(f"{type(self).__name__} defines no effective_map")
+
+    def capture(self, x, *names):
+        """{name: output} of the named HookPoints in one call of mix(x)."""
+        store = {}
+        handles = [getattr(self, n).register_forward_hook(lambda m, i, out, n=n: store.__setitem__(n, out))
+                   for n in names]
+        try:
+            self.mix(x)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return store
 
 
 # ============================================ 2. Reference kernels (their fast twins: section 5)
@@ -83,6 +103,15 @@ def direct_conv(u, k):
     return torch.einsum("tsd,bsd->btd", toeplitz, u)      # (l,l,d) x (b,l,d) -> (b,l,d)
 
 
+def gated_toeplitz(kernel, gate):
+    """A causal long conv (kernel (l, c)) then a gate (b, l, c), as maps: M[b, c, t, s] = gate[b, t, c]
+    kernel[t - s, c] for s <= t, else 0 (b, c, l, l)."""
+    t = torch.arange(kernel.shape[0], device=kernel.device)
+    lag = t[:, None] - t[None, :]                                               # (l, l): t - s
+    toeplitz = (kernel[lag.clamp(min=0)] * (lag >= 0)[..., None].to(kernel.dtype)).permute(2, 0, 1)
+    return gate.transpose(1, 2)[..., None] * toeplitz                           # (b,c,l,1) x (c,l,l)
+
+
 def _shift_right(x, s):
     """out[:, t] = x[:, t - s], the first s entries 0."""
     return torch.cat([torch.zeros_like(x[:, :s]), x[:, :x.shape[1] - s]], dim=1)
@@ -98,13 +127,16 @@ def short_conv_reference(x, weight, bias=None):
     return y
 
 
-def delta_rule_recurrent(q, k, v, beta):
+def delta_rule_recurrent(q, k, v, beta, log_alpha=None):
     """The delta rule as a loop over tokens. q, k, v (b, l, h, w), beta (b, l, h) -> o (b, l, h, w):
-    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k)."""
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k). Gated (log_alpha
+    (b, l, h)): S_{t-1} first decays to alpha_t S_{t-1} (fla/ops/gated_delta_rule/naive.py)."""
     b, l, h, dk = k.shape
     S = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, w, w)
+    alpha = torch.ones_like(beta) if log_alpha is None else log_alpha.exp()  # x 1: exact, DeltaNet's
     outputs = []
-    for q_t, k_t, v_t, beta_t in zip(*(t.unbind(1) for t in (q, k, v, beta))):  # (b,h,w) x3, (b,h)
+    for q_t, k_t, v_t, beta_t, alpha_t in zip(*(t.unbind(1) for t in (q, k, v, beta, alpha))):
+        S = alpha_t[..., None, None] * S                                           # decay
         retrieved = torch.einsum("bhkv,bhk->bhv", S, k_t)                          # S^T k_t
         S = S + beta_t[..., None, None] * torch.einsum("bhk,bhv->bhkv", k_t, v_t - retrieved)
         outputs.append(torch.einsum("bhkv,bhk->bhv", S, q_t) / math.sqrt(dk))
@@ -144,6 +176,7 @@ class Attention(Mixer):
     POS_EMB = True
     INTERNAL_SITES = ["hook_pattern", "hook_z"]
     DOWN_SCALED = "out_proj"
+    MAP_SITE = "hook_z"
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, **options):
         super().__init__(reference)
@@ -164,6 +197,11 @@ class Attention(Mixer):
         z = self.hook_z(torch.einsum("bhts,bshw->bthw", pattern, v))  # (b,l,h,w)
         return self.out_proj(z.reshape(b, l, d))
 
+    def effective_map(self, x):
+        """The softmax pattern per head on v (b,h,l,w)."""
+        a = self.capture(x, "hook_pattern", "hook_v")
+        return a["hook_pattern"], a["hook_v"].transpose(1, 2)
+
 
 def hyena_positional_features(n_positions):
     """Z (n_positions, 3), the input of Hyena's and BaseConv's filters: Z[t] = (t/(P-1), cos a_t,
@@ -179,6 +217,7 @@ class BaseConv(Mixer):
     features Z. Layers alternate kernel sizes 3 and -1; d_conv sets every layer's, long_only: all -1."""
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
     D_CONV = range(1, 2**31)
+    MAP_SITE = "hook_gated"
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False,
                  n_positions=1024, freeze_features=False, **options):
@@ -203,6 +242,16 @@ class BaseConv(Mixer):
             c = self.short_conv(u, self.conv.weight, self.conv.bias)
         return self.hook_gated(self.hook_conv(c) * p) + u
 
+    def effective_map(self, u):
+        """The conv's kernel (kappa + identity, or the short conv's taps) gated by p, per channel, on v = u (b,d,l,1).
+        The short conv's bias adds p_t * bias, which reads no position: it is not in M."""
+        a = self.capture(u, "hook_proj", *["hook_filter"] * (self.kernel_size == -1))
+        if self.kernel_size == -1:
+            kernel = torch.cat([a["hook_filter"][:1] + 1, a["hook_filter"][1:]])   # LC(u) + u
+        else:  # tap j of `size` looks size-1-j steps back
+            kernel = F.pad(self.conv.weight[:, 0].flip(-1).t(), (0, 0, 0, u.shape[1]))[:u.shape[1]]  # (l,d)
+        return gated_toeplitz(kernel, a["hook_proj"]), u.transpose(1, 2)[..., None]
+
 
 def taylor_features(a):
     """Based's Taylor feature map (..., f) -> (..., 1 + f + f^2), phi(a) = [1, a / f^(1/4),
@@ -218,6 +267,7 @@ class BasedAttention(Mixer):
     y_t = sum_{s<=t} phi(q_t).phi(k_s) v_s / (sum_{s<=t} phi(q_t).phi(k_s) + eps) (as trained); as
     a recurrence y_t = phi(q_t) S_t / (phi(q_t) z_t + eps), S_t = sum phi(k_s) v_s^T."""
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
+    MAP_SITE = "hook_y"
 
     def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8,
                  **options):
@@ -245,12 +295,19 @@ class BasedAttention(Mixer):
         den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
         return self.proj_o(self.hook_y((num / (den + self.eps)).reshape(b, l, d)))
 
+    def effective_map(self, x):
+        """The normalised pattern phi(q_t).phi(k_s) / (sum_s' phi(q_t).phi(k_s') + eps) per head on v."""
+        a = self.capture(x, "hook_pattern", "hook_v")
+        pattern = a["hook_pattern"]                                             # (b,h,l,l)
+        return pattern / (pattern.sum(-1, keepdim=True) + self.eps), a["hook_v"].transpose(1, 2)
+
 
 class H3(Mixer):
     """H3 (zoology/mixers/h3.py): a shift SSM on the keys, then per head (h = d/w heads of
     width w = h3_head_dim) a diagonal SSM on the w x w products k~ v^T: k~ = LC(k; K^s) + D^k k,
     z = LC(k~ v^T; K^d) + D^d k~ v^T, o_j = sum_i q_i z_ij, out = o W_o + b_o."""
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
+    MAP_SITE = "hook_o"
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024,
                  h3_head_dim=2, **options):
@@ -277,6 +334,7 @@ class H3(Mixer):
         self.hook_shift_kernel, self.hook_shift_out = HookPoint(seq_dim=None), HookPoint()
         self.hook_k_tilde, self.hook_kv, self.hook_y = HookPoint(), HookPoint(), HookPoint()
         self.hook_ssm_kernel, self.hook_ssm_out = HookPoint(seq_dim=None), HookPoint()  # K^d; z
+        self.hook_o = HookPoint()                                       # o (b, l, h, w), per head
 
     def shift_kernel(self, length):
         """K^s (l, d), the shift SSM's response: K^s[lag, c] = sum_n B^s[c, n] C^s[c, n + lag]."""
@@ -323,8 +381,17 @@ class H3(Mixer):
         per_signal = ssm_kernel[:, :, None].expand(l, h, w * w).reshape(l, h * w * w)  # per head
         z = long_conv(kv.reshape(b, l, h * w * w), per_signal, self.reference).view(b, l, h, w, w)
         z = self.hook_ssm_out(z + self.diag_D[:, None, None] * kv)  # (b, l, h, w, w)
-        o = torch.einsum("blhi,blhij->blhj", q.view(b, l, h, w), z)  # read out with the query
+        o = self.hook_o(torch.einsum("blhi,blhij->blhj", q.view(b, l, h, w), z))  # read out with q
         return self.output_linear(self.hook_y(o.transpose(2, 3).reshape(b, l, d)))  # channel j*h + head
+
+    def effective_map(self, x):
+        """Per head, (q_t . k~_s) (K^d[t-s] + D^d [t = s]) on v (b,h,l,w); the shift SSM is inside k~."""
+        b, l, d = x.shape
+        a = self.capture(x, "hook_q", "hook_k_tilde", "hook_v", "hook_ssm_kernel")
+        q, k, v = (a[n].view(b, l, self.n_heads, -1) for n in ("hook_q", "hook_k_tilde", "hook_v"))
+        kernel = torch.cat([a["hook_ssm_kernel"][:1] + self.diag_D, a["hook_ssm_kernel"][1:]])  # (l,h)
+        scores = torch.einsum("bthi,bshi->bhts", q, k)                               # (b,h,l,l)
+        return scores * gated_toeplitz(kernel, q.new_ones(1, 1, self.n_heads)), v.transpose(1, 2)
 
 
 class HyenaFilter(nn.Module):
@@ -357,6 +424,7 @@ class Hyena(Mixer):
     FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
     DOWN_SCALED = "out_proj"
+    MAP_SITE = "hook_postgate"
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_positions=1024,
                  hyena_order=64, hyena_skip=False, **options):
@@ -385,6 +453,14 @@ class Hyena(Mixer):
         y = self.hook_longconv(long_conv(s, kernel, reference=self.reference) + skip * s)  # (b,l,d)
         return self.out_proj(self.hook_postgate(y * x2))
 
+    def effective_map(self, x):
+        """The filter h (+ the skip beta at lag 0) gated by x2, per channel, on v = s = v x1 (b,d,l,1)."""
+        a = self.capture(x, "hook_short", "hook_filter", "hook_pregate")
+        skip = self.skip if self.use_skip else 0 * self.skip
+        kernel = torch.cat([a["hook_filter"][:1] + skip, a["hook_filter"][1:]])     # (l, d)
+        x2 = a["hook_short"].split(x.shape[-1], dim=-1)[1]                         # (b, l, d)
+        return gated_toeplitz(kernel, x2), a["hook_pregate"].transpose(1, 2)[..., None]
+
 
 class MambaBlock(nn.Module):
     """r += Mamba(RMSNorm(r)); no MLP (zoology's MambaBlock)."""
@@ -407,6 +483,7 @@ class Mamba(Mixer):
       h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t;  y = (sum_n C_t h_t + D u) * SiLU(z);
       out = y W_out^T, A = -exp(A_log) (e, n): selective_scan_reference. d_conv=0: no short conv."""
     INTERNAL_SITES = ["hook_conv_out", "hook_ssm_out", "hook_gate"]
+    MAP_SITE = "hook_y"
     READS = {"conv@next_key": ("hook_conv_out", "next_key")}   # the conv carrying the key forward
     D_CONV = range(5)                                          # 0: no conv
     BLOCK = MambaBlock
@@ -451,6 +528,22 @@ class Mamba(Mixer):
         y = self.hook_ssm_out(ssm_out.to(x.dtype)) + self.D * u
         return self.out_proj(self.hook_y(y * self.hook_gate(F.silu(z))))  # (b,l,e) -> (b,l,d)
 
+    def effective_map(self, x):
+        """The selective scan as a matrix per channel e ("The Hidden Attention of Mamba Models", Ali,
+        Zimerman, Wolf 2024), with D and the gate: on v = u (b,e,l,1),
+        M[e, t, s] = SiLU(z_t) (sum_n C_t exp(A (Delta_{s+1} + .. + Delta_t)) B_s Delta_s + D [t = s])."""
+        a = self.capture(x, "hook_u", "hook_delta", "hook_B", "hook_C", "hook_gate")
+        u, delta, l = a["hook_u"], a["hook_delta"], x.shape[1]
+        cum = delta.cumsum(1).transpose(1, 2)                                        # (b, e, l)
+        future = torch.ones(l, l, dtype=torch.bool, device=x.device).triu(1)[..., None]
+        A = -torch.exp(self.A_log)                                                   # (e, n)
+        decay = ((cum[..., :, None] - cum[..., None, :])[..., None] * A[:, None, None]).masked_fill(
+            future, float("-inf")).exp()                                             # (b,e,l,l,n)
+        M = torch.einsum("betsn,btn,bsn->bets", decay, a["hook_C"], a["hook_B"])  # L . C B^T (b,e,l,l)
+        M = M * delta.transpose(1, 2)[:, :, None]                                  # x Delta_s
+        M = M + torch.diag_embed(self.D[:, None].expand(-1, l))                     # + D [t = s]
+        return M * a["hook_gate"].transpose(1, 2)[..., None], u.transpose(1, 2)[..., None]
+
 
 def l2_normalize(x):
     """x / sqrt(|x|^2 + 1e-6) over the last dim (fla's qk_norm='l2')."""
@@ -463,6 +556,7 @@ class DeltaNet(Mixer):
     stores key -> value pairs; per-head RMSNorm (one weight); W_o. d_conv: conv size (default 4)."""
     D_CONV = range(2**31)   # 0 removes the convs
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
+    MAP_SITE = "hook_o"
 
     def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
                  **options):
@@ -491,8 +585,49 @@ class DeltaNet(Mixer):
         q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
         beta = self.hook_beta(torch.sigmoid(beta))
         delta_rule = delta_rule_recurrent if self.reference else delta_rule_parallel
-        o = self.hook_o(delta_rule(q, k, v, beta))                                   # (b, l, h, w)
-        return self.o_proj(self.o_norm(o).flatten(-2))  # per-head RMSNorm, heads concatenated
+        o = self.hook_o(delta_rule(q, k, v, beta, *self.log_decay(x)))             # (b, l, h, w)
+        return self.o_proj(self.readout(o, x).flatten(-2))  # heads concatenated
+
+    def log_decay(self, x):
+        return ()  # DeltaNet's state never decays
+
+    def readout(self, o, x):
+        return self.o_norm(o)  # per-head RMSNorm
+
+    def effective_map(self, x):
+        """Per head the lower-triangular M of o = M V (the UT transform of delta_rule_parallel): the
+        output for the values V = I, value j the unit vector e_j."""
+        a = self.capture(x, "hook_q", "hook_k", "hook_v", "hook_beta")
+        b, l, h, _ = a["hook_q"].shape
+        eye = torch.eye(l, dtype=x.dtype, device=x.device).expand(b, h, l, l).transpose(1, 2)  # (b,l,h,l)
+        M = delta_rule_parallel(a["hook_q"], a["hook_k"], eye, a["hook_beta"], *self.log_decay(x))
+        return M.transpose(1, 2), a["hook_v"].transpose(1, 2)                      # (b,h,l,l), (b,h,l,w)
+
+
+class GatedDeltaNet(DeltaNet):
+    """Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025; fla/layers/gated_deltanet.py): DeltaNet
+    whose state decays, S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T (S as value x key),
+    alpha_t = exp(-exp(A_log) softplus(x W_a + dt_bias)) per head (Mamba-2's), and whose output is
+    gated: RMSNorm(o) * SiLU(x W_g) (fla's FusedRMSNormGated). fla's head widths are 0.75d (keys) and
+    1.5d (values); ours d and d, one head by default, as our DeltaNet (README, difference 15)."""
+
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
+                 **options):
+        super().__init__(d_model, layer_idx, n_layers, reference, n_heads=n_heads, d_conv=d_conv)
+        d, h = d_model, n_heads
+        self.a_proj, self.g_proj = nn.Linear(d, h, bias=False), nn.Linear(d, d, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h).uniform_(0, 16).log())  # decay rates exp(A_log) ~ U(0, 16)
+        dt = torch.exp(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt), as Mamba's
+        self.hook_log_alpha, self.hook_gate = HookPoint(), HookPoint()  # (b,l,h); SiLU(x W_g) (b,l,d)
+
+    def log_decay(self, x):
+        """(log alpha (b, l, h),): log alpha_t = -exp(A_log) softplus(x W_a + dt_bias) < 0."""
+        return (self.hook_log_alpha(-self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)),)
+
+    def readout(self, o, x):
+        gate = self.hook_gate(F.silu(self.g_proj(x))).unflatten(-1, (self.n_heads, -1))  # (b,l,h,w)
+        return self.o_norm(o) * gate
 
 
 # ============================================ 4. TransformerBlock, the LM and its init (zoology/model.py)
@@ -638,7 +773,7 @@ def register(name, mixer, description):
                                     if p.default is not p.empty) - {"layer_idx", "n_layers", "reference"}
 
 
-# The built-in architectures (the paper's six, then DeltaNet), in the order of every table.
+# The built-in architectures (the paper's six, then DeltaNet and Gated DeltaNet), in the order of tables.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
 register("base_conv", BaseConv, "a projection gated by short and implicit long convs + MLP")
 register("based", based_layer, "BaseConv alternating with Taylor-feature linear attention + MLP")
@@ -646,6 +781,7 @@ register("h3", H3, "shift SSM on keys, diagonal SSM on key-value products, query
 register("hyena", Hyena, "short filter, gated implicit long convolution + MLP")
 register("mamba", Mamba, "short conv, selective SSM scan, SiLU gate; no MLP")
 register("deltanet", DeltaNet, "linear attention with the delta-rule update, short convs + MLP")
+register("gated_deltanet", GatedDeltaNet, "DeltaNet with a decaying state and a gated output + MLP")
 BUILT_IN_ARCHS = tuple(ARCHS)
 
 
@@ -944,14 +1080,26 @@ def short_conv(x, weight, bias=None):
     return y                                                        # (b, l, c)
 
 
-def delta_rule_parallel(q, k, v, beta):
+def decay_matrix(log_alpha):
+    """D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t (G = cumsum log alpha), 0 above the
+    diagonal: how much of what was written at j survives at t. log_alpha (b, l, h) -> (b, h, l, l)."""
+    G = log_alpha.transpose(1, 2).cumsum(-1)                                       # (b, h, l)
+    future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
+    return (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()
+
+
+def delta_rule_parallel(q, k, v, beta, log_alpha=None):
     """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
-    u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k)."""
+    u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k).
+    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by D = decay_matrix."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, w)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
-    system = torch.tril(beta * (k @ k.transpose(-1, -2)), diagonal=-1)  # (b,h,l,l); unit diagonal
+    gram, scores = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)  # (b, h, l, l): k_t . k_j, q_t . k_j
+    if log_alpha is not None:
+        decay = decay_matrix(log_alpha)
+        gram, scores = gram * decay, scores * decay
+    system = torch.tril(beta * gram, diagonal=-1)  # (b,h,l,l); unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
     u = torch.linalg.solve_triangular(system.to(work), (beta * v).to(work), upper=False,
                                       unitriangular=True).to(v.dtype)               # (b, h, l, w)
-    scores = torch.tril(q @ k.transpose(-1, -2))  # (b, h, l, l): q_t . k_j, j <= t
-    return (scores @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, w) -> (b, l, h, w)
+    return (torch.tril(scores) @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, w) -> (b, l, h, w)

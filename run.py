@@ -25,8 +25,9 @@ e Mamba's inner width, n SSM state size, r runs trained as one batched model.
 
 Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard), a JSON
 line per finished run (config, metrics, history, the patching table); reruns skip what is there,
-reading all results*.jsonl of --out. <experiment>.md (the table, the timeline, the paper's numbers),
-<experiment>_*.png (figures, with matplotlib), ckpt/ (checkpoints). Bad input prints one line
+reading all results*.jsonl of --out. <experiment>.jsonl (its records, added to, never rewritten),
+<experiment>.md (the table, the timeline, the paper's numbers), <experiment>_*.png (figures, with
+matplotlib), ckpt/ (checkpoints); nothing through a link that leaves --out. Bad input prints one line
 "error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers, keeping every finished run.
 """
 
@@ -39,10 +40,12 @@ import json
 import math
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -77,11 +80,21 @@ LR7 = LR5 + [1e-2, 3e-2]
 # and QUICK_VOCAB keys and values (README, difference 19; the probes `ar-vocab`). Attention gets the
 # most steps: it sits on a "copy any value" plateau for thousands of steps before induction forms.
 QUICK_VOCAB = 1024
+# The paper's numbers: its text, and at our width (d 64) read from its figure files (tinylang's
+# notebooks/figs/: ar_32.pdf, pos_embed.pdf, ar_32_layers_with_3.pdf, mamba_ar_32.pdf, based_ar_32.pdf,
+# atr.pdf, atr_gen.pdf; "box": the medians of atr_box.pdf). The PDFs are vector drawings, so these
+# are the plotted values (accuracies on 320 documents; the paper's AR: README, difference 19).
+WIDTHS_PAPER = {"attention": "6.56 / 100 / 100 / 100 / 100%", "base_conv": "0 / 0.94 / 3.75 / "
+                "6.56 / 9.69%", "based": "24.38 / 93.12 / 99.06 / 98.75 / 99.06%", "h3": "0.94 / "
+                "0.62 / 1.88 / 2.50 / 1.56%", "hyena": "0.62 / 0.94 / 2.81 / 13.75 / 29.69%",
+                "mamba": "10.00 / 76.88 / 80.62 / 89.69 / 91.25%"}
+LATER = {a: "not in the paper's figures (its later version)" for a in ("deltanet", "gated_deltanet")}
 QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pairs=8, d_model=64,
                 n_layers=2, train_size=100_032, steps=6000, eval_every=1000)
 QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
 QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
-             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3]}
+             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3],
+             "gated_deltanet": [1e-3]}
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
 # 64 terminals (README, difference 14). Step budgets per arch from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
@@ -145,67 +158,82 @@ class Experiment:
 # Longest runs first in each list, so that parallel jobs finish together.
 EXPERIMENTS = {e.name: e for e in [
     Experiment("ar", "Sec. 5.1", "AR accuracy and mechanism of every architecture at one width",
-               {"attention": "100% (every d >= 32); induction", "based": "99.06% (best); induction",
-                "mamba": "91.25% (d 256); direct retrieval", "hyena": "~30%; direct retrieval",
-                "h3": "direct retrieval"},
-               quick(QUICK_AR, archs(*"mamba attention h3 deltanet hyena based base_conv".split())
+               {"attention": "d 64: 100% (d 256: 100%); induction", "base_conv": "d 64: 3.75%",
+                "based": "d 64: 99.06% (d 256: 99.06%); induction",
+                "mamba": "d 64: 80.62% (d 256: 91.25%); direct retrieval",
+                "hyena": "d 64: 2.81% (d 256: 29.69%); direct retrieval",
+                "h3": "d 64: 1.88%; direct retrieval", **LATER},
+               quick(QUICK_AR, archs(*"mamba attention h3 deltanet gated_deltanet hyena based "
+                                     "base_conv".split())
                      + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds=SEEDS_SENSITIVE),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
-               {"attention": "100% at every d >= 32", "mamba": "rises with d: 91.25% at d 256"},
-               quick(QUICK_AR, archs(*ALL_ARCHS), widths=(16, 32, 64, 128)),
+               {a: f"d 16-256: {v}" for a, v in WIDTHS_PAPER.items()},
+               quick(QUICK_AR, archs(*PAPER_ARCHS, "deltanet"), widths=(16, 32, 64, 128)),
                paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
-               {"attention (NoPE)": "5.62% (d 256)", "attention (PE)": "100%"},
+               {"attention (NoPE)": "d 64: 9.1% (d 256: 5.62%)", "attention (PE)": "d 64: 100%"},
                quick(QUICK_AR, NOPE_PE), paper(PAPER_AR, NOPE_PE)),
     Experiment("ar-layers", "App. D.2, D.3",
                "AR with 1 and 3 layers (1-layer Mamba still learns it)",
-               {"mamba (1 layer)": "96.25%"},
+               {"mamba (1 layer)": "d 64: 83.12% (d 256: 96.25%)", "mamba (2 layers)": "d 64: 80.62%",
+                "mamba (3 layers)": "d 64: 76.56%", "attention (1 layer)": "d 64: 9.06%",
+                "attention (2 layers)": "d 64: 100%", "attention (3 layers)": "d 64: 100%"},
                quick(QUICK_AR, [dict(arch=a, n_layers=n) for n in (1, 2, 3)
                                 for a in ("mamba", "attention")]),
                paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3),
                      lrs=LR7)),
     Experiment("mamba-conv", "Sec. 5.4",
                "Mamba with short-conv sizes 0-4: it needs the conv for AR",
-               {"mamba (d_conv 0)": "fails without the conv",
-                "mamba (default conv)": "91.25% (d 256; conv 4)"},
+               {"mamba (d_conv 0)": "d 64: 2.81%: fails without the conv", "mamba (d_conv 1)":
+                "d 64: 2.19%", "mamba (d_conv 2)": "d 64: 90.94%", "mamba (d_conv 3)": "d 64: 90.94%",
+                "mamba (default conv)": "d 64: 80.62% (conv 4); direct retrieval"},
                quick(QUICK_AR, convs("mamba", (0, 1, 2, 3, None))),
                paper(PAPER_AR, convs("mamba", (0, 1, 2, 3, None)), lrs=LR7)),
     Experiment("based-ablation", "Sec. 5.4", "Based with long convs only, and short kernels 1-4",
-               {"based (default conv)": "99.06%; induction"},
+               {"based (long convs only)": "d 64: 3.75%", "based (d_conv 1)": "d 64: 3.44%",
+                "based (d_conv 2)": "d 64: 98.75%", "based (default conv)": "d 64: 99.06% (conv 3); "
+                "induction", "based (d_conv 4)": "d 64: 97.19%"},
                quick(QUICK_AR, archs("based", long_only=True) + convs("based", (1, 2, None, 4))),
                paper(PAPER_AR, archs("based", "base_conv", long_only=True)
                      + convs("based", (1, 2, None, 4)))),
     Experiment("atr", "Sec. 5.2",
                "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
-               {"attention": "induction-like: the parent's token holds the association",
-                "mamba": "direct retrieval at the query", "h3": "direct retrieval",
-                "hyena": "direct retrieval", "based": "induction-like"},
-               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv"),
+               {"attention": "d 64: 93.75%; box K .06 V 1.03 Q .05: induction",
+                "base_conv": "d 64: 82.50%; box K .50 V .42 Q 0", "based": "d 64: 91.88%; box K .15 "
+                "V .93 Q 0: induction", "h3": "d 64: 90.00%; box K .44 V .02 Q .52: direct retrieval",
+                "hyena": "d 64: 85.31%; box K .48 V .08 Q .50: direct retrieval (Q .495)",
+                "mamba": "d 64: 96.25%; box K .55 V .03 Q .29: held at the key (Sec. 5.2's text: "
+                "retrieval at the query)"},
+               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv",
+                                      "gated_deltanet"),
                      seeds={"mamba": SEEDS5, "*": SEEDS3}),
                paper(PAPER_ATR, archs(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
-               {"mamba": "92.19% (d 256)", "attention": "80.94% (d 256)"},
+               {"mamba": "d 64: 86.25% (d 256: 92.19%); box K .29 V .03 Q .45",
+                "attention": "d 64: 75.62% (d 256: 80.94%); box K .02 V 1.11 Q -.10: induction"},
                quick(QUICK_ATR, archs("mamba", "attention"), **ATR_MEDIUM),
                paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"),
                      **ATR_MEDIUM)),
-    Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)", {},
+    Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)",
+               {"attention": "d 64: 89.38%; box K .36 V .90 Q 0: induction"},
                quick(QUICK_ATR, archs("attention"), num_terminals=8192),
                paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
     Experiment("atr-generalisation", "Sec. 5.3",
                "ATR on held-out (parent, child) label pairs: dev against test",
-               {"attention": "95.62% dev / 68.12% test (d 256)"},
+               {"attention": "d 64: dev 95.00%, test 60.00% (d 256: 95.62%, 68.12%)"},
                quick(QUICK_ATR, archs("attention"), holdout=0.2, gap_filter=0.01),
                paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
     Experiment("ar-generalisation", "the paper's notebook (not in its text)",
-               "AR on held-out (key, value) pairs: dev against test", {},
+               "AR on held-out (key, value) pairs: dev against test",
+               {"attention": "dev 100%, test 100% (ar_gen_dev_test.pdf, width not shown)"},
                quick(QUICK_AR, archs("attention"), holdout=0.2),
                paper(PAPER_AR, archs("attention"), holdout=0.2, epochs=32)),
     Experiment("atr-mamba-conv", "arXiv v3",
                "Mamba without its short conv learns attention-like induction on ATR",
                {"mamba (d_conv 0)": "induction (high Attrib@Value)",
-                "mamba (default conv)": "direct retrieval"},
+                "mamba (default conv)": "atr box K .55 V .03 Q .29: held at the key"},
                quick(QUICK_ATR, convs("mamba", (0, None)), seeds={"*": SEEDS5}),
                paper(PAPER_ATR, convs("mamba", (0, None)))),
     # The probes that chose the quick settings (README, difference 19): run before any table.
@@ -234,6 +262,14 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
     if preset not in PRESETS:
         raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
+    for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
+        if values is not None and not (isinstance(values, (list, tuple, range)) and values):
+            raise ValueError(f"{param}: got {values!r}, expected a non-empty list (None: the grid's)")
+    by_list = {"arch": "archs", "d_model": "widths", "lr": "lrs", "seed": "seeds"}
+    for field in fields_:
+        if field in by_list or field not in {f.name for f in fields(mechsm.Config)}:
+            raise ValueError(f"{field}: " + (f"set by {by_list[field]}=[...]" if field in by_list
+                                             else "not a mechsm.Config field"))
     grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
     runs = grid["runs"]
     if archs is not None:
@@ -273,7 +309,8 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 # The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
 # part 3 (results/bench.txt, the other core busy with one job as in a 2-job sweep), scaled per grid.
 CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
-                   "mamba": 43.7, "deltanet": 79.2}
+                   "mamba": 43.7, "deltanet": 79.2,
+                   "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
 WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
@@ -322,24 +359,29 @@ def catalogue():
 # ============================================ The command line
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError and refuses an unknown or repeated option ('-5': a value)."""
+    """argparse that raises ValueError, refuses an unknown or repeated option, and reads the token
+    after an option that takes a value as its value, even one that starts with '-' (--lr -1e-3)."""
 
     def error(self, message):
         raise ValueError(message)
 
     def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        known, given, twice = self._option_string_actions, set(), []
-        for token in args[:args.index("--")] if "--" in args else args:
-            name = token.split("=", 1)[0]
-            if token[:1] != "-" or token == "-" or token[1] in "0123456789.":
-                continue
-            if name not in known:
-                close = difflib.get_close_matches(name, list(known), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise ValueError(f"unknown option {name}{hint}; see run.py --help")
-            twice += [name] if known[name].dest in given else []
-            given.add(known[name].dest)
+        args = list(sys.argv[1:] if args is None else args)
+        known, given, twice, i = self._option_string_actions, set(), [], 0
+        end = args.index("--") if "--" in args else len(args)
+        while i < end:
+            token, name = args[i], args[i].split("=", 1)[0]
+            if token[:1] == "-" and token != "-":
+                if name not in known:
+                    close = difflib.get_close_matches(name, list(known), n=1)
+                    hint = f" (did you mean {close[0]}?)" if close else ""
+                    raise ValueError(f"unknown option {name}{hint}; see run.py --help")
+                twice += [name] if known[name].dest in given else []
+                given.add(known[name].dest)
+                if (known[name].nargs is None and "=" not in token and i + 1 < end
+                        and args[i + 1].split("=", 1)[0] not in known):
+                    args[i:i + 2], end = [f"{token}={args[i + 1]}"], end - 1   # its value, even -1e-3
+            i += 1
         namespace, extras = super().parse_known_args(args, namespace)
         if twice:
             raise ValueError(f"{twice[0]}: given twice; give it once (a comma list for several "
@@ -348,8 +390,9 @@ class Parser(argparse.ArgumentParser):
         return namespace, extras
 
 
-def typed(kind, many=False):
-    """An argparse type: an int (|x| <= 2**62), a finite float or a non-empty str, or a list."""
+def typed(kind, many=False, zero=False):
+    """An argparse type: a non-empty str, or a positive (zero: or 0) int (<= 2**62) or finite float;
+    many: a comma list of them, ints also a range of seeds lo-hi (0-4)."""
     def one(text):
         text = text.strip()
         if not text:
@@ -361,11 +404,21 @@ def typed(kind, many=False):
                 f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"{text} is out of range")
+        if kind is not str and not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"got {text}, expected a {'non-negative' if zero else 'positive'} "
+                                             f"{'integer' if kind is int else 'number'}")
         return value
 
-    def span(part):                                   # ints also a range of seeds, e.g. 0-4
+    def span(part):
         lo, dash, hi = part.strip().partition("-")
-        return range(one(lo), one(hi) + 1) if dash and kind is int and lo else [one(part)]
+        if not (dash and kind is int and lo):
+            return [one(part)]
+        values = range(one(lo), one(hi) + 1)
+        if not 0 < len(values) <= 10_000:
+            raise argparse.ArgumentTypeError(f"{part.strip()} is " + (
+                f"a range of {len(values):,} values, at most 10,000" if values else "an empty range: "
+                "lo-hi needs lo <= hi"))
+        return values
     return (lambda text: [v for part in text.split(",") for v in span(part)]) if many else one
 
 
@@ -374,9 +427,9 @@ def build_parser():
                "from the experiment's preset (README: what each runs).",
                formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    def a(flag, kind=None, many=False, switch=False, **kw):
+    def a(flag, kind=None, many=False, switch=False, zero=False, **kw):
         if kind is not None:
-            kw["type"] = typed(kind, many)
+            kw["type"] = typed(kind, many, zero)
         p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
@@ -387,7 +440,7 @@ def build_parser():
     a("--arch", str, True, help="an arch, a comma list or 'all' (" + ", ".join(ALL_ARCHS) + ")")
     a("--d-model", int, True, help="width(s), e.g. 64 or 16,32,64")
     a("--lr", float, True, help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
-    a("--seeds", int, True, help="model seed(s): 42, or 0,1,2, or 0-4")
+    a("--seeds", int, True, zero=True, help="model seed(s): 42, or 0,1,2, or 0-4")
     a("--replicates", switch=True, help="quick grids: every seed of each row, as results/ holds "
       "(default: seed 0 only, a first run)")
     # model, task, training: each sets the Config field of its name (--layers: n_layers)
@@ -406,7 +459,8 @@ def build_parser():
             ("--batch-size", "batch size (paper: 32)"),
             ("--eval-every", "steps between evaluations (paper: 200), and always the last"),
             ("--eval-size", "evaluation documents (paper: 320)")]:
-        a(flag, float if flag == "--holdout" else int, help=text)
+        a(flag, float if flag == "--holdout" else int, zero=flag in ("--d-conv", "--holdout", "--data-seed"),
+          help=text)
     a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: per arch)")
     a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
@@ -471,13 +525,15 @@ def grid_runs(args, name, device):
 
 def shard_of(text):
     """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
+    source = "--shard"
     if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
         text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
+        source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (the shard when --shard is not given)"
     if text is None:
         return 0, 1
     i, slash, n = text.partition("/")
     if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
-        raise ValueError(f"--shard: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
+        raise ValueError(f"{source}: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
     return int(i), int(n)
 
 
@@ -499,21 +555,48 @@ def config_of(record):
 
 
 def is_record(x):
-    """Whether a parsed line is a record the report can read (field types; a relative ckpt)."""
-    number = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+    """Whether a parsed line is a record every reader can read (tables, timeline, figures, heatmap):
+    the fields they use, of their types; a checkpoint path inside the folder."""
+    num = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+    real = lambda v: num(v) and v is not None
+    nums = lambda d, keys=None: isinstance(d, dict) and all(num(d.get(k)) for k in keys or d)
+    reals = lambda v: isinstance(v, list) and len(v) > 0 and all(map(real, v))
+    text = lambda v: v is None or isinstance(v, str)
+
+    def readable(table):                                  # interventions.mechanism's dict
+        rows, positions, head = table.get("rows"), table.get("positions"), table.get("headline")
+        return (isinstance(rows, list) and isinstance(positions, list)
+                and all(isinstance(p, str) for p in positions)
+                and all(isinstance(r, dict) and isinstance(r.get("site"), str) and isinstance(
+                    r.get("label"), str) and num(r.get("layer")) and nums(r.get("scores")) for r in rows)
+                and nums(table, ("p_clean", "p_corrupt", "gap", "seconds")) and real(table.get("threshold"))
+                and isinstance(table.get("verdict"), str) and isinstance(table.get("low_signal"), bool)
+                and text(table.get("verdict_reason")) and nums(table.get("extra") or {})
+                and (head is None or nums(head) and {"key", "value", "query"} <= set(head)))
+
+    def drawable(e):                                      # interventions.effective_record's dict
+        return (isinstance(e, dict) and isinstance(e.get("query"), list) and e["query"]
+                and all(map(reals, e["query"] + [e.get("value")])) and isinstance(e.get("positions"), dict)
+                and all(isinstance(v, int) for v in e["positions"].values()))
     if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
             and x.get("status") in ("ok", "failed")):
         return False
-    c, final, ckpt = x["config"], x.get("final"), x.get("checkpoint")
-    history, mech = x.get("history", []), x.get("mechanism") or {}
-    return (isinstance(c.get("arch"), str) and c.get("lr") is not None and number(c.get("lr"))
-            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers"))
+    c, final, ckpt, history = x["config"], x.get("final"), x.get("checkpoint"), x.get("history", [])
+    mech, table = x.get("mechanism") or {}, x.get("mechanism_table")
+    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS and real(c.get("lr"))
+            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers", "eval_size"))
+            and all(v is None or isinstance(v, (str, int, float)) for v in c.values())
             and isinstance(x.get("n_params"), int) and isinstance(final, dict)
-            and all(number(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(history, list) and all(isinstance(h, dict) and number(h.get("step"))
-                                                  and number(h.get("acc")) for h in history)
-            and isinstance(mech, dict) and isinstance(x.get("mechanism_table") or {}, dict)
-            and all(number(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
+            and all(num(v) for k, v in final.items() if k.endswith(("acc", "prob")))
+            and isinstance(history, list) and all(
+                nums(h, ("acc", "attrib_value", "attrib_query")) and isinstance(h.get("step"), int)
+                for h in history)
+            and isinstance(mech, dict) and text(mech.get("verdict"))
+            and all(num(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
+            and len({"attrib_key", "attrib_value", "attrib_query"} & set(mech)) in (0, 3)
+            and (table is None or isinstance(table, dict) and readable(table))
+            and (x.get("effective") is None or drawable(x["effective"]))
+            and num(x.get("wall_s")) and isinstance(x.get("provenance") or {}, dict)
             and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
                  and ".." not in ckpt.split("/")))
 
@@ -525,15 +608,10 @@ def read_results(out, warn=True):
     for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError):
-                    record = None
-                if is_record(record):
+                record = parse_record(line)
+                if record:
                     records.append(record)
-                elif warn:
+                elif warn and line.strip():
                     print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
                           "skipped", file=sys.stderr)
     return records
@@ -546,6 +624,33 @@ def json_safe(x):
     if isinstance(x, (list, tuple)):
         return [json_safe(v) for v in x]
     return None if isinstance(x, float) and not math.isfinite(x) else x
+def parse_record(line):
+    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if is_record(record) else None
+
+
+def latest(records):
+    """Each run once, its last record, in the order first met."""
+    return list({run_key(r["config"]): r for r in records}.values())
+
+
+def out_path(out, *parts):
+    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
+    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
+    leaves `out`; a file hard-linked to other names)."""
+    path, real = os.path.join(out, *parts), os.path.realpath(out)
+    if os.path.commonpath([real, os.path.realpath(path)]) != real:
+        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
+                         "(remove the link)")
+    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
+        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
+                         "which writing it would change too; not written (remove it or copy it)")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
 
 
 def append_result(path, record):
@@ -570,12 +675,18 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
           log=stderr_log()):
     """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
     finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
+    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
+    for name, value, ok, expected in [
+            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("jobs", jobs, isinstance(jobs, int) and jobs > 0, "a positive integer"),
+            ("shard", shard, isinstance(i, int) and isinstance(n, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
+        if not ok:
+            raise ValueError(f"{name}: got {value!r}, expected {expected}")
     check_runs(configs)
     os.makedirs(out, exist_ok=True)
     unique = {}
     for cfg in configs:
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
-    i, n = shard
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
     saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
@@ -587,11 +698,16 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
-    results = os.path.join(out, "results.jsonl" if n == 1 else f"results.shard{i}of{n}.jsonl")
+    results = out_path(out, results_name(shard))
     for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
-    latest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    return [latest[k] for k in unique if k in latest]
+    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    return [newest[k] for k in unique if k in newest]
+
+
+def results_name(shard):
+    """The results file that shard (I, N) appends to."""
+    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
 
 
 def check_runs(configs):
@@ -647,6 +763,12 @@ def run_jobs(jobs_list, out, wants, jobs):
 
 def do_job(kind, payload, out, wants):
     """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
+    # a part of a finished run that fails (a full disk: torch's RuntimeError) costs that part only
+    def without(cfg, what, e):
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
+              file=sys.stderr)
+
     try:
         if kind == "patch":
             cfg, record = payload
@@ -660,21 +782,26 @@ def do_job(kind, payload, out, wants):
         for record, model in pairs:
             cfg, ok = config_of(record), record["status"] == "ok"
             if ok and wants["patch"]:
-                record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+                try:
+                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+                except Exception as e:
+                    if kind == "patch":          # nothing new to record
+                        raise
+                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
             if ok and wants["save"] and not record.get("checkpoint"):
                 path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
                 try:
-                    mechsm.save(model, cfg, os.path.join(out, path))
+                    mechsm.save(model, cfg, out_path(out, path))
                     record["checkpoint"] = path
-                except OSError as e:
-                    print(f"warning: checkpoint of {cfg.name()} not saved ({e.strerror or e}); the "
-                          "run is recorded without it", file=sys.stderr)
+                except Exception as e:
+                    without(cfg, "checkpoint not saved", e)
             record.setdefault("checkpoint", None)
             record.setdefault("provenance", provenance())
         return [json_safe(record) for record, _ in pairs]
     except Exception as e:
-        import traceback
-        traceback.print_exc()
+        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
+            import traceback
+            traceback.print_exc()
         name = payload[0] if kind == "train" else payload[0].name()
         print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
               "it)", file=sys.stderr)
@@ -682,13 +809,42 @@ def do_job(kind, payload, out, wants):
 
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table and the numbers tables show."""
+    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
+    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
-    return json_safe({"mechanism": summary, "mechanism_table": table})
+    return json_safe({"mechanism": summary, "mechanism_table": table,
+                             "effective": interventions.effective_record(model, dataset)})
+
+
+def add_effective(folder, name, log=print):
+    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
+    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
+    final metrics must equal the record's). Other fields of the record stay as they are."""
+    path = out_path(folder, f"{name}.jsonl")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
+    for row in best_by_lr([r for r in parsed if r]):
+        record = row["best"]
+        if record.get("effective") or record["status"] != "ok":
+            continue
+        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
+        if os.path.isfile(ckpt):
+            model = mechsm.load(ckpt)[0]
+        else:
+            log(f"{name}: retraining {record['name']} for its effective attention")
+            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
+            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
+                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
+                                 "record's; maps not added")
+        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
+        changed.add(id(record))
+    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
+                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
 
 
 def provenance():
@@ -895,8 +1051,7 @@ def render(name, preset, records, folder=None):
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
-    timing = os.path.join(folder or "", f"{name}.command.json")
-    c = json.load(open(timing)) if folder and os.path.exists(timing) else None
+    c = read_command(folder, name) if folder else None
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
         f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
@@ -912,6 +1067,24 @@ def render(name, preset, records, folder=None):
         + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
            f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
            f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
+
+
+def read_command(folder, name):
+    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
+    warning if it cannot be read."""
+    path = os.path.join(folder, f"{name}.command.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
+                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
+            return c
+    except (ValueError, OSError, RecursionError):
+        pass
+    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
+    return None
 
 
 def holds(paper_text, s):
@@ -966,7 +1139,8 @@ def summary_table(folder="results"):
                 lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
                               + (f": {exp.finding}" if i == 0 else ""), **line})
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
-    extras = [f"{row['label']}: " + (", ".join(fmt_num(r["mechanism"][name]) for r in row["runs"]
+    mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
+    extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
                                            if verdict_of(r) not in UNREADABLE) or "none")
               for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
               if "@" in name]
@@ -978,10 +1152,17 @@ def summary_table(folder="results"):
     seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
                   for r in unique)
     out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
-               "patching (the records' wall times summed; every run on one thread).")
-    timing = os.path.join(folder, "ar.command.json")
-    if os.path.exists(timing):
-        c = json.load(open(timing))
+               "patching (the records' wall times summed; every run on one thread), made by `python "
+               "run.py --experiment NAME --replicates --out results` for each experiment, split into "
+               "processes with `--shard I/N --jobs 1`.")
+    first = [r for r in records["ar"] if r["config"]["seed"] == 0]
+    minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
+    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
+               f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
+               f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
+               "jobs, so an upper bound).")
+    c = read_command(folder, "ar")
+    if c:
         out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
                    f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
     for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
@@ -1032,23 +1213,22 @@ def pivot(records, across):
 def evaluate_checkpoint(args):
     """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     device = mechsm.resolve_device(args.device or "auto")
-    model, cfg = mechsm.load(args.checkpoint, device=device)
-    cfg = replace(cfg, device=device, eval_size=args.eval_size or cfg.eval_size).check()
+    model, cfg = mechsm.load(args.checkpoint, device=device)          # cfg.device: this device
+    cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    folder = os.path.join(args.out or "out", "checkpoint_eval",
-                          os.path.splitext(os.path.basename(args.checkpoint))[0] + "-" + digest)
-    os.makedirs(folder, exist_ok=True)
+    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
+        os.path.basename(args.checkpoint))[0] + "-" + digest, "result.json")
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    Path(folder, "result.json").write_text(json.dumps(json_safe(record), indent=1))
+    Path(path).write_text(json.dumps(json_safe(record), indent=1))
     print(result_table([dict(label=cfg.arch, best=record, runs=[record], n_seeds=1)]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
               + interventions.render_heatmap(record["mechanism_table"]))
-    print(f"\nresult in {folder}/result.json", file=sys.stderr)
+    print(f"\nresult in {path}", file=sys.stderr)
 
 
 def run(argv=None):
@@ -1062,30 +1242,35 @@ def run(argv=None):
         raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
                          f"{'bench' if command == 'bench' else '--' + command} (it takes "
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
+    folder = args.figures or args.report
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--{command} {folder}: " + ("not a folder" if os.path.exists(folder) else
+                                                        "no such folder"))
     if command != "train":
         {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
          "checkpoint": lambda: evaluate_checkpoint(args),
          "figures": lambda: redraw_figures(args.figures),
          "report": lambda: report_folder(args.report)}[command]()
         return 0
-    if args.experiment and args.task:
-        raise ValueError("--task and --experiment: give one of them (--task atr is --experiment "
-                         "atr)")
+    for a, b, both in [("--task", "--experiment", args.task and args.experiment),
+                       ("--epochs", "--steps", args.epochs and args.steps),
+                       ("--replicates", "--seeds", args.replicates and args.seeds),
+                       ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
+        if both:
+            raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
     name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
     device = mechsm.resolve_device(args.device or "auto")
     configs, notes = grid_runs(args, name, device)
     check_runs(configs)                              # bad input: one line, before anything runs
     for note in notes:
         print(note, file=sys.stderr)
-    for flag, value in (("--jobs", args.jobs), ("--group-size", args.group_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag}: got {value}, expected a positive integer")
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:                                             # an unwritable --out fails now, not at the end
-        os.makedirs(out, exist_ok=True)
-        open(os.path.join(out, ".write_test"), "w").close()
-        os.remove(os.path.join(out, ".write_test"))
+    try:               # now, not at the end: an unwritable --out, a file of it that links out of it
+        for part in [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
+                     *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]:
+            out_path(out, part)
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | "
@@ -1100,18 +1285,22 @@ def run(argv=None):
     if not records:
         raise ValueError("no run finished; nothing to report")
     trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    Path(out, f"{name}.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n"
-                                                  for r in records))
-    if draw_figures(records, best_by_lr(records), name, out, configs[0].task) is None:
+    path = out_path(out, f"{name}.jsonl")    # records already there are kept: added to, never replaced
+    kept = {run_key(r["config"]): r for r in read_results(path)}
+    for record in records:
+        if kept.get(run_key(record["config"])) != record:
+            append_result(path, record)
+    everything = latest(read_results(path, warn=False))         # the report: the folder's records
+    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
         print(FIGURES_HINT, file=sys.stderr)
     if trained:
-        Path(out, f"{name}.command.json").write_text(json.dumps({
-            "command": "python run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
+            "command": shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]),
             "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
             "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    rows, text = render(name, preset, records, out)
-    Path(out, f"{name}.md").write_text(text)
+    rows, text = render(name, preset, everything, out)
+    Path(out_path(out, f"{name}.md")).write_text(text)
     print(text.split("\n", 2)[2].split("\n![")[0])
     tables = [row for row in rows if row["best"].get("mechanism_table")]
     if tables:
@@ -1141,12 +1330,12 @@ def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the README too)."""
     written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
     for name in written:
-        records = read_results(os.path.join(folder, f"{name}.jsonl"))
-        Path(folder, f"{name}.md").write_text(render(name, "quick", records, folder)[1])
-    if os.path.abspath(folder) == os.path.join(HERE, "results"):
+        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
+        Path(out_path(folder, f"{name}.md")).write_text(render(name, "quick", records, folder)[1])
+    readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
+    if readme:
         Path(README).write_text(readme_with_summary(Path(README).read_text(), folder))
-    print(f"{len(written)} reports written to {folder}/"
-          + (" and the README's summary" if written else ""))
+    print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" * readme))
 
 
 def redraw_figures(folder):
@@ -1160,8 +1349,8 @@ def redraw_figures(folder):
     for name in EXPERIMENTS:
         path = os.path.join(folder, f"{name}.jsonl")
         keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
-        records = read_results(path) if os.path.exists(path) else [
-            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys]
+        records = latest(read_results(path) if os.path.exists(path) else [
+            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys])
         if records:
             draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
@@ -1191,6 +1380,7 @@ def main(argv=None):
 # ============================================ Figures: the paper's plots, from the records alone
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
+FIGURE_KINDS = ("scatter", "timeline", "heatmaps", "width", "box", "effective")   # <experiment>_<kind>.png
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
 FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
@@ -1345,6 +1535,28 @@ def plot_box(fig, records):
     return out
 
 
+def plot_effective(fig, rows):
+    """Per label (its widest row), the best run's effective attention on one document: the query's row
+    in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
+    rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("effective")]
+    panels = []
+    for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 1.5), rows):
+        eff = row["best"]["effective"]
+        lines = [*eff["query"], eff["value"]]
+        cells = np.full((len(lines), len(eff["query"][0])), np.nan)
+        for i, line in enumerate(lines):
+            cells[i, :len(line)] = np.array(line) / max(max(line), 1e-30)
+        names = [f"L{i} @query" for i in range(len(eff["query"]))] + ["L0 @value"]
+        ax.imshow(cells, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+        at = eff["positions"]
+        ax.set_xticks(list(at.values()), [r.replace("_", " ") for r in at], fontsize=6, rotation=90)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        ax.set_title(f"{label} (d {row['d_model']})", fontsize=9)
+        panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells})
+    fig.suptitle("Where the query reads: effective attention, each row / its max (one document)")
+    return panels
+
+
 def draw_figures(records, rows, name, folder, task="ar"):
     """folder/<name>_<kind>.png of each kind that applies (a probe: its scatter): {kind: data};
     None without matplotlib."""
@@ -1356,14 +1568,15 @@ def draw_figures(records, rows, name, folder, task="ar"):
     kinds = {"scatter": (plot_scatter, records, patched_runs(records)), "timeline": (plot_timeline, rows, rows),
              "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows)),
              "width": (plot_width, rows, several),
-             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True))}
-    os.makedirs(folder, exist_ok=True)
+             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True)),
+             "effective": (plot_effective, rows,
+                           task in ("ar", "atr") and any(r["best"].get("effective") for r in rows))}
     out = {}
     for kind, (draw, data, wanted) in kinds.items():
         if wanted and (kind == "scatter" or not getattr(EXPERIMENTS.get(name), "probe", False)):
             fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
-            fig.savefig(os.path.join(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
+            fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
     return out
 
 

@@ -9,6 +9,7 @@ learns, a rerun trains nothing, bad input exits with one line). Run: pytest -q t
 from dataclasses import asdict, replace
 import collections
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import H3, DeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
+from models import H3, DeltaNet, GatedDeltaNet, Hyena, delta_rule_parallel, delta_rule_recurrent
 from tasks import BOS, EOS, PAD, PCFG, Dataset, make_ar, make_atr, uniforms
 import interventions as iv
 import mechsm
@@ -567,14 +568,14 @@ def test_kernel_vmap_rules_equal_a_loop_over_members():
 # models.py: backbone and mixers
 # ==================================================================================================
 
-ARCH_UNDER_TEST = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet"]
+ARCH_UNDER_TEST = ["attention", "base_conv", "based", "h3", "hyena", "mamba", "deltanet", "gated_deltanet"]
 
 # Parameter totals of the upstream modules at v=8195, P=1024, 2 layers, pos_emb on, tied head counted once.
 PARAM_COUNTS = {  # d_model: {arch: count}
     16: {"attention": 154_000, "base_conv": 155_936, "based": 153_024, "hyena": 179_984, "h3": 268_848, "mamba": 154_288},
     32: {"attention": 320_288, "base_conv": 317_952, "based": 315_776, "hyena": 348_832, "h3": 549_984, "mamba": 314_976},
     64: {"attention": 689_728, "base_conv": 669_632, "based": 670_464, "hyena": 723_392, "h3": 1_149_120,
-         "mamba": 655_552, "deltanet": 691_392},
+         "mamba": 655_552, "deltanet": 691_392, "gated_deltanet": 699_716},
     128: {"attention": 1_576_064, "base_conv": 1_483_584, "based": 1_496_576, "hyena": 1_619_968, "h3": 2_494_848,
           "mamba": 1_413_504},
     256: {"attention": 3_938_560, "base_conv": 3_553_856, "based": 3_615_744, "hyena": 4_002_944, "h3": 5_776_128,
@@ -590,6 +591,7 @@ REQUIRED_HOOKS = {
     "hyena": ["hook_in_proj", "hook_short", "hook_pregate", "hook_longconv", "hook_postgate"],
     "h3": ["hook_q", "hook_k", "hook_v", "hook_shift_out", "hook_k_tilde", "hook_ssm_out", "hook_y"],
     "deltanet": ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_o"],
+    "gated_deltanet": ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_log_alpha", "hook_o", "hook_gate"],
 }
 
 V, D = 50, 16
@@ -822,6 +824,8 @@ MIXER_VARIANTS = {
     "deltanet": (DeltaNet, {}),
     "deltanet_h2": (DeltaNet, {"n_heads": 2}),
     "deltanet_noconv": (DeltaNet, {"n_heads": 2, "d_conv": 0}),
+    "gated_deltanet": (GatedDeltaNet, {}),
+    "gated_deltanet_h2": (GatedDeltaNet, {"n_heads": 2}),
 }
 
 
@@ -845,6 +849,7 @@ def inputs(b=2, l=11, d=16, seed=1):
 @pytest.mark.parametrize("cls,options,expected", [
     (Hyena, {}, 33_280), (H3, {}, 246_144),
     (DeltaNet, {"n_heads": 1}, 17_280), (DeltaNet, {"n_heads": 2}, 17_312), (DeltaNet, {"n_heads": 4}, 17_424),
+    (GatedDeltaNet, {}, 17_280 + 64 + 64 * 64 + 2),  # + W_a (d, h), W_g (d, d), A_log, dt_bias (h)
 ])
 def test_mixer_parameter_counts(cls, options, expected):
     assert models.count_parameters(cls(64, 0, 2, **options)) == expected
@@ -859,7 +864,7 @@ def test_model_parameter_counts(arch, d_model, n_heads, expected):
 
 
 def test_registry_and_init_pass():
-    assert {"hyena", "h3", "deltanet"} <= set(models.MIXER_CLASSES)
+    assert {"hyena", "h3", "deltanet", "gated_deltanet"} <= set(models.MIXER_CLASSES)
     model = models.build_model("hyena", 50, 64, 2, seed=0)
     mixer = model.blocks[0].mixer
     # Hyena's out_proj is down-scaled to N(0, 0.01^2); H3's output_linear and DeltaNet's o_proj are not.
@@ -893,17 +898,19 @@ def test_mixer_causality(name):
         assert not torch.allclose(y2[:, t], y[:, t])
 
 
-def test_delta_rule_parallel_equals_loop_with_gradients():
+@pytest.mark.parametrize("gated", [False, True])
+def test_delta_rule_parallel_equals_loop_with_gradients(gated):
     g = torch.Generator().manual_seed(0)
     b, l, h, k = 2, 10, 3, 4
     q, key, v = (torch.randn(b, l, h, k, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(3))
     beta = torch.rand(b, l, h, dtype=torch.float64, generator=g, requires_grad=True)
-    keys = models.l2_normalize(key)
-    out_loop, out_par = delta_rule_recurrent(q, keys, v, beta), delta_rule_parallel(q, keys, v, beta)
+    log_alpha = -torch.rand(b, l, h, dtype=torch.float64, generator=g).requires_grad_()  # alpha in (0.37, 1)
+    keys, gate, wrt = models.l2_normalize(key), (log_alpha,) if gated else (), (q, key, v, beta, log_alpha)
+    out_loop, out_par = delta_rule_recurrent(q, keys, v, beta, *gate), delta_rule_parallel(q, keys, v, beta, *gate)
     assert torch.allclose(out_loop, out_par, atol=1e-12)
     weights = torch.randn(out_loop.shape, dtype=torch.float64, generator=g)
-    grads_loop = torch.autograd.grad((out_loop * weights).sum(), (q, key, v, beta), retain_graph=True)
-    grads_par = torch.autograd.grad((out_par * weights).sum(), (q, key, v, beta))
+    grads_loop = torch.autograd.grad((out_loop * weights).sum(), wrt[:4 + gated], retain_graph=True)
+    grads_par = torch.autograd.grad((out_par * weights).sum(), wrt[:4 + gated])
     for a, b_ in zip(grads_loop, grads_par):
         assert torch.allclose(a, b_, atol=1e-10)
 
@@ -925,6 +932,46 @@ def test_delta_rule_retrieves_and_overwrites(delta_rule):
     read = delta_rule(q, k_batch, v_batch, ones.expand(n_pairs, -1, -1))[:, -1, 0] * math.sqrt(k_dim)
     expected = torch.cat([values[-1:], values[1:n_pairs]])                           # k_0 now holds the new value
     assert torch.allclose(read, expected, atol=1e-12)
+
+
+def fla_naive_recurrent_gated_delta_rule(q, k, v, beta, g):
+    """fla/ops/gated_delta_rule/naive.py's naive_recurrent_gated_delta_rule, written out (no initial state)."""
+    q, k, v, beta, g = (x.transpose(1, 2) for x in (q, k, v, beta, g))
+    B, H, T, K = k.shape
+    o, h = torch.zeros(B, H, T, v.shape[-1]).to(v), torch.zeros(B, H, K, v.shape[-1]).to(v)
+    q = q * K ** -0.5
+    for i in range(T):
+        h = h * g[:, :, i].exp()[..., None, None]
+        b_v = (v[:, :, i] - (h * k[:, :, i][..., None]).sum(-2)) * beta[:, :, i][..., None]
+        h = h + k[:, :, i].unsqueeze(-1) * b_v.unsqueeze(-2)
+        o[:, :, i] = torch.einsum("bhd,bhdm->bhm", q[:, :, i], h)
+    return o.transpose(1, 2)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_gated_deltanet_equals_fla_layer_with_naive_recurrence(reference):
+    """The mixer equals fla's GatedDeltaNet layer (fla/layers/gated_deltanet.py, use_gate, short convs),
+    written out with fla's naive recurrence and gate (naive_gdn_gate): q scaled by 1/sqrt(d_k)."""
+    mixer, x = make("gated_deltanet_h2"), inputs()
+    mixer.reference = reference
+    h, l = mixer.n_heads, x.shape[1]
+    conv = lambda z, c: F.silu(F.conv1d(z.transpose(1, 2), c.weight, padding=3, groups=16)[..., :l].transpose(1, 2))
+    q, k, v = (conv(p(x), c).unflatten(-1, (h, -1)) for p, c in
+               [(mixer.q_proj, mixer.q_conv), (mixer.k_proj, mixer.k_conv), (mixer.v_proj, mixer.v_conv)])
+    l2 = lambda z: z / torch.sqrt((z * z).sum(-1, keepdim=True) + 1e-6)
+    beta, g = torch.sigmoid(mixer.b_proj(x)), -mixer.A_log.exp() * F.softplus(mixer.a_proj(x) + mixer.dt_bias)
+    o = fla_naive_recurrent_gated_delta_rule(l2(q), l2(k), v, beta, g)                   # (b, l, h, k)
+    gate = F.silu(mixer.g_proj(x)).unflatten(-1, (h, -1))
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * mixer.o_norm.weight * gate  # FusedRMSNormGated
+    torch.testing.assert_close(mixer(x), mixer.o_proj(o.flatten(-2)), rtol=1e-10, atol=1e-12)
+
+
+def test_gated_deltanet_init():
+    """fla's init: exp(A_log) ~ U(0, 16), softplus(dt_bias) log-uniform in [1e-3, 1e-1]; o_proj not down-scaled."""
+    mixer = models.build_model("gated_deltanet", 50, 64, 2, seed=0, n_heads=8).blocks[0].mixer
+    dt = F.softplus(mixer.dt_bias)
+    assert dt.min() >= 1e-3 - 1e-7 and dt.max() <= 1e-1 + 1e-7 and 0 < mixer.A_log.exp().min() <= mixer.A_log.exp().max() < 16
+    assert 0.018 < mixer.o_proj.weight.std() < 0.022 and 0.018 < mixer.g_proj.weight.std() < 0.022
 
 
 # --- H3 specifics -------------------------------------------------------------------------------
@@ -988,12 +1035,13 @@ def test_hyena_skip_is_inert_by_default():
 HOOKS = {
     Hyena: ["hook_in_proj", "hook_short", "hook_pregate", "hook_filter", "hook_longconv", "hook_postgate"],
     H3: ["hook_q", "hook_k", "hook_v", "hook_shift_kernel", "hook_shift_out", "hook_k_tilde", "hook_kv",
-         "hook_ssm_kernel", "hook_ssm_out", "hook_y"],
+         "hook_ssm_kernel", "hook_ssm_out", "hook_o", "hook_y"],
     DeltaNet: ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_o"],
+    GatedDeltaNet: ["hook_q", "hook_k", "hook_v", "hook_beta", "hook_log_alpha", "hook_o", "hook_gate"],
 }
 
 
-@pytest.mark.parametrize("name", ["hyena", "h3", "deltanet_h2"])
+@pytest.mark.parametrize("name", ["hyena", "h3", "deltanet_h2", "gated_deltanet_h2"])
 def test_every_hook_is_used_downstream(name):
     """Each HookPoint exists, INTERNAL_SITES name real hooks, and a hook's return value changes the output."""
     mixer, x = make(name), inputs()
@@ -1013,7 +1061,8 @@ def test_every_hook_is_used_downstream(name):
         assert torch.equal(mixer(x), clean)
 
 
-@pytest.mark.parametrize("arch,options", [("hyena", {}), ("h3", {"h3_d_state": 64}), ("deltanet", {"n_heads": 2})])
+@pytest.mark.parametrize("arch,options", [("hyena", {}), ("h3", {"h3_d_state": 64}), ("deltanet", {"n_heads": 2}),
+                                          ("gated_deltanet", {"n_heads": 2})])
 def test_model_forward_backward_and_kernels(arch, options):
     torch.manual_seed(0)
     tokens = torch.randint(0, 30, (2, 17))
@@ -1029,6 +1078,48 @@ def test_model_forward_backward_and_kernels(arch, options):
     changed = tokens.clone()
     changed[:, 9] = (changed[:, 9] + 1) % 30
     assert torch.allclose(fast(changed)[:, :9], logits[:, :9], atol=1e-12)
+
+
+@pytest.mark.parametrize("arch,options", VARIANTS + [("hyena", {"hyena_skip": True}), ("deltanet", {"n_heads": 2}),
+                                                    ("gated_deltanet", {"n_heads": 2})])
+def test_effective_map_applied_to_the_values_is_the_mixers_activation(arch, options):
+    """Before any reduction, float64: einsum(M, v) of Mixer.effective_map equals the activation at its
+    MAP_SITE captured in an ordinary forward (BaseConv's short conv: less its bias times the gate p)."""
+    model = small_model(arch, **options)
+    with torch.no_grad():
+        for p in model.parameters():                     # away from the init's zeros and ones
+            p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(p.numel())))
+    sites = [f"blocks.{i}.mixer.{s}" for i, b in enumerate(model.blocks) for s in ("hook_in", type(b.mixer).MAP_SITE)]
+    acts = iv.record(model, random_tokens(), sites)
+    for i, mixer in enumerate(block.mixer for block in model.blocks):
+        x, target = acts[f"blocks.{i}.mixer.hook_in"], acts[f"blocks.{i}.mixer.{mixer.MAP_SITE}"].flatten(2)
+        M, v = mixer.effective_map(x)
+        assert M.shape[:2] == v.shape[:2] and M.shape[2:] == (12, 12) and torch.all(M.triu(1) == 0)
+        if isinstance(mixer, models.BaseConv) and mixer.kernel_size != -1:
+            target = target - mixer.capture(x, "hook_proj")["hook_proj"] * mixer.conv.bias
+        torch.testing.assert_close(torch.einsum("bcts,bcse->btce", M, v).flatten(2), target, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("arch", list(models.ARCHS))
+def test_effective_attention_is_causal_finite_and_attention_s_pattern(arch):
+    model, tokens = small_model(arch, n_heads=2) if arch == "attention" else small_model(arch), random_tokens()
+    maps = iv.effective_attention(model, tokens)
+    assert len(maps) == 2 and all(m.shape == (3, 12, 12) and torch.isfinite(m).all() for m in maps)
+    assert all(torch.all(m.triu(1) == 0) and torch.all(m.sum(-1) > 0) for m in maps)
+    if arch == "attention":
+        patterns = iv.record(model, tokens, [f"blocks.{i}.mixer.hook_pattern" for i in range(2)])
+        for i, m in enumerate(maps):
+            torch.testing.assert_close(m, patterns[f"blocks.{i}.mixer.hook_pattern"].mean(1))
+
+
+def test_effective_record_is_one_documents_rows_json_safe(data):
+    model = patching_model("gated_deltanet", data.vocab_size)
+    eff = iv.effective_record(model, data, doc=2)
+    at = {r: int(data.positions[r][2]) for r in ("key", "value", "next_key", "query")}
+    maps = iv.effective_attention(model, data.tokens[2:3])
+    assert eff["positions"] == at and json.loads(json.dumps(eff)) == eff
+    assert eff["query"] == [m[0, at["query"], :at["query"] + 1].tolist() for m in maps]
+    assert eff["value"] == maps[0][0, at["value"], :at["value"] + 1].tolist()
 
 
 def test_float32_default_h3_runs():
@@ -1118,7 +1209,7 @@ def test_hooks_removed_after_exception(data):
     assert no_hooks_left(model)
     with torch.no_grad():
         assert torch.equal(model(data.tokens), before)
-    with pytest.raises(KeyError):  # not a HookPoint: refused before anything is registered
+    with pytest.raises(ValueError, match="blocks.0.ln1"):  # not a HookPoint: refused before any is registered
         with iv.patch(model, {"blocks.0.hook_resid_pre": lambda a: a, "blocks.0.ln1": lambda a: a}):
             pass
     assert no_hooks_left(model)
@@ -1528,7 +1619,8 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
             "--out", str(out)]
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
-    header = "| architecture | parameters | accuracy | Attrib@Key | Attrib@Value | Attrib@Query | verdict | paper |"
+    header = ("| architecture | parameters | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
+              "Attrib@Query | verdicts | paper |")
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
     assert "Timeline" in stdout and "- attention: 0: " in stdout            # one timeline line per model
     table = (out / "ar.md").read_text()
@@ -1786,7 +1878,15 @@ def test_experiment_narrowing_and_unknown_names():
     assert [(c.arch, c.num_keys, c.seed, c.steps, c.lr) for c in configs] == \
         [("mamba", 1024, 5, 10, 1e-2), ("attention", 1024, 5, 10, 5e-4), ("mamba", 256, 5, 10, 1e-2)]
     added = run_cli.experiment_configs("atr-8192", archs=["mamba"])          # an arch the grid lacks
-    assert [(c.arch, c.num_terminals, c.steps) for c in added] == [("mamba", 8192, 4000)]
+    assert [(c.arch, c.num_terminals, c.steps, c.seed) for c in added] == [("mamba", 8192, 4000, s)
+                                                                            for s in (0, 1, 2)]
+    replicates = run_cli.experiment_configs("ar", archs=["mamba", "attention"])   # 5 and 3 seeds
+    assert [(c.arch, c.num_keys, c.seed) for c in replicates] == [("mamba", 1024, s) for s in range(5)] \
+        + [("attention", 1024, s) for s in range(3)] + [("mamba", 256, s) for s in range(5)]
+    args = run_cli.build_parser().parse_args(["--arch", "mamba"])                # a first run: seed 0
+    assert {c.seed for c in run_cli.grid_runs(args, "ar", "cpu")[0]} == {0}
+    args = run_cli.build_parser().parse_args(["--arch", "mamba", "--replicates"])
+    assert {c.seed for c in run_cli.grid_runs(args, "ar", "cpu")[0]} == set(range(5))
     with pytest.raises(ValueError, match="experiment"):
         run_cli.experiment_configs("ar-width")
     with pytest.raises(ValueError, match="preset"):
@@ -1798,7 +1898,7 @@ def test_run_list_prints_every_experiment_with_paper_numbers_and_times(capsys):
     out = capsys.readouterr().out
     for name in run_cli.EXPERIMENTS:
         assert f"\n{name} " in "\n" + out, name
-    assert "91.25%" in out and "92.19%" in out and "95.62% dev / 68.12% test" in out and "96.25%" in out
+    assert "91.25%" in out and "92.19%" in out and "95.62%, 68.12%" in out and "96.25%" in out
     assert out.count("quick: ") == len(run_cli.EXPERIMENTS) and out.count("| paper: ") == len(run_cli.EXPERIMENTS)
 
 
@@ -1889,11 +1989,31 @@ def test_sweep_in_parallel_workers_reproduces_the_in_process_run(tmp_path):
     assert serial[0]["history"] == records[0]["history"]       # a worker reproduces the in-process run
 
 
+def test_add_effective_gives_an_older_record_its_maps_by_checkpoint_or_by_retraining(tmp_path):
+    """A record made before the maps existed gets them from its checkpoint, or, with the checkpoint
+    gone, by retraining bit for bit: the same maps as the run's own patching gave."""
+    record, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path, patch=True, save=True)
+    for gone in (False, True):
+        old = {k: v for k, v in record.items() if k != "effective"}
+        if gone:
+            os.remove(tmp_path / record["checkpoint"])
+        (tmp_path / "ar.jsonl").write_text(json.dumps(old) + "\n")
+        run_cli.add_effective(str(tmp_path), "ar", log=quiet)
+        again, = run_cli.read_results(str(tmp_path / "ar.jsonl"))
+        assert again == {**old, "effective": record["effective"]}
+    old["final"] = {**old["final"], "acc": old["final"]["acc"] + 0.5}          # not this run's record
+    (tmp_path / "ar.jsonl").write_text(json.dumps(old) + "\n")
+    with pytest.raises(ValueError, match="differ"):
+        run_cli.add_effective(str(tmp_path), "ar", log=quiet)
+
+
 def test_records_carry_the_full_patching_table_and_a_checkpoint_relative_to_out(tmp_path):
     """A record has everything its report and figures need (the table inline, provenance) and its
     checkpoint path is relative to --out: the folder can move and still resume and report."""
     record, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path / "a", patch=True, save=True)
     assert record["mechanism_table"]["rows"] and "conv@next_key" in record["mechanism"]
+    assert len(record["effective"]["query"]) == 2 and set(record["effective"]["positions"]) == {
+        "key", "value", "next_key", "query"}                    # the effective-attention figure's maps
     assert not os.path.isabs(record["checkpoint"]) and (tmp_path / "a" / record["checkpoint"]).is_file()
     assert set(record["provenance"]) == {"date", "machine", "torch", "commit"}
     os.rename(tmp_path / "a", tmp_path / "moved")
@@ -2111,13 +2231,17 @@ def test_repeated_and_empty_values_and_options_a_command_ignores_are_one_line_er
         assert one_error_line(capsys.readouterr().err, needle), argv
 
 
-def test_a_checkpoint_that_cannot_be_written_keeps_the_run_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("error, why", [  # a full disk: an OSError, or torch's zip writer's RuntimeError
+    (OSError(28, "No space left on device"), "No space left on device"),
+    (RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0"), "unexpected pos 64")])
+def test_a_checkpoint_that_cannot_be_written_keeps_the_run_and_leaves_no_temporary_file(tmp_path, monkeypatch, capsys,
+                                                                                       error, why):
     def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        raise error
     monkeypatch.setattr(torch, "save", full_disk)
     record, = sweep_grid(tiny(timeline_docs=0), ["attention"], [16], [3e-3], [0], tmp_path, save=True)
     assert record["status"] == "ok" and record["checkpoint"] is None
-    assert "not saved (No space left on device)" in capsys.readouterr().err
+    assert "not saved (" in (err := capsys.readouterr().err) and why in err
     assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
     assert len(run_cli.read_results(str(tmp_path))) == 1
 
@@ -2140,6 +2264,179 @@ def test_what_used_to_be_a_traceback_is_one_line(tmp_path, capsys):
         assert run_cli.main((argv if argv[0] == "bench" else base + argv)) == 2, argv
         assert one_error_line(capsys.readouterr().err, needle), argv
     assert (out / "results.jsonl").read_text() == '{"keep": "me"}\n'
+
+
+def tiny_checkpoint(path, **kw):
+    """An untrained tiny model saved as a checkpoint (its config's device: kw's or cpu)."""
+    cfg = tiny(**kw)
+    model = mechsm.build(replace(cfg, device="cpu"), mechsm.probe_task(cfg))
+    return mechsm.save(model, replace(cfg, device="cpu"), str(path)), model
+
+
+def test_nothing_is_written_through_a_link_out_of_the_folder(tmp_path, capsys):
+    """A file or folder of --out (or of --figures/--report FOLDER) that links elsewhere is refused in
+    one line (exit 2) by every writer, before any training; the file it links to stays as it was."""
+    notes, elsewhere = tmp_path / "notes.txt", tmp_path / "elsewhere"
+    notes.write_text("mine")
+    elsewhere.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ar.jsonl").write_text(open(os.path.join(HERE, "results", "ar.jsonl")).read())
+    ckpt, _ = tiny_checkpoint(tmp_path / "good.pt")
+    train = TINY_CLI + ["--steps", "2", "--no-interventions", "--out", str(out)]
+    cases = [("ar.md", ["--report", str(out)]), ("ar_timeline.png", train), ("ar.command.json", train),
+             ("results.jsonl", train), ("ckpt", train),
+             ("checkpoint_eval", ["--checkpoint", ckpt, "--out", str(out), "--no-interventions"])]
+    if importlib.util.find_spec("matplotlib"):                    # without it no figure is written
+        cases.append(("ar_scatter.png", ["--figures", str(out)]))
+    for name, argv in cases:
+        (out / name).symlink_to(elsewhere if name in ("ckpt", "checkpoint_eval") else notes)
+        assert run_cli.main(argv) == 2, name
+        assert one_error_line(capsys.readouterr().err, f"{out / name}"), name
+        (out / name).unlink()
+    os.link(notes, out / "ar.md")                                 # a hard link: the same file
+    assert run_cli.main(["--report", str(out)]) == 2 and one_error_line(capsys.readouterr().err, "hard-linked")
+    assert notes.read_text() == "mine" and not list(elsewhere.iterdir())
+    assert not (out / "results.jsonl").exists()                 # refused before anything was trained
+
+
+def test_a_folder_s_records_are_added_to_never_replaced(tmp_path, capsys):
+    """A run into a folder that holds an experiment's records (a copy of results/) keeps every one of
+    them, byte for byte, and adds its own beside them; the table and figures show them all."""
+    out = tmp_path / "myres"
+    out.mkdir()
+    committed = open(os.path.join(HERE, "results", "ar.jsonl")).read()
+    (out / "ar.jsonl").write_text(committed)
+    argv = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    text = (out / "ar.jsonl").read_text()
+    assert text.startswith(committed) and text.count("\n") == committed.count("\n") + 1
+    table = (out / "ar.md").read_text()
+    assert f"Records: {committed.count(chr(10)) + 1} runs" in table and "| attention (d 64," in table
+    assert run_cli.main(argv) == 0                               # a rerun: nothing new, nothing lost
+    assert (out / "ar.jsonl").read_text() == text
+
+
+def test_empty_ranges_and_empty_lists_are_refused_naming_the_argument(tmp_path, capsys):
+    """An empty (or reversed) range, an empty list or a lone string where a list is expected never
+    falls back to a default grid: one line naming the option, or a ValueError naming the parameter."""
+    base = TINY_CLI[:2] + TINY_TASK + ["--steps", "2", "--no-interventions", "--no-save", "--out", str(tmp_path)]
+    for argv, needle in [(["--seeds", "3-1"], "--seeds"), (["--seeds", "0-99999999999"], "--seeds")]:
+        assert run_cli.main(base + argv) == 2, argv
+        assert one_error_line(capsys.readouterr().err, needle), argv
+    assert not list(tmp_path.iterdir())                                  # nothing trained
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    for call, name in [*[(lambda p=p: run_cli.experiment_configs("ar", **{p: []}), p)
+                         for p in ("archs", "widths", "lrs", "seeds")],
+                       (lambda: run_cli.experiment_configs("ar", archs="mamba"), "archs"),
+                       (lambda: run_cli.sweep([], str(tmp_path)), "configs"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, sites=[]), "sites"),
+                       (lambda: iv.mechanism(model, data, n_docs=4, positions="key"), "positions")]:
+        with pytest.raises(ValueError) as excinfo:
+            call()
+        assert one_line_value_error(excinfo, name), name
+
+
+def test_arguments_that_do_not_apply_are_refused_never_ignored(tmp_path, capsys):
+    """A value a command cannot honour (an eval size of 0, --epochs beside --steps, --replicates beside
+    --seeds, a grid field experiment_configs sets from its lists) is refused, never silently dropped."""
+    ckpt, _ = tiny_checkpoint(tmp_path / "good.pt")
+    for argv, needle in [(["--checkpoint", ckpt, "--eval-size", "0"], "--eval-size"),
+                         (TINY_CLI + ["--epochs", "2", "--steps", "3"], "--epochs and --steps"),
+                         (TINY_CLI + ["--replicates", "--seeds", "0"], "--replicates and --seeds"),
+                         (TINY_CLI + ["--preset", "paper", "--replicates"], "--replicates and --preset paper"),
+                         (TINY_CLI + ["--jobs", "-1"], "--jobs"), (TINY_CLI + ["--d-conv", "-1"], "--d-conv")]:
+        assert run_cli.main(argv + ["--out", str(tmp_path / "o")]) == 2, argv
+        assert one_error_line(capsys.readouterr().err, needle), argv
+    assert not (tmp_path / "o").exists()
+    for kw, name in [(dict(d_model=32), "widths"), (dict(lr=1e-3), "lrs"), (dict(seed=1), "seeds"), (dict(bogus=1), "bogus")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            run_cli.experiment_configs("ar", **kw)
+        assert one_line_value_error(excinfo, name)
+
+
+def test_a_patch_that_changes_the_shape_is_refused_naming_the_site():
+    """An edit returning another shape (act[:1] would give every document document 0's logits), or an
+    edit that is not a function, is a ValueError naming the site; the hooks are removed."""
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    site = "blocks.1.hook_resid_pre"
+    for edit in (lambda act: act[:1], lambda act: act[..., :8], lambda act: act.sum(-1), 0.0):
+        with pytest.raises(ValueError, match=site) as excinfo:
+            with iv.patch(model, {site: edit}):
+                model(data.tokens, readout=data.positions["query"])
+        assert one_line_value_error(excinfo, site) and no_hooks_left(model)
+
+
+def test_nan_probabilities_read_no_signal():
+    """A model whose probabilities are NaN has nothing to attribute: "no signal", never "mixed"."""
+    nan = torch.tensor([float("nan")])
+    assert iv.attribution(nan, torch.tensor([0.1]), torch.tensor([0.2]))["low_signal"]
+    assert iv.verdict({"key": nan.item(), "value": nan.item(), "query": nan.item()}, False)[0] == "no signal"
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    model.blocks[0].mixer.hook_out.register_forward_hook(lambda m, i, o: o * float("nan"))
+    table = iv.mechanism(model, data, n_docs=8)
+    assert table["verdict"] == "no signal" and table["low_signal"]
+    assert "p_clean nan" in iv.render_heatmap(run_cli.json_safe(table))
+
+
+def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
+    """<experiment>.command.json's command for an --out with a space is a shell line that gives back
+    the same arguments."""
+    out = tmp_path / "my results"
+    argv = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    import shlex
+    command = json.loads((out / "ar.command.json").read_text())["command"]
+    assert shlex.split(command) == ["python", "run.py", *argv]
+
+
+def test_a_checkpoint_trained_on_a_gpu_loads_on_the_cpu(tmp_path, capsys):
+    """A checkpoint whose config says cuda (trained on a GPU) loads here with device="cpu" (its config's
+    device rewritten), and run.py --checkpoint evaluates it; a bad device is a ValueError naming it."""
+    path, model = tiny_checkpoint(tmp_path / "cpu.pt")
+    blob = torch.load(path, weights_only=True)
+    blob["config"]["device"] = "cuda"
+    torch.save(blob, tmp_path / "cuda.pt")
+    loaded, cfg = mechsm.load(str(tmp_path / "cuda.pt"), device="cpu")
+    tokens = make_ar(4, num_keys=16, num_values=16, num_pairs=4).tokens
+    assert cfg.device == "cpu" and torch.equal(loaded(tokens), model(tokens))
+    assert run_cli.main(["--checkpoint", str(tmp_path / "cuda.pt"), "--device", "cpu", "--no-interventions",
+                         "--out", str(tmp_path / "o")]) == 0
+    with pytest.raises(ValueError, match="device") as excinfo:
+        mechsm.load(path, device="gpu")
+    assert one_line_value_error(excinfo, "device")
+
+
+def test_what_used_to_be_unclear_names_its_cause(tmp_path, capsys, monkeypatch):
+    """A negative value names its option (argparse took -1e-3 for an option); a record a reader could
+    not read (a history entry without a step) is skipped with one warning by the report, the figures
+    and a rerun; a lone string for sites says a list was expected; a bad SLURM_ARRAY_TASK_ID is
+    blamed on it, not on --shard; --figures / --report of a missing folder exit 2."""
+    for argv, needle in [(["--lr", "-1e-3"], "--lr: got -1e-3, expected a positive number"),
+                         (["--figures", str(tmp_path / "nope")], "--figures"),
+                         (["--report", str(tmp_path / "nope")], "--report")]:
+        assert run_cli.main(argv + (["--out", str(tmp_path)] if argv[0] == "--lr" else [])) == 2, argv
+        assert one_error_line(capsys.readouterr().err, needle), argv
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "x")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
+    with pytest.raises(ValueError, match="^SLURM_ARRAY_TASK_ID") as excinfo:
+        run_cli.shard_of(None)
+    assert "--shard:" not in str(excinfo.value)
+    records = open(os.path.join(HERE, "results", "ar.jsonl")).read().splitlines()
+    broken = json.loads(records[0])
+    del broken["history"][1]["step"]
+    (tmp_path / "ar.jsonl").write_text("\n".join(records[1:] + [json.dumps(broken)]) + "\n")
+    for command in ["--report"] + ["--figures"] * bool(importlib.util.find_spec("matplotlib")):
+        assert run_cli.main([command, str(tmp_path)]) == 0
+        assert capsys.readouterr().err.count(f"ar.jsonl:{len(records)}: not a run record") == 1, command
+    data = make_ar(8, num_keys=8, num_values=8, num_pairs=2)
+    model = models.build_model("attention", data.vocab_size, 16, 2)
+    with pytest.raises(ValueError, match="sites must be a non-empty list") as excinfo:
+        iv.mechanism(model, data, n_docs=4, sites="blocks.0.hook_resid_pre")
+    assert one_line_value_error(excinfo, "got 'blocks.0.hook_resid_pre'")
 
 
 def test_python_api_errors_name_the_parameter(monkeypatch):
@@ -2473,6 +2770,17 @@ def test_box_groups_the_runs_with_signal_by_arch(figure):
     np.testing.assert_array_equal(data["mamba"]["query"], [0.95])
 
 
+def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
+    eff = {"positions": {"key": 1, "value": 2, "next_key": 3, "query": 4},
+           "query": [[0.1, 0.2, 0.4, 0.1, 0.2], [0.0, 0.5, 1.0, 0.0, 0.5]], "value": [0.2, 0.1, 0.1]}
+    records = [{**fig_record("mamba"), "effective": eff}, fig_record("attention")]   # attention: none, skipped
+    panels = fs.plot_effective(figure(), fig_rows(records))
+    assert [p["label"] for p in panels] == ["mamba"]
+    assert panels[0]["rows"] == ["L0 @query", "L1 @query", "L0 @value"]
+    np.testing.assert_allclose(panels[0]["cells"], [[0.25, 0.5, 1, 0.25, 0.5], [0, 0.5, 1, 0, 0.5],
+                                                       [1, 0.5, 0.5, np.nan, np.nan]])
+
+
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
     records = RECORDS + [fig_record("hyena", d_model=32)]
     out = fs.draw_figures(records, fig_rows(records), "ar", tmp_path / "a", task="ar")
@@ -2497,6 +2805,63 @@ def test_draw_figures_without_matplotlib_returns_none_and_writes_nothing(monkeyp
 # ==================================================================================================
 # Results are data: results/*.md and the README's summary table are rendered from the committed records
 # ==================================================================================================
+
+def kvq_record(arch, seed, acc, key, value, query, gap=0.5, n_layers=2, status="ok"):
+    """A record with what the report reads: final accuracy, the table's headline, gap, threshold."""
+    head = {"key": key, "value": value, "query": query}
+    table = {"headline": head if n_layers > 1 else None, "gap": gap, "threshold": 0.01}
+    return {"config": {"arch": arch, "d_model": 64, "lr": 1e-3, "seed": seed, "n_layers": n_layers,
+                       "task": "ar"}, "status": status, "final": {"acc": acc}, "n_params": 10,
+            "mechanism": {f"attrib_{k}": v for k, v in head.items()}, "mechanism_table": table}
+
+
+def test_distribution_columns_equal_the_records_values():
+    """A row counts every seed: median and range of accuracy, each seed's verdict, the median
+    attributions of the seeds that can be read (a seed with no signal is counted, not read)."""
+    runs = [kvq_record("mamba", 0, 0.50, 0.0, 0.0, 1.0), kvq_record("mamba", 1, 0.84, 0.0, 0.1, 0.9),
+            kvq_record("mamba", 2, 0.01, 128.6, -112.0, -1.0, gap=0.0),
+            kvq_record("mamba", 3, 0.70, 0.1, 0.6, 0.7)]
+    row = {"runs": runs, "best": runs[1], "label": "mamba", "arch": "mamba"}
+    s = run_cli.spread(row)
+    assert s["n"] == 4 and s["readable"] == 3 and s["acc"] == [0.01, 0.50, 0.70, 0.84]
+    assert s["verdicts"] == {"direct retrieval": 2, "no signal": 1, "mixed": 1}
+    assert s["median"] == {"key": 0.0, "value": 0.1, "query": 0.9}
+    line = run_cli.result_table([row]).splitlines()[2]
+    assert "| 4 | 60.0% (1.0-84.0) |" in line and "| 0.00 | 0.10 | 0.90 |" in line
+    assert "direct retrieval 2/4" in line and "no signal 1/4" in line and "mixed 1/4" in line
+    assert run_cli.holds("direct retrieval", s) == "yes"                # 2 of the 3 readable
+    assert run_cli.holds("induction", s) == "no"
+    s["verdicts"]["mixed"], s["verdicts"]["direct retrieval"] = 2, 1
+    assert run_cli.holds("direct retrieval", s) == "no"                 # 1 of 3: no majority
+    s["readable"] = 1
+    assert run_cli.holds("direct retrieval", s) == "unreadable"         # 1 of 4 can be read
+    one = kvq_record("mamba", 0, 0.8, 0.0, 0.0, 1.0, n_layers=1)
+    assert run_cli.verdict_of(one) == "n/a (1 layer)"
+    assert "| n/a | n/a | n/a |" in run_cli.result_table([{"runs": [one], "best": one, "label": "m",
+                                                             "arch": "mamba"}])
+
+
+def test_sensitivity_table_counts_the_verdicts_a_moved_cut_or_filter_changes():
+    recs = [kvq_record("mamba", 0, 0.5, 0.0, 0.0, 0.55), kvq_record("mamba", 1, 0.5, 0.0, 0.0, 0.95),
+            kvq_record("attention", 0, 1.0, 0.0, 0.45, 0.0, gap=0.015),
+            kvq_record("attention", 1, 1.0, 0.0, 0.9, 0.0, gap=0.009)]
+    for r in recs:
+        r["config"].update(num_keys=8, num_values=8, num_pairs=2)
+    table = run_cli.sensitivity_table({name: recs if name == "ar" else [] for name in run_cli.EXPERIMENTS})
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert "| 1/4 | mixed -> induction 1 |" in rows["cut 0.4"]
+    assert "| 1/4 | direct retrieval -> mixed 1 |" in rows["cut 0.6"]
+    assert "| 1/4 | no signal -> induction 1 |" in rows["gap filter halved"]
+    assert "| 1/4 | mixed -> no signal 1 |" in rows["gap filter doubled"]
+
+
+def test_the_drift_test_fails_when_one_rendered_number_is_edited():
+    readme = open(os.path.join(HERE, "README.md")).read()
+    start = readme.index(run_cli.SUMMARY[0])
+    i = start + next(j for j, c in enumerate(readme[start:]) if c.isdigit() and readme[start + j + 1] == ".")
+    edited = readme[:i] + str((int(readme[i]) + 1) % 10) + readme[i + 1:]
+    assert run_cli.readme_with_summary(edited, os.path.join(HERE, "results")) != edited
+
 
 def test_results_and_the_readme_summary_are_rendered_from_the_committed_records():
     """Every experiment has its records and its markdown in results/; rendering the markdown and the
