@@ -28,7 +28,7 @@ p), one forward in chunks of CHUNK_ROWS rows with two exact shortcuts (interchan
 patching one position at a time (interchange_reference; test_all.py checks every arch and site).
 
 Shape letters (the README's glossary): b documents (the ones patched, a batch), l sequence length,
-d d_model, v vocabulary, P positions patched at one site.
+d d_model, v vocabulary, c an effective map's heads or channels, P positions patched at one site.
 """
 
 import contextlib
@@ -442,7 +442,7 @@ def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "
     row at the query, positions 0..query], "value": [layer 0's row at the value, 0..value]}."""
     check_dataset(model, dataset)
     tokens = dataset.tokens[doc:doc + 1].to(next(model.parameters()).device)
-    maps = effective_attention(model, tokens)                                 # n x (1, l, l)
+    maps = effective_attention(model, tokens)                                 # layers x (1, l, l)
     at = {role: int(dataset.positions[role][doc]) for role in roles}
     return {"positions": at, "query": [m[0, at["query"], :at["query"] + 1].tolist() for m in maps],
             "value": maps[0][0, at["value"], :at["value"] + 1].tolist()}

@@ -9,8 +9,8 @@ build_model; 5 fast kernels, each equal to a reference of 2.
 
 Shape letters (the README's glossary): b batch, l sequence length (t, s: positions in it), d d_model,
 v vocabulary, h heads, w head width (d/h), e Mamba's inner width (2d), n SSM state size, f Based's
-feature dim, c conv channels (effective_map: heads or channels), o Hyena's filter width, r runs
-trained as one model (mechsm.Ensemble).
+feature dim, c conv channels (an effective_map's: heads or channels, each of width w), o Hyena's
+filter width, r runs trained as one model (mechsm.Ensemble).
 """
 
 import contextlib
@@ -57,9 +57,9 @@ class Mixer(nn.Module):
         return self.hook_out(self.mix(self.hook_in(x)))
 
     def effective_map(self, x):
-        """(M (b, c, l, l), v (b, c, l, e)): the mixer on input x as c maps (heads or channels) from
+        """(M (b, c, l, l), v (b, c, l, w)): the mixer on input x as c maps (heads or channels) from
         positions s to t applied to its value stream v, its gates, keys and decays held fixed: the
-        activation at MAP_SITE, (b, l, c*e) in memory, is einsum("bcts,bcse->btce", M, v)."""
+        activation at MAP_SITE, (b, l, c*w) in memory, is einsum("bcts,bcsw->btcw", M, v)."""
         raise NotImplementedError(f"{type(self).__name__} defines no effective_map")
 
     def capture(self, x, *names):
