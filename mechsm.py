@@ -336,9 +336,9 @@ def training_batches(cfg, data):
 # --- One training run: the loop, written out (as nanoGPT's train.py writes it).
 
 def train(cfg, *, data=None, log=None):
-    """Train one model with the paper's recipe. Returns (result, model); result (JSON-safe):
-    config, name, status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device,
-    final (the final model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
+    """Train one model with the paper's recipe. Returns (result, model); result: config, name, status
+    ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final (the final
+    model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
     cfg = cfg.check().resolved()
     data = make_data(cfg, data)            # documents cfg's model cannot take fail here
     prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
@@ -379,7 +379,8 @@ def train(cfg, *, data=None, log=None):
 
 
 def run_record(cfg, model, history, steps_done, error, wall):
-    """The result of a run, JSON-safe: a failed one keeps its history up to its failed step."""
+    """The result of a run (train's, or a group member's): a failed one keeps its history up to
+    its failed step."""
     history = [dict(h) for h in history if h["step"] <= steps_done]
     timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
     final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
