@@ -498,6 +498,8 @@ class Mamba(Mixer):
         self.in_proj = nn.Linear(d_model, 2 * e, bias=False)
         if self.d_conv:  # weights for short_conv
             self.conv1d = nn.Conv1d(e, e, self.d_conv, groups=e, padding=self.d_conv - 1)
+        else:   # no conv, but the random draws of the one d_conv 0 used to build, dropped: every
+            nn.Conv1d(e, e, 4, groups=e)   # other weight stays as in the runs of results/
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
         # W_dt ~ U(+-1/sqrt(dt_rank)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [1e-3, 1e-1]
