@@ -65,7 +65,7 @@ import models  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ============================================ The experiments
+# ===== The experiments
 # One per result of the paper, each with a "quick" grid (sized for a 2-core CPU, aiming at 20
 # minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
 # fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
@@ -311,7 +311,6 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
                    "mamba": 43.7, "deltanet": 79.2,
                    "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
-WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
 def estimate_seconds(configs, jobs=1):
@@ -323,21 +322,6 @@ def estimate_seconds(configs, jobs=1):
                 * 2 / cfg.n_layers * 32 / cfg.batch_size)
         total += cfg.total_steps() / rate
     return total / max(1, min(jobs, len(configs)))
-
-
-def default_jobs(device, n_runs):
-    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
-    if device != "cpu":
-        return 1, "one process drives the GPU"
-    cores = os.cpu_count() or 1
-    try:
-        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
-        free_gib = float("inf")
-    fit = max(1, int(free_gib // WORKER_GIB))
-    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
-    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
-    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
 def fmt_hours(seconds):
@@ -356,7 +340,624 @@ def catalogue():
     return "\n".join(lines)
 
 
-# ============================================ The command line
+# ===== Records: a JSON line per run
+
+# Where a run happens does not change what it is: a rerun differing only in these finds it done.
+KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
+
+
+def run_key(config):
+    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
+    return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
+
+
+def config_of(record):
+    """The Config of a record (fields that Config no longer has are dropped)."""
+    known = {f.name for f in fields(mechsm.Config)}
+    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
+
+
+def is_record(x):
+    """Whether a parsed line is a record every reader can read (tables, timeline, figures, heatmap):
+    the fields they use, of their types; a checkpoint path inside the folder."""
+    num = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+    real = lambda v: num(v) and v is not None
+    nums = lambda d, keys=None: isinstance(d, dict) and all(num(d.get(k)) for k in keys or d)
+    reals = lambda v: isinstance(v, list) and len(v) > 0 and all(map(real, v))
+    text = lambda v: v is None or isinstance(v, str)
+
+    def readable(table):                                  # interventions.mechanism's dict
+        rows, positions, head = table.get("rows"), table.get("positions"), table.get("headline")
+        return (isinstance(rows, list) and isinstance(positions, list)
+                and all(isinstance(p, str) for p in positions)
+                and all(isinstance(r, dict) and isinstance(r.get("site"), str) and isinstance(
+                    r.get("label"), str) and num(r.get("layer")) and nums(r.get("scores")) for r in rows)
+                and nums(table, ("p_clean", "p_corrupt", "gap", "seconds")) and real(table.get("threshold"))
+                and isinstance(table.get("verdict"), str) and isinstance(table.get("low_signal"), bool)
+                and text(table.get("verdict_reason")) and nums(table.get("extra") or {})
+                and (head is None or nums(head) and {"key", "value", "query"} <= set(head)))
+
+    def drawable(e):                                      # interventions.effective_record's dict
+        return (isinstance(e, dict) and isinstance(e.get("query"), list) and e["query"]
+                and all(map(reals, e["query"] + [e.get("value")])) and isinstance(e.get("positions"), dict)
+                and all(isinstance(v, int) for v in e["positions"].values()))
+    if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
+            and x.get("status") in ("ok", "failed")):
+        return False
+    c, final, ckpt, history = x["config"], x.get("final"), x.get("checkpoint"), x.get("history", [])
+    mech, table = x.get("mechanism") or {}, x.get("mechanism_table")
+    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS and real(c.get("lr"))
+            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers", "eval_size"))
+            and all(v is None or isinstance(v, (str, int, float)) for v in c.values())
+            and isinstance(x.get("n_params"), int) and isinstance(final, dict)
+            and all(num(v) for k, v in final.items() if k.endswith(("acc", "prob")))
+            and isinstance(history, list) and all(
+                nums(h, ("acc", "attrib_value", "attrib_query")) and isinstance(h.get("step"), int)
+                for h in history)
+            and isinstance(mech, dict) and text(mech.get("verdict"))
+            and all(num(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
+            and len({"attrib_key", "attrib_value", "attrib_query"} & set(mech)) in (0, 3)
+            and (table is None or isinstance(table, dict) and readable(table))
+            and (x.get("effective") is None or drawable(x["effective"]))
+            and num(x.get("wall_s")) and isinstance(x.get("provenance") or {}, dict)
+            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
+                 and ".." not in ckpt.split("/")))
+
+
+def parse_record(line):
+    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if is_record(record) else None
+
+
+def read_results(out, warn=True):
+    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
+    records = []
+    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
+    for path in sorted(glob.glob(pattern)):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                record = parse_record(line)
+                if record:
+                    records.append(record)
+                elif warn and line.strip():
+                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
+                          "skipped", file=sys.stderr)
+    return records
+
+
+def latest(records):
+    """Each run once, its last record, in the order first met."""
+    return list({run_key(r["config"]): r for r in records}.values())
+
+
+def json_safe(x):
+    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def out_path(out, *parts):
+    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
+    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
+    leaves `out`; a file hard-linked to other names)."""
+    path, real = os.path.join(out, *parts), os.path.realpath(out)
+    if os.path.commonpath([real, os.path.realpath(path)]) != real:
+        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
+                         "(remove the link)")
+    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
+        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
+                         "which writing it would change too; not written (remove it or copy it)")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
+
+
+def append_result(path, record):
+    """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
+    line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ===== The sweep
+
+def stderr_log(prefix=""):
+    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
+    return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
+
+
+def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
+          log=stderr_log()):
+    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
+    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
+    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
+    for name, value, ok, expected in [
+            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("jobs", jobs, isinstance(jobs, int) and jobs > 0, "a positive integer"),
+            ("shard", shard, isinstance(i, int) and isinstance(n, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
+        if not ok:
+            raise ValueError(f"{name}: got {value!r}, expected {expected}")
+    check_runs(configs)
+    os.makedirs(out, exist_ok=True)
+    unique = {}
+    for cfg in configs:
+        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
+    mine = [key for j, key in enumerate(unique) if j % n == i]
+    done = {run_key(r["config"]): r for r in read_results(out)}
+    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
+    tabled = lambda r: not patch or r.get("mechanism_table") is not None
+    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
+    todo = [key for key in mine if not (key in done and complete(done[key]))]
+    if len(todo) < len(mine):
+        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
+    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
+    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
+    results = out_path(out, results_name(shard))
+    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
+        append_result(results, record)
+    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    return [newest[k] for k in unique if k in newest]
+
+
+def check_runs(configs):
+    """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
+    for cfg in configs:
+        cfg.check()
+    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
+             for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
+    built = set()
+    for cfg in configs:
+        mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
+        shape = (mechsm.data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
+            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv",
+            "long_only", "freeze_features")))
+        if shape not in built:                   # a model too large to allocate is bad input
+            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
+            built.add(shape)
+
+
+def make_groups(configs, group_size=None):
+    """configs -> lists differing only in lr and seed, group_size at most (None: a whole cell)."""
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
+    cells = {}
+    for cfg in configs:
+        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
+    return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
+            for i in range(0, len(cell), group_size or len(cell))]
+
+
+def do_job(kind, payload, out, wants):
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
+    # a part of a finished run that fails (a full disk: torch's RuntimeError) costs that part only
+    def without(cfg, what, e):
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
+              file=sys.stderr)
+
+    try:
+        if kind == "patch":
+            cfg, record = payload
+            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
+                                       device=mechsm.resolve_device(cfg.device))
+            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
+                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
+            pairs = [(dict(record), model)]
+        else:
+            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
+        for record, model in pairs:
+            cfg, ok = config_of(record), record["status"] == "ok"
+            if ok and wants["patch"]:
+                try:
+                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+                except Exception as e:
+                    if kind == "patch":          # nothing new to record
+                        raise
+                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
+            if ok and wants["save"] and not record.get("checkpoint"):
+                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
+                try:
+                    mechsm.save(model, cfg, out_path(out, path))
+                    record["checkpoint"] = path
+                except Exception as e:
+                    without(cfg, "checkpoint not saved", e)
+            record.setdefault("checkpoint", None)
+            record.setdefault("provenance", provenance())
+        return [json_safe(record) for record, _ in pairs]
+    except Exception as e:
+        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
+            import traceback
+            traceback.print_exc()
+        name = payload[0] if kind == "train" else payload[0].name()
+        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
+              "it)", file=sys.stderr)
+        return []
+
+
+def patched(model, cfg, dataset):
+    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
+    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
+    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
+    head = table.get("headline") or table.get("mixer_out") or {}
+    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
+               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
+               **table.get("extra", {})}
+    return json_safe({"mechanism": summary, "mechanism_table": table,
+                             "effective": interventions.effective_record(model, dataset)})
+
+
+def add_effective(folder, name, log=print):
+    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
+    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
+    final metrics must equal the record's). Other fields of the record stay as they are."""
+    path = out_path(folder, f"{name}.jsonl")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
+    for row in best_by_lr([r for r in parsed if r]):
+        record = row["best"]
+        if record.get("effective") or record["status"] != "ok":
+            continue
+        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
+        if os.path.isfile(ckpt):
+            model = mechsm.load(ckpt)[0]
+        else:
+            log(f"{name}: retraining {record['name']} for its effective attention")
+            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
+            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
+                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
+                                 "record's; maps not added")
+        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
+        changed.add(id(record))
+    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
+                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
+
+
+# ===== The report
+# The best run per row (the paper reports the best learning rate) beside the paper's numbers.
+
+def best_by_lr(records):
+    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
+    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best, label."""
+    groups, configs = {}, [config_of(r) for r in records]
+    for r in {run_key(r["config"]): r for r in records}.values():
+        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
+        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
+    score = lambda r: r["final"].get("acc") or 0.0
+    rows = []
+    for per_lr in groups.values():
+        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
+        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
+        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
+        values = [score(r) for r in per_lr[best_lr]]
+        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
+            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
+        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
+                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
+                     "n_seeds": len(values), "mean": statistics.fmean(values),
+                     "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                     "label": row_label(config_of(best), configs)})
+    order = {a: i for i, a in enumerate(ALL_ARCHS)}
+    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
+
+
+def fmt_pct(mean, std=None, n=1):
+    """'98.4%', or '50.7% ± 43.9' over n > 1 seeds; '-' when missing."""
+    return "-" if mean is None else f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}" if n > 1 else "")
+
+
+def fmt_num(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown(cells, columns=None):
+    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
+    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
+    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
+    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+                     + [f"| {row} |" for row in rows])
+
+
+ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
+           "query": ("Attrib@Query", "tab:blue")}
+UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")
+
+
+def attribs(mech):
+    """The Attrib@Key/Value/Query cells of a mechanism summary."""
+    return {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
+
+
+def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
+    """A record's verdict by interventions.verdict from its stored table, at any cut and gap filter
+    (the sensitivity table); None when not patched, "failed", or "n/a (1 layer)"."""
+    table = record.get("mechanism_table")
+    if record["status"] != "ok" or not table:
+        return "failed" if record["status"] != "ok" else None
+    if not table.get("headline"):
+        return "n/a (1 layer)"                       # no layer-1 block input to read
+    threshold, gap = table["threshold"] * gap_scale, table.get("gap")
+    low = not (isinstance(gap, (int, float)) and gap > threshold)      # NaN: no signal
+    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
+
+
+def spread(row, **rule):
+    """A row's distribution over its seeds (every run counted): n, accuracies, verdicts (a Counter)
+    and the median Attrib@Key/Value/Query of the seeds that can be read (rule: verdict_of's)."""
+    runs = row["runs"]
+    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
+    readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
+    heads = [r["mechanism_table"]["headline"] for r in readable]
+    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
+            "verdicts": collections.Counter(verdicts), "readable": len(readable),
+            "median": {k: statistics.median(h[k] for h in heads) if heads else None
+                       for k in ATTRIBS}}
+
+
+def fmt_acc(s):
+    """'50.0% (0.9-84.4)': the median accuracy over seeds and its range."""
+    acc = s["acc"]
+    return fmt_pct(statistics.median(acc)) + (f" ({100 * acc[0]:.1f}-{100 * acc[-1]:.1f})"
+                                              if len(acc) > 1 else " (1 seed)")
+
+
+def fmt_counts(s):
+    """'direct retrieval 4/5, no signal 1/5', most frequent first."""
+    return ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
+
+
+def widest_rows(rows):
+    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
+    keep = {}
+    for row in rows:
+        d = row["d_model"]
+        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
+        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
+    return keep
+
+
+def result_table(rows, paper_numbers=None):
+    """Per labelled row of best_by_lr: the distribution over its seeds and the paper's number."""
+    cells = []
+    for row in rows:
+        best, s = row["best"], spread(row)
+        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
+             "accuracy: median (range)": fmt_acc(s)}
+        finals = [r["final"] for r in row["runs"]]
+        c.update({key.replace("_acc", " accuracy"): fmt_pct(statistics.median(
+            f.get(key) or 0.0 for f in finals)) for key in ("test_acc", "novel_acc") if key in best["final"]})
+        one_layer = best["config"]["n_layers"] == 1
+        c.update({name: "n/a" if one_layer else fmt_num(s["median"][k])
+                  for k, (name, _) in ATTRIBS.items()})
+        mechs = [r.get("mechanism") or {} for r in row["runs"]]
+        for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
+            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
+        c["verdicts"] = fmt_counts(s)
+        if paper_numbers is not None:
+            c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
+        cells.append(c)
+    return markdown(cells)
+
+
+def runs_table(records):
+    """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
+    configs, cells = [config_of(r) for r in records], []
+    by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
+    for r, cfg in sorted(zip(records, configs), key=by):
+        mech = r.get("mechanism") or {}
+        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
+                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs(mech),
+                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
+                      "verdict": verdict_of(r) or "-",
+                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
+    return markdown(cells)
+
+
+def fmt_attrib(entry, key):
+    """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
+    value = entry.get(key)
+    return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
+
+
+def timeline_text(row):
+    """The best run's history in one line: at most 6 evaluations (the last kept)."""
+    history = row["best"].get("history") or []
+    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
+    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {fmt_attrib(h, 'attrib_value')}/"
+             f"{fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
+    return f"- {row['label']}: " + "; ".join(steps)
+
+
+def read_command(folder, name):
+    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
+    warning if it cannot be read."""
+    path = os.path.join(folder, f"{name}.command.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
+                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
+            return c
+    except (ValueError, OSError, RecursionError):
+        pass
+    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
+    return None
+
+
+FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
+FIGURE_KINDS = ("scatter", "timeline", "heatmaps", "width", "box", "effective")   # <experiment>_<kind>.png
+
+
+def render(name, preset, records, folder=None):
+    """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
+    exp, rows = EXPERIMENTS[name], best_by_lr(records)
+    if not rows:
+        raise ValueError(f"{name}: no run finished; nothing to report")
+    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
+    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
+                                           for r in records if r.get("provenance")})]
+    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
+                     f"commit {m.get('commit')}" for m in made)
+    wall = sum(r.get("wall_s") or 0 for r in records)
+    kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
+             if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
+    c = read_command(folder, name) if folder else None
+    return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
+        runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
+        f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
+        f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
+        "over the seeds that can be read, of the restoration of the clean answer probability when "
+        "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
+        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
+        f"{exp.section}.", "",
+        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
+        "too little signal to read):", *[timeline_text(row) for row in rows], "",
+        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
+        f"summed), made {made}."
+        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
+           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
+           f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
+
+
+def holds(paper_text, s):
+    """Whether a row's seeds bear out the paper's text (s: its spread): 'yes' when the paper's
+    reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
+    half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
+    for reading in interventions.READINGS.values():
+        if reading in paper_text:
+            if 2 * s["readable"] < s["n"]:
+                return "unreadable"
+            return "yes" if 2 * s["verdicts"][reading] > s["readable"] else "no"
+    if "fails" in paper_text:
+        return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
+    return "-"
+
+
+def summary_rows(name, rows):
+    """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
+    none); an experiment over widths: one row per label, its median accuracy at each width."""
+    exp = EXPERIMENTS[name]
+    paper = lambda row: exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
+    if len({row["d_model"] for row in rows}) > 1:
+        lines = {}
+        for row in sorted(rows, key=lambda r: r["d_model"]):
+            line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
+            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
+        return [{"row": label, "paper": paper(line["row"]) or "no number quoted", "holds?": "-",
+                 "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
+                for label, line in lines.items()]
+    quoted = [row for row in rows if paper(row)] or rows
+    out = []
+    for row in quoted:
+        s, final = spread(row), row["best"]["final"]
+        test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
+        split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
+        out.append({"row": row["label"], "paper": paper(row) or "no number quoted",
+                    "ours": f"{split}; {fmt_counts(s)}",
+                    "holds?": holds(paper(row) or "", s)})
+    return out
+
+
+SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
+               ("cut 0.6", dict(cut=interventions.CUT + 0.1)),
+               ("gap filter halved", dict(gap_scale=0.5)), ("gap filter doubled", dict(gap_scale=2.0))]
+
+
+def sensitivity_table(records):
+    """How many verdicts (every patched run of the experiments) and 'holds?' answers change when the
+    verdict's cut moves by 0.1 or the gap filter halves or doubles."""
+    runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
+            for r in rs if r.get("mechanism_table")}.values()
+    judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
+              for row in best_by_lr(rs) for text in [EXPERIMENTS[name].paper_numbers.get(
+                  row["label"], EXPERIMENTS[name].paper_numbers.get(row["arch"]))]
+              if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
+    base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
+    cells = []
+    for label, rule in SENSITIVITY:
+        moved = collections.Counter((a, b) for a, b in zip(base[0], (verdict_of(r, **rule) for r in runs))
+                                    if a != b)
+        flips = sum(a != holds(t, spread(row, **rule)) for a, (t, row) in zip(base[1], judged))
+        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(base[0])}",
+                      "how": ", ".join(f"{a} -> {b} {k}" for (a, b), k in moved.most_common()) or "-",
+                      "'holds?' answers that change": f"{flips}/{len(judged)}"})
+    return ("Sensitivity of the verdicts (every patched run of the experiments; "
+            f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
+
+
+def pivot(records, across):
+    """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
+    configs, cells = [config_of(r) for r in records], {}
+    for r, cfg in zip(records, configs):
+        label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
+        cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
+            f"{fmt_pct(r['final'].get('acc'))} {verdict_of(r) or '-'}"
+    columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
+    return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
+
+
+def summary_table(folder="results"):
+    """The README's summary: each experiment's rows beside the paper's, the sensitivity of the
+    verdicts, the CPU time of the records, the `ar` timing and the probes."""
+    rel = os.path.relpath(folder, HERE)                           # links relative to the README
+    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+               for name in EXPERIMENTS}
+    lines = []
+    for name, exp in EXPERIMENTS.items():
+        if not exp.probe and records[name]:
+            for i, line in enumerate(summary_rows(name, best_by_lr(records[name]))):
+                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
+                              + (f": {exp.finding}" if i == 0 else ""), **line})
+    out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
+    mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
+    extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
+                                           if verdict_of(r) not in UNREADABLE) or "none")
+              for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
+              if "@" in name]
+    if extras:
+        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
+                   "be read: " + "; ".join(extras) + ".")
+    out.append("\n" + sensitivity_table(records))
+    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
+    seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
+                  for r in unique)
+    out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
+               "patching (the records' wall times summed; every run on one thread), made by `python "
+               "run.py --experiment NAME --replicates --out results` for each experiment, split into "
+               "processes with `--shard I/N --jobs 1`.")
+    first = [r for r in records["ar"] if r["config"]["seed"] == 0]
+    minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
+    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
+               f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
+               f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
+               "jobs, so an upper bound).")
+    c = read_command(folder, "ar")
+    if c:
+        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
+                   f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
+    for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
+        if records[name]:
+            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): "
+                       "accuracy, verdict\n\n" + pivot(records[name], across))
+    return "\n".join(out)
+
+
+# ===== The command line
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises ValueError, refuses an unknown or repeated option, and reads the token
@@ -523,691 +1124,22 @@ def grid_runs(args, name, device):
     return configs, notes
 
 
-def shard_of(text):
-    """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
-    source = "--shard"
-    if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
-        text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
-        source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (the shard when --shard is not given)"
-    if text is None:
-        return 0, 1
-    i, slash, n = text.partition("/")
-    if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
-        raise ValueError(f"{source}: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
-    return int(i), int(n)
+WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
-# ============================================ The sweep
-
-# Where a run happens does not change what it is: a rerun differing only in these finds it done.
-KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
-
-
-def run_key(config):
-    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
-
-
-def config_of(record):
-    """The Config of a record (fields that Config no longer has are dropped)."""
-    known = {f.name for f in fields(mechsm.Config)}
-    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
-
-
-def is_record(x):
-    """Whether a parsed line is a record every reader can read (tables, timeline, figures, heatmap):
-    the fields they use, of their types; a checkpoint path inside the folder."""
-    num = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
-    real = lambda v: num(v) and v is not None
-    nums = lambda d, keys=None: isinstance(d, dict) and all(num(d.get(k)) for k in keys or d)
-    reals = lambda v: isinstance(v, list) and len(v) > 0 and all(map(real, v))
-    text = lambda v: v is None or isinstance(v, str)
-
-    def readable(table):                                  # interventions.mechanism's dict
-        rows, positions, head = table.get("rows"), table.get("positions"), table.get("headline")
-        return (isinstance(rows, list) and isinstance(positions, list)
-                and all(isinstance(p, str) for p in positions)
-                and all(isinstance(r, dict) and isinstance(r.get("site"), str) and isinstance(
-                    r.get("label"), str) and num(r.get("layer")) and nums(r.get("scores")) for r in rows)
-                and nums(table, ("p_clean", "p_corrupt", "gap", "seconds")) and real(table.get("threshold"))
-                and isinstance(table.get("verdict"), str) and isinstance(table.get("low_signal"), bool)
-                and text(table.get("verdict_reason")) and nums(table.get("extra") or {})
-                and (head is None or nums(head) and {"key", "value", "query"} <= set(head)))
-
-    def drawable(e):                                      # interventions.effective_record's dict
-        return (isinstance(e, dict) and isinstance(e.get("query"), list) and e["query"]
-                and all(map(reals, e["query"] + [e.get("value")])) and isinstance(e.get("positions"), dict)
-                and all(isinstance(v, int) for v in e["positions"].values()))
-    if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
-            and x.get("status") in ("ok", "failed")):
-        return False
-    c, final, ckpt, history = x["config"], x.get("final"), x.get("checkpoint"), x.get("history", [])
-    mech, table = x.get("mechanism") or {}, x.get("mechanism_table")
-    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS and real(c.get("lr"))
-            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers", "eval_size"))
-            and all(v is None or isinstance(v, (str, int, float)) for v in c.values())
-            and isinstance(x.get("n_params"), int) and isinstance(final, dict)
-            and all(num(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(history, list) and all(
-                nums(h, ("acc", "attrib_value", "attrib_query")) and isinstance(h.get("step"), int)
-                for h in history)
-            and isinstance(mech, dict) and text(mech.get("verdict"))
-            and all(num(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
-            and len({"attrib_key", "attrib_value", "attrib_query"} & set(mech)) in (0, 3)
-            and (table is None or isinstance(table, dict) and readable(table))
-            and (x.get("effective") is None or drawable(x["effective"]))
-            and num(x.get("wall_s")) and isinstance(x.get("provenance") or {}, dict)
-            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
-                 and ".." not in ckpt.split("/")))
-
-
-def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
-    records = []
-    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
-    for path in sorted(glob.glob(pattern)):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for i, line in enumerate(f, 1):
-                record = parse_record(line)
-                if record:
-                    records.append(record)
-                elif warn and line.strip():
-                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
-                          "skipped", file=sys.stderr)
-    return records
-
-
-def json_safe(x):
-    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return None if isinstance(x, float) and not math.isfinite(x) else x
-def parse_record(line):
-    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
+def default_jobs(device, n_runs):
+    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
+    if device != "cpu":
+        return 1, "one process drives the GPU"
+    cores = os.cpu_count() or 1
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    return record if is_record(record) else None
-
-
-def latest(records):
-    """Each run once, its last record, in the order first met."""
-    return list({run_key(r["config"]): r for r in records}.values())
-
-
-def out_path(out, *parts):
-    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
-    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
-    leaves `out`; a file hard-linked to other names)."""
-    path, real = os.path.join(out, *parts), os.path.realpath(out)
-    if os.path.commonpath([real, os.path.realpath(path)]) != real:
-        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
-                         "(remove the link)")
-    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
-        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
-                         "which writing it would change too; not written (remove it or copy it)")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    return path
-
-
-def append_result(path, record):
-    """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
-    line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
-    with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                line = b"\n" + line
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def stderr_log(prefix=""):
-    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
-    return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
-
-
-def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
-          log=stderr_log()):
-    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
-    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
-    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
-    for name, value, ok, expected in [
-            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
-            ("jobs", jobs, isinstance(jobs, int) and jobs > 0, "a positive integer"),
-            ("shard", shard, isinstance(i, int) and isinstance(n, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
-        if not ok:
-            raise ValueError(f"{name}: got {value!r}, expected {expected}")
-    check_runs(configs)
-    os.makedirs(out, exist_ok=True)
-    unique = {}
-    for cfg in configs:
-        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
-    mine = [key for j, key in enumerate(unique) if j % n == i]
-    done = {run_key(r["config"]): r for r in read_results(out)}
-    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
-    tabled = lambda r: not patch or r.get("mechanism_table") is not None
-    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
-    todo = [key for key in mine if not (key in done and complete(done[key]))]
-    if len(todo) < len(mine):
-        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
-    train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
-    results = out_path(out, results_name(shard))
-    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
-        append_result(results, record)
-    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    return [newest[k] for k in unique if k in newest]
-
-
-def results_name(shard):
-    """The results file that shard (I, N) appends to."""
-    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
-
-
-def check_runs(configs):
-    """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
-    for cfg in configs:
-        cfg.check()
-    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
-             for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
-    built = set()
-    for cfg in configs:
-        mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
-        shape = (mechsm.data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
-            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv",
-            "long_only", "freeze_features")))
-        if shape not in built:                   # a model too large to allocate is bad input
-            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
-            built.add(shape)
-
-
-def make_groups(configs, group_size=None):
-    """configs -> lists differing only in lr and seed, group_size at most (None: a whole cell)."""
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
-    cells = {}
-    for cfg in configs:
-        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
-    return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
-            for i in range(0, len(cell), group_size or len(cell))]
-
-
-def run_jobs(jobs_list, out, wants, jobs):
-    """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
-    if jobs <= 1 or len(jobs_list) <= 1:
-        yield from (r for kind, payload in jobs_list for r in do_job(kind, payload, out, wants))
-        return
-    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
-                               initargs=(os.getpid(),), mp_context=get_context("spawn"))
-    try:
-        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
-        for future in as_completed(futures):
-            yield from future.result()
-    except BrokenExecutor:
-        stop_workers(pool)
-        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
-                         f"runs are kept in {out}; rerun to continue") from None
-    except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
-        stop_workers(pool)
-        raise
-    pool.shutdown(wait=True)
-
-
-def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
-    # a part of a finished run that fails (a full disk: torch's RuntimeError) costs that part only
-    def without(cfg, what, e):
-        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
-        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
-              file=sys.stderr)
-
-    try:
-        if kind == "patch":
-            cfg, record = payload
-            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
-                                       device=mechsm.resolve_device(cfg.device))
-            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
-                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
-            pairs = [(dict(record), model)]
-        else:
-            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
-        for record, model in pairs:
-            cfg, ok = config_of(record), record["status"] == "ok"
-            if ok and wants["patch"]:
-                try:
-                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
-                except Exception as e:
-                    if kind == "patch":          # nothing new to record
-                        raise
-                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
-            if ok and wants["save"] and not record.get("checkpoint"):
-                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
-                try:
-                    mechsm.save(model, cfg, out_path(out, path))
-                    record["checkpoint"] = path
-                except Exception as e:
-                    without(cfg, "checkpoint not saved", e)
-            record.setdefault("checkpoint", None)
-            record.setdefault("provenance", provenance())
-        return [json_safe(record) for record, _ in pairs]
-    except Exception as e:
-        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
-            import traceback
-            traceback.print_exc()
-        name = payload[0] if kind == "train" else payload[0].name()
-        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
-              "it)", file=sys.stderr)
-        return []
-
-
-def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
-    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
-    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
-    head = table.get("headline") or table.get("mixer_out") or {}
-    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
-               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
-               **table.get("extra", {})}
-    return json_safe({"mechanism": summary, "mechanism_table": table,
-                             "effective": interventions.effective_record(model, dataset)})
-
-
-def add_effective(folder, name, log=print):
-    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
-    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
-    final metrics must equal the record's). Other fields of the record stay as they are."""
-    path = out_path(folder, f"{name}.jsonl")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
-    for row in best_by_lr([r for r in parsed if r]):
-        record = row["best"]
-        if record.get("effective") or record["status"] != "ok":
-            continue
-        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
-        if os.path.isfile(ckpt):
-            model = mechsm.load(ckpt)[0]
-        else:
-            log(f"{name}: retraining {record['name']} for its effective attention")
-            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
-            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
-                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
-                                 "record's; maps not added")
-        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
-        changed.add(id(record))
-    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
-                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
-
-
-def provenance():
-    """Where and with what a record was made: date, machine, torch, the code's git commit."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
-
-
-def worker_init(parent):
-    """A sweep worker: one thread, SIGINT ignored (the parent stops it), gone with its parent."""
-    torch.set_num_threads(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-    def exit_with_parent():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-    threading.Thread(target=exit_with_parent, daemon=True).start()
-
-
-def stop_workers(pool):
-    """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join(5)
-        pool.shutdown(wait=False, cancel_futures=True)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class WorkerLost(RuntimeError):
-    """A sweep worker process died under the sweep (a signal, or the out-of-memory killer)."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
-
-
-# ============================================ The report
-# The best run per row (the paper reports the best learning rate) beside the paper's numbers.
-
-def best_by_lr(records):
-    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
-    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best, label."""
-    groups, configs = {}, [config_of(r) for r in records]
-    for r in {run_key(r["config"]): r for r in records}.values():
-        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
-        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
-    score = lambda r: r["final"].get("acc") or 0.0
-    rows = []
-    for per_lr in groups.values():
-        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
-        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
-        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        values = [score(r) for r in per_lr[best_lr]]
-        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
-            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
-        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
-                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
-                     "n_seeds": len(values), "mean": statistics.fmean(values),
-                     "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                     "label": row_label(config_of(best), configs)})
-    order = {a: i for i, a in enumerate(ALL_ARCHS)}
-    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
-
-
-def fmt_pct(mean, std=None, n=1):
-    """'98.4%', or '50.7% ± 43.9' over n > 1 seeds; '-' when missing."""
-    return "-" if mean is None else f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}" if n > 1 else "")
-
-
-def fmt_num(x):
-    return "-" if x is None else f"{x:.2f}"
-
-
-def markdown(cells, columns=None):
-    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
-    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
-    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
-    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
-                     + [f"| {row} |" for row in rows])
-
-
-def attribs(mech):
-    """The Attrib@Key/Value/Query cells of a mechanism summary."""
-    return {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
-
-
-def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
-    """A record's verdict by interventions.verdict from its stored table, at any cut and gap filter
-    (the sensitivity table); None when not patched, "failed", or "n/a (1 layer)"."""
-    table = record.get("mechanism_table")
-    if record["status"] != "ok" or not table:
-        return "failed" if record["status"] != "ok" else None
-    if not table.get("headline"):
-        return "n/a (1 layer)"                       # no layer-1 block input to read
-    threshold, gap = table["threshold"] * gap_scale, table.get("gap")
-    low = not (isinstance(gap, (int, float)) and gap > threshold)      # NaN: no signal
-    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
-
-
-def spread(row, **rule):
-    """A row's distribution over its seeds (every run counted): n, accuracies, verdicts (a Counter)
-    and the median Attrib@Key/Value/Query of the seeds that can be read (rule: verdict_of's)."""
-    runs = row["runs"]
-    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
-    readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
-    heads = [r["mechanism_table"]["headline"] for r in readable]
-    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
-            "verdicts": collections.Counter(verdicts), "readable": len(readable),
-            "median": {k: statistics.median(h[k] for h in heads) if heads else None
-                       for k in ATTRIBS}}
-
-
-UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")
-
-
-def fmt_acc(s):
-    """'50.0% (0.9-84.4)': the median accuracy over seeds and its range."""
-    acc = s["acc"]
-    return fmt_pct(statistics.median(acc)) + (f" ({100 * acc[0]:.1f}-{100 * acc[-1]:.1f})"
-                                              if len(acc) > 1 else " (1 seed)")
-
-
-def fmt_counts(s):
-    """'direct retrieval 4/5, no signal 1/5', most frequent first."""
-    return ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
-
-
-def result_table(rows, paper_numbers=None):
-    """Per labelled row of best_by_lr: the distribution over its seeds and the paper's number."""
-    cells = []
-    for row in rows:
-        best, s = row["best"], spread(row)
-        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
-             "accuracy: median (range)": fmt_acc(s)}
-        finals = [r["final"] for r in row["runs"]]
-        c.update({key.replace("_acc", " accuracy"): fmt_pct(statistics.median(
-            f.get(key) or 0.0 for f in finals)) for key in ("test_acc", "novel_acc") if key in best["final"]})
-        one_layer = best["config"]["n_layers"] == 1
-        c.update({name: "n/a" if one_layer else fmt_num(s["median"][k])
-                  for k, (name, _) in ATTRIBS.items()})
-        mechs = [r.get("mechanism") or {} for r in row["runs"]]
-        for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
-            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
-        c["verdicts"] = fmt_counts(s)
-        if paper_numbers is not None:
-            c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
-        cells.append(c)
-    return markdown(cells)
-
-
-def runs_table(records):
-    """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
-    configs, cells = [config_of(r) for r in records], []
-    by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
-    for r, cfg in sorted(zip(records, configs), key=by):
-        mech = r.get("mechanism") or {}
-        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
-                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs(mech),
-                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
-                      "verdict": verdict_of(r) or "-",
-                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
-    return markdown(cells)
-
-
-def fmt_attrib(entry, key):
-    """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
-    value = entry.get(key)
-    return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
-
-
-def timeline_text(row):
-    """The best run's history in one line: at most 6 evaluations (the last kept)."""
-    history = row["best"].get("history") or []
-    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
-    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {fmt_attrib(h, 'attrib_value')}/"
-             f"{fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
-    return f"- {row['label']}: " + "; ".join(steps)
-
-
-def render(name, preset, records, folder=None):
-    """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
-    exp, rows = EXPERIMENTS[name], best_by_lr(records)
-    if not rows:
-        raise ValueError(f"{name}: no run finished; nothing to report")
-    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
-    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
-                                           for r in records if r.get("provenance")})]
-    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
-                     f"commit {m.get('commit')}" for m in made)
-    wall = sum(r.get("wall_s") or 0 for r in records)
-    kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
-             if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
-    c = read_command(folder, name) if folder else None
-    return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
-        runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
-        f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
-        f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
-        "over the seeds that can be read, of the restoration of the clean answer probability when "
-        "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
-        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
-        f"{exp.section}.", "",
-        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
-        "too little signal to read):", *[timeline_text(row) for row in rows], "",
-        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
-        f"summed), made {made}."
-        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
-           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
-           f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
-
-
-def read_command(folder, name):
-    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
-    warning if it cannot be read."""
-    path = os.path.join(folder, f"{name}.command.json")
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            c = json.load(f)
-        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
-                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
-            return c
-    except (ValueError, OSError, RecursionError):
-        pass
-    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
-    return None
-
-
-def holds(paper_text, s):
-    """Whether a row's seeds bear out the paper's text (s: its spread): 'yes' when the paper's
-    reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
-    half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
-    for reading in interventions.READINGS.values():
-        if reading in paper_text:
-            if 2 * s["readable"] < s["n"]:
-                return "unreadable"
-            return "yes" if 2 * s["verdicts"][reading] > s["readable"] else "no"
-    if "fails" in paper_text:
-        return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
-    return "-"
-
-
-def summary_rows(name, rows):
-    """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
-    none); an experiment over widths: one row per label, its median accuracy at each width."""
-    exp = EXPERIMENTS[name]
-    paper = lambda row: exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
-    if len({row["d_model"] for row in rows}) > 1:
-        lines = {}
-        for row in sorted(rows, key=lambda r: r["d_model"]):
-            line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
-            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
-        return [{"row": label, "paper": paper(line["row"]) or "no number quoted", "holds?": "-",
-                 "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
-                for label, line in lines.items()]
-    quoted = [row for row in rows if paper(row)] or rows
-    out = []
-    for row in quoted:
-        s, final = spread(row), row["best"]["final"]
-        test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
-        split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        out.append({"row": row["label"], "paper": paper(row) or "no number quoted",
-                    "ours": f"{split}; {fmt_counts(s)}",
-                    "holds?": holds(paper(row) or "", s)})
-    return out
-
-
-def summary_table(folder="results"):
-    """The README's summary: each experiment's rows beside the paper's, the sensitivity of the
-    verdicts, the CPU time of the records, the `ar` timing and the probes."""
-    rel = os.path.relpath(folder, HERE)                           # links relative to the README
-    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
-               for name in EXPERIMENTS}
-    lines = []
-    for name, exp in EXPERIMENTS.items():
-        if not exp.probe and records[name]:
-            for i, line in enumerate(summary_rows(name, best_by_lr(records[name]))):
-                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
-                              + (f": {exp.finding}" if i == 0 else ""), **line})
-    out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
-    mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
-    extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
-                                           if verdict_of(r) not in UNREADABLE) or "none")
-              for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
-              if "@" in name]
-    if extras:
-        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
-                   "be read: " + "; ".join(extras) + ".")
-    out.append("\n" + sensitivity_table(records))
-    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
-    seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
-                  for r in unique)
-    out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
-               "patching (the records' wall times summed; every run on one thread), made by `python "
-               "run.py --experiment NAME --replicates --out results` for each experiment, split into "
-               "processes with `--shard I/N --jobs 1`.")
-    first = [r for r in records["ar"] if r["config"]["seed"] == 0]
-    minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
-    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
-               f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
-               f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
-               "jobs, so an upper bound).")
-    c = read_command(folder, "ar")
-    if c:
-        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
-                   f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
-    for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
-        if records[name]:
-            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): "
-                       "accuracy, verdict\n\n" + pivot(records[name], across))
-    return "\n".join(out)
-
-
-SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
-               ("cut 0.6", dict(cut=interventions.CUT + 0.1)),
-               ("gap filter halved", dict(gap_scale=0.5)), ("gap filter doubled", dict(gap_scale=2.0))]
-
-
-def sensitivity_table(records):
-    """How many verdicts (every patched run of the experiments) and 'holds?' answers change when the
-    verdict's cut moves by 0.1 or the gap filter halves or doubles."""
-    runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
-            for r in rs if r.get("mechanism_table")}.values()
-    judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
-              for row in best_by_lr(rs) for text in [EXPERIMENTS[name].paper_numbers.get(
-                  row["label"], EXPERIMENTS[name].paper_numbers.get(row["arch"]))]
-              if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
-    base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
-    cells = []
-    for label, rule in SENSITIVITY:
-        moved = collections.Counter((a, b) for a, b in zip(base[0], (verdict_of(r, **rule) for r in runs))
-                                    if a != b)
-        flips = sum(a != holds(t, spread(row, **rule)) for a, (t, row) in zip(base[1], judged))
-        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(base[0])}",
-                      "how": ", ".join(f"{a} -> {b} {k}" for (a, b), k in moved.most_common()) or "-",
-                      "'holds?' answers that change": f"{flips}/{len(judged)}"})
-    return ("Sensitivity of the verdicts (every patched run of the experiments; "
-            f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
-
-
-def pivot(records, across):
-    """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
-    configs, cells = [config_of(r) for r in records], {}
-    for r, cfg in zip(records, configs):
-        label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
-        cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct(r['final'].get('acc'))} {verdict_of(r) or '-'}"
-    columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
-    return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
+        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
+        free_gib = float("inf")
+    fit = max(1, int(free_gib // WORKER_GIB))
+    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
+    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
+    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
 def evaluate_checkpoint(args):
@@ -1315,6 +1247,122 @@ def run(argv=None):
     return 1 if missing and shard[1] == 1 else 0
 
 
+def main(argv=None):
+    """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
+    def on_sigterm(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return run(argv)
+    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 1 if isinstance(e, WorkerLost) else 2
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
+        sigterm = isinstance(e, Terminated)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
+              "in the results files; rerun to continue", file=sys.stderr)
+        return 143 if sigterm else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ===== Below: machinery a learner can skip (workers, shards, README, figures, benchmark) =====
+
+# --- Worker processes and signals
+
+def run_jobs(jobs_list, out, wants, jobs):
+    """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
+    if jobs <= 1 or len(jobs_list) <= 1:
+        yield from (r for kind, payload in jobs_list for r in do_job(kind, payload, out, wants))
+        return
+    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
+    from multiprocessing import get_context
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
+                               initargs=(os.getpid(),), mp_context=get_context("spawn"))
+    try:
+        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
+        for future in as_completed(futures):
+            yield from future.result()
+    except BrokenExecutor:
+        stop_workers(pool)
+        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
+                         f"runs are kept in {out}; rerun to continue") from None
+    except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
+        stop_workers(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def worker_init(parent):
+    """A sweep worker: one thread, SIGINT ignored (the parent stops it), gone with its parent."""
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def exit_with_parent():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
+def stop_workers(pool):
+    """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        pool.shutdown(wait=False, cancel_futures=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class WorkerLost(RuntimeError):
+    """A sweep worker process died under the sweep (a signal, or the out-of-memory killer)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
+
+
+# --- Shards, provenance, the README's summary
+
+def shard_of(text):
+    """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
+    source = "--shard"
+    if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
+        text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
+        source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (the shard when --shard is not given)"
+    if text is None:
+        return 0, 1
+    i, slash, n = text.partition("/")
+    if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
+        raise ValueError(f"{source}: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
+    return int(i), int(n)
+
+
+def results_name(shard):
+    """The results file that shard (I, N) appends to."""
+    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
+
+
+def provenance():
+    """Where and with what a record was made: date, machine, torch, the code's git commit."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=HERE, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+
+
 README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")
@@ -1338,6 +1386,11 @@ def report_folder(folder):
     print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" * readme))
 
 
+# --- Figures: the paper's plots, from the records alone
+
+FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
+
+
 def redraw_figures(folder):
     """--figures FOLDER: each experiment's figures from <experiment>.jsonl, else results*.jsonl."""
     try:
@@ -1357,35 +1410,6 @@ def redraw_figures(folder):
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
 
 
-def main(argv=None):
-    """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
-    def on_sigterm(signum, frame):
-        raise Terminated()
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        return run(argv)
-    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1 if isinstance(e, WorkerLost) else 2
-    except KeyboardInterrupt as e:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
-        sigterm = isinstance(e, Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
-              "in the results files; rerun to continue", file=sys.stderr)
-        return 143 if sigterm else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-# ============================================ Figures: the paper's plots, from the records alone
-
-FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
-FIGURE_KINDS = ("scatter", "timeline", "heatmaps", "width", "box", "effective")   # <experiment>_<kind>.png
-ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
-           "query": ("Attrib@Query", "tab:blue")}
-FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
-
-
 def colour(arch):
     """A fixed tab10 colour per arch (ALL_ARCHS order; another arch: one of the last three)."""
     from matplotlib import colormaps
@@ -1396,16 +1420,6 @@ def patched_runs(records, signal=False):
     """The patched records, each run once (its last); only those with signal if `signal`."""
     runs = {run_key(r["config"]): r for r in records if (r.get("mechanism") or {}).get("attrib_value") is not None}
     return [r for r in runs.values() if not (signal and r["mechanism"].get("low_signal"))]
-
-
-def widest_rows(rows):
-    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
-    keep = {}
-    for row in rows:
-        d = row["d_model"]
-        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
-        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
-    return keep
 
 
 def grid(fig, n, cols, height):
@@ -1580,7 +1594,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
     return out
 
 
-# ============================================ `python run.py bench`: fast paths against references
+# --- `python run.py bench`: fast paths against references
 # Timed in the same run (medians of interleaved repeats). With OpenMP's spinning wait policy a busy
 # second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 
