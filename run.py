@@ -126,7 +126,7 @@ def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
                 seeds={"*": [42]})
 
 
-def archs(*names, **fields_):
+def each(*names, **fields_):
     return [dict(arch=a, **fields_) for a in names]
 
 
@@ -134,10 +134,10 @@ def convs(arch, sizes, **fields_):
     return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
 
 
-NOPE_PE = archs("attention", pos_emb=False) + archs("attention", pos_emb=True)
+NOPE_PE = each("attention", pos_emb=False) + each("attention", pos_emb=True)
 # ar-vocab: every arch at 512 and 1,024 keys and values, then attention, Based and Mamba probes
 VOCAB_RUNS = ([dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
-              + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
+              + each("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
               + [dict(arch=a, num_keys=256, num_values=256, **f) for a, f in [
                   ("attention", dict(lr=5e-4)), ("attention", dict(lr=1e-3)),
                   ("attention", dict(lr=5e-4, steps=32_000)), ("based", dict(steps=16_000)),
@@ -163,15 +163,15 @@ EXPERIMENTS = {e.name: e for e in [
                 "mamba": "d 64: 80.62% (d 256: 91.25%); direct retrieval",
                 "hyena": "d 64: 2.81% (d 256: 29.69%); direct retrieval",
                 "h3": "d 64: 1.88%; direct retrieval", **LATER},
-               quick(QUICK_AR, archs(*"mamba attention h3 deltanet gated_deltanet hyena based "
+               quick(QUICK_AR, each(*"mamba attention h3 deltanet gated_deltanet hyena based "
                                      "base_conv".split())
-                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
+                     + each("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds=SEEDS_SENSITIVE),
-               paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
+               paper(PAPER_AR, each(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
                {a: f"d 16-256: {v}" for a, v in WIDTHS_PAPER.items()},
-               quick(QUICK_AR, archs(*PAPER_ARCHS, "deltanet"), widths=(16, 32, 64, 128)),
-               paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
+               quick(QUICK_AR, each(*PAPER_ARCHS, "deltanet"), widths=(16, 32, 64, 128)),
+               paper(PAPER_AR, each(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "d 64: 9.1% (d 256: 5.62%)", "attention (PE)": "d 64: 100%"},
                quick(QUICK_AR, NOPE_PE), paper(PAPER_AR, NOPE_PE)),
@@ -182,7 +182,7 @@ EXPERIMENTS = {e.name: e for e in [
                 "attention (2 layers)": "d 64: 100%", "attention (3 layers)": "d 64: 100%"},
                quick(QUICK_AR, [dict(arch=a, n_layers=n) for n in (1, 2, 3)
                                 for a in ("mamba", "attention")]),
-               paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3),
+               paper(PAPER_AR, each(*PAPER_ARCHS, n_layers=1) + each(*PAPER_ARCHS, n_layers=3),
                      lrs=LR7)),
     Experiment("mamba-conv", "Sec. 5.4",
                "Mamba with short-conv sizes 0-4: it needs the conv for AR",
@@ -195,8 +195,8 @@ EXPERIMENTS = {e.name: e for e in [
                {"based (long convs only)": "d 64: 3.75%", "based (d_conv 1)": "d 64: 3.44%",
                 "based (d_conv 2)": "d 64: 98.75%", "based (default conv)": "d 64: 99.06% (conv 3); "
                 "induction", "based (d_conv 4)": "d 64: 97.19%"},
-               quick(QUICK_AR, archs("based", long_only=True) + convs("based", (1, 2, None, 4))),
-               paper(PAPER_AR, archs("based", "base_conv", long_only=True)
+               quick(QUICK_AR, each("based", long_only=True) + convs("based", (1, 2, None, 4))),
+               paper(PAPER_AR, each("based", "base_conv", long_only=True)
                      + convs("based", (1, 2, None, 4)))),
     Experiment("atr", "Sec. 5.2",
                "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
@@ -206,30 +206,30 @@ EXPERIMENTS = {e.name: e for e in [
                 "hyena": "d 64: 85.31%; box K .48 V .08 Q .50: direct retrieval (Q .495)",
                 "mamba": "d 64: 96.25%; box K .55 V .03 Q .29: held at the key (Sec. 5.2's text: "
                 "retrieval at the query)"},
-               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv",
+               quick(QUICK_ATR, each("mamba", "attention", "h3", "hyena", "based", "base_conv",
                                       "gated_deltanet"),
                      seeds={"mamba": SEEDS5, "*": SEEDS3}),
-               paper(PAPER_ATR, archs(*PAPER_ARCHS))),
+               paper(PAPER_ATR, each(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "d 64: 86.25% (d 256: 92.19%); box K .29 V .03 Q .45",
                 "attention": "d 64: 75.62% (d 256: 80.94%); box K .02 V 1.11 Q -.10: induction"},
-               quick(QUICK_ATR, archs("mamba", "attention"), **ATR_MEDIUM),
-               paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"),
+               quick(QUICK_ATR, each("mamba", "attention"), **ATR_MEDIUM),
+               paper(PAPER_ATR, each("attention", "base_conv", "based", "hyena", "mamba"),
                      **ATR_MEDIUM)),
     Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)",
                {"attention": "d 64: 89.38%; box K .36 V .90 Q 0: induction"},
-               quick(QUICK_ATR, archs("attention"), num_terminals=8192),
-               paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
+               quick(QUICK_ATR, each("attention"), num_terminals=8192),
+               paper(PAPER_ATR, each("attention"), num_terminals=8192)),
     Experiment("atr-generalisation", "Sec. 5.3",
                "ATR on held-out (parent, child) label pairs: dev against test",
                {"attention": "d 64: dev 95.00%, test 60.00% (d 256: 95.62%, 68.12%)"},
-               quick(QUICK_ATR, archs("attention"), holdout=0.2, gap_filter=0.01),
-               paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
+               quick(QUICK_ATR, each("attention"), holdout=0.2, gap_filter=0.01),
+               paper(PAPER_ATR, each("attention"), holdout=0.2, gap_filter=0.01)),
     Experiment("ar-generalisation", "the paper's notebook (not in its text)",
                "AR on held-out (key, value) pairs: dev against test",
                {"attention": "dev 100%, test 100% (ar_gen_dev_test.pdf, width not shown)"},
-               quick(QUICK_AR, archs("attention"), holdout=0.2),
-               paper(PAPER_AR, archs("attention"), holdout=0.2, epochs=32)),
+               quick(QUICK_AR, each("attention"), holdout=0.2),
+               paper(PAPER_AR, each("attention"), holdout=0.2, epochs=32)),
     Experiment("atr-mamba-conv", "arXiv v3",
                "Mamba without its short conv learns attention-like induction on ATR",
                {"mamba (d_conv 0)": "induction (high Attrib@Value)",
@@ -270,20 +270,20 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         if field in by_list or field not in {f.name for f in fields(mechsm.Config)}:
             raise ValueError(f"{field}: " + (f"set by {by_list[field]}=[...]" if field in by_list
                                              else "not a mechsm.Config field"))
-    grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
-    runs = grid["runs"]
+    spec = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
+    runs = spec["runs"]
     if archs is not None:
         runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
                                                           if a not in {r["arch"] for r in runs}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
     configs = []
-    for run in runs:
-        steps = pick(grid.get("steps", {}), run["arch"])
-        base = {**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_}
-        run_lrs = lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"], [1e-3]))
+    for family in runs:
+        arch, steps = family["arch"], pick(spec.get("steps", {}), family["arch"])
+        base = {**spec["config"], **({"steps": steps} if steps else {}), **family, **fields_}
+        family_lrs = lrs or ([family["lr"]] if "lr" in family else pick(spec["lrs"], arch, [1e-3]))
         configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
-                    for width in widths or grid["widths"] for lr in run_lrs
-                    for seed in seeds or pick(grid["seeds"], run["arch"])]
+                    for width in widths or spec["widths"] for lr in family_lrs
+                    for seed in seeds or pick(spec["seeds"], arch)]
     return configs
 
 
@@ -357,51 +357,44 @@ def config_of(record):
     return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
 
 
-def is_record(x):
-    """Whether a parsed line is a record every reader can read (tables, timeline, figures, heatmap):
-    the fields they use, of their types; a checkpoint path inside the folder."""
-    num = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
-    real = lambda v: num(v) and v is not None
-    nums = lambda d, keys=None: isinstance(d, dict) and all(num(d.get(k)) for k in keys or d)
-    reals = lambda v: isinstance(v, list) and len(v) > 0 and all(map(real, v))
-    text = lambda v: v is None or isinstance(v, str)
+def fits(value, spec):
+    """Whether `value` fits `spec`: a type, a test, {key: spec} (a missing key is None) or [spec]
+    (a list, each item fitting spec)."""
+    if isinstance(spec, dict):
+        return isinstance(value, dict) and all(fits(value.get(k), s) for k, s in spec.items())
+    if isinstance(spec, list):
+        return isinstance(value, list) and all(fits(v, spec[0]) for v in value)
+    return isinstance(value, spec) if isinstance(spec, type) else bool(spec(value))
 
-    def readable(table):                                  # interventions.mechanism's dict
-        rows, positions, head = table.get("rows"), table.get("positions"), table.get("headline")
-        return (isinstance(rows, list) and isinstance(positions, list)
-                and all(isinstance(p, str) for p in positions)
-                and all(isinstance(r, dict) and isinstance(r.get("site"), str) and isinstance(
-                    r.get("label"), str) and num(r.get("layer")) and nums(r.get("scores")) for r in rows)
-                and nums(table, ("p_clean", "p_corrupt", "gap", "seconds")) and real(table.get("threshold"))
-                and isinstance(table.get("verdict"), str) and isinstance(table.get("low_signal"), bool)
-                and text(table.get("verdict_reason")) and nums(table.get("extra") or {})
-                and (head is None or nums(head) and {"key", "value", "query"} <= set(head)))
 
-    def drawable(e):                                      # interventions.effective_record's dict
-        return (isinstance(e, dict) and isinstance(e.get("query"), list) and e["query"]
-                and all(map(reals, e["query"] + [e.get("value")])) and isinstance(e.get("positions"), dict)
-                and all(isinstance(v, int) for v in e["positions"].values()))
-    if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
-            and x.get("status") in ("ok", "failed")):
-        return False
-    c, final, ckpt, history = x["config"], x.get("final"), x.get("checkpoint"), x.get("history", [])
-    mech, table = x.get("mechanism") or {}, x.get("mechanism_table")
-    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS and real(c.get("lr"))
-            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers", "eval_size"))
-            and all(v is None or isinstance(v, (str, int, float)) for v in c.values())
-            and isinstance(x.get("n_params"), int) and isinstance(final, dict)
-            and all(num(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(history, list) and all(
-                nums(h, ("acc", "attrib_value", "attrib_query")) and isinstance(h.get("step"), int)
-                for h in history)
-            and isinstance(mech, dict) and text(mech.get("verdict"))
-            and all(num(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
-            and len({"attrib_key", "attrib_value", "attrib_query"} & set(mech)) in (0, 3)
-            and (table is None or isinstance(table, dict) and readable(table))
-            and (x.get("effective") is None or drawable(x["effective"]))
-            and num(x.get("wall_s")) and isinstance(x.get("provenance") or {}, dict)
-            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
-                 and ".." not in ckpt.split("/")))
+# What the readers of a record use (tables, timeline, figures, heatmap), of their types.
+NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+REAL = lambda v: v is not None and NUM(v)
+NUMS = lambda d: isinstance(d, dict) and all(map(NUM, d.values()))
+MAYBE = lambda spec: lambda v: v is None or fits(v, spec)
+RECORD = {
+    "status": lambda v: v in ("ok", "failed"), "n_params": int, "wall_s": NUM,
+    "config": lambda c: fits(c, {"arch": str, "task": lambda v: v in mechsm.TASKS, "lr": REAL,
+                                 **dict.fromkeys(("d_model", "seed", "n_layers", "eval_size"), int)})
+    and all(v is None or isinstance(v, (str, int, float)) for v in c.values()),
+    "final": lambda f: isinstance(f, dict) and all(NUM(v) for k, v in f.items()
+                                                    if k.endswith(("acc", "prob"))),
+    "history": MAYBE([{"step": int, "acc": NUM, "attrib_value": NUM, "attrib_query": NUM}]),
+    "mechanism": MAYBE(lambda m: isinstance(m, dict) and fits(m.get("verdict"), MAYBE(str))
+                       and all(NUM(v) for k, v in m.items() if k not in ("verdict", "low_signal"))
+                       and len({"attrib_key", "attrib_value", "attrib_query"} & set(m)) in (0, 3)),
+    "mechanism_table": MAYBE({                           # interventions.mechanism's dict
+        "rows": [{"site": str, "label": str, "layer": NUM, "scores": NUMS}], "positions": [str],
+        **dict.fromkeys(("p_clean", "p_corrupt", "gap", "seconds"), NUM), "threshold": REAL,
+        "verdict": str, "low_signal": bool, "verdict_reason": MAYBE(str), "extra": MAYBE(NUMS),
+        "headline": MAYBE(lambda h: NUMS(h) and {"key", "value", "query"} <= set(h))}),
+    "effective": MAYBE({                                 # interventions.effective_record's dict
+        "query": lambda q: fits(q, [[REAL]]) and q and all(q),
+        "value": lambda v: fits(v, [REAL]) and v,
+        "positions": lambda p: isinstance(p, dict) and all(isinstance(v, int) for v in p.values())}),
+    "provenance": MAYBE(dict),
+    "checkpoint": MAYBE(lambda p: isinstance(p, str) and not os.path.isabs(p)   # inside the folder
+                        and ".." not in p.split("/"))}
 
 
 def parse_record(line):
@@ -410,7 +403,7 @@ def parse_record(line):
         record = json.loads(line)
     except (ValueError, RecursionError):
         return None
-    return record if is_record(record) else None
+    return record if fits(record, RECORD) else None
 
 
 def read_results(out, warn=True):
