@@ -466,20 +466,19 @@ def append_result(path, record):
 
 # ===== The sweep
 
-def stderr_log(prefix=""):
-    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
-    return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
-
-
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
-          log=stderr_log()):
+          log=lambda msg: print(msg, file=sys.stderr, flush=True)):
     """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
-    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
+    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved.
+    group_size: train up to that many runs differing only in lr and seed as one batched model."""
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
+    size = lambda v: isinstance(v, int) and v > 0
     for name, value, ok, expected in [
             ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
-            ("jobs", jobs, isinstance(jobs, int) and jobs > 0, "a positive integer"),
-            ("shard", shard, isinstance(i, int) and isinstance(n, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
+            ("jobs", jobs, size(jobs), "a positive integer"),
+            ("group_size", group_size, group_size is None or size(group_size),
+             "a positive integer (None: a whole cell)"),
+            ("shard", shard, size(n) and isinstance(i, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
         if not ok:
             raise ValueError(f"{name}: got {value!r}, expected {expected}")
     check_runs(configs)
@@ -496,8 +495,8 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
-    train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
+    groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
+    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
     for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
@@ -524,8 +523,6 @@ def check_runs(configs):
 
 def make_groups(configs, group_size=None):
     """configs -> lists differing only in lr and seed, group_size at most (None: a whole cell)."""
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
     cells = {}
     for cfg in configs:
         cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
@@ -589,7 +586,7 @@ def patched(model, cfg, dataset):
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
     return json_safe({"mechanism": summary, "mechanism_table": table,
-                             "effective": interventions.effective_record(model, dataset)})
+                      "effective": interventions.effective_record(model, dataset)})
 
 
 def add_effective(folder, name, log=print):
@@ -986,7 +983,7 @@ class Parser(argparse.ArgumentParser):
 
 def typed(kind, many=False, zero=False):
     """An argparse type: a non-empty str, or a positive (zero: or 0) int (<= 2**62) or finite float;
-    many: a comma list of them, ints also a range of seeds lo-hi (0-4)."""
+    many: a comma list of them, none twice, ints also a range of seeds lo-hi (0-4)."""
     def one(text):
         text = text.strip()
         if not text:
@@ -1013,7 +1010,13 @@ def typed(kind, many=False, zero=False):
                 f"a range of {len(values):,} values, at most 10,000" if values else "an empty range: "
                 "lo-hi needs lo <= hi"))
         return values
-    return (lambda text: [v for part in text.split(",") for v in span(part)]) if many else one
+
+    def comma_list(text):
+        values = [v for part in text.split(",") for v in span(part)]
+        if len(set(values)) < len(values):
+            raise argparse.ArgumentTypeError(f"a value is repeated in {values}")
+        return values
+    return comma_list if many else one
 
 
 def build_parser():
@@ -1089,13 +1092,15 @@ COMMAND_OPTIONS = {"bench": {"device"}, **{c: {c} for c in ("list", "figures", "
 
 def grid_runs(args, name, device):
     """(configs, notes): the grid narrowed by --arch/--d-model/--lr/--seeds, each field flag set."""
+    for a, b, both in [("--task", "--experiment", args.task and args.experiment),
+                       ("--epochs", "--steps", args.epochs and args.steps),
+                       ("--replicates", "--seeds", args.replicates and args.seeds),
+                       ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
+        if both:
+            raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
     given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
-    for flag in ("arch", "d_model", "lr", "seeds"):
-        values = getattr(args, flag)
-        if values is not None and len(set(values)) < len(values):
-            raise ValueError(f"--{flag.replace('_', '-')}: a value is repeated in {values}")
     configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
                                  archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
                                  seeds=args.seeds or (None if args.replicates or args.preset
@@ -1135,6 +1140,81 @@ def default_jobs(device, n_runs):
     return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
+def check_out(out, names):
+    """Before any training: --out unwritable, or a file of it linking out of it, is bad input."""
+    try:
+        for name in names:
+            out_path(out, name)
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+
+
+def add_records(out, name, records):
+    """Add the records not already there to OUT/<name>.jsonl (never rewritten); all its runs."""
+    path = out_path(out, f"{name}.jsonl")
+    kept = {run_key(r["config"]): r for r in read_results(path)}
+    for record in records:
+        if kept.get(run_key(record["config"])) != record:
+            append_result(path, record)
+    return latest(read_results(path, warn=False))
+
+
+def print_report(name, preset, records, out):
+    """Write OUT/<name>.md; print its table and timeline, and the heatmap of the most accurate model
+    with an extra site (else the most accurate)."""
+    rows, text = render(name, preset, records, out)
+    Path(out_path(out, f"{name}.md")).write_text(text)
+    print(text.split("\n", 2)[2].split("\n![")[0])
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+
+
+def train_grid(args, command):
+    """Train the grid that `args` asks for into --out, then report it; `command` is recorded in
+    OUT/<experiment>.command.json. Exit status 1 when runs of the grid are missing (crashed)."""
+    t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
+    device = mechsm.resolve_device(args.device or "auto")
+    configs, notes = grid_runs(args, name, device)
+    check_runs(configs)                              # bad input: one line, before anything runs
+    for note in notes:
+        print(note, file=sys.stderr)
+    jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
+    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
+    check_out(out, [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
+                    *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)])
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {args.preset or 'quick'}"
+          f" | {len(configs)} runs" + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
+    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
+    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
+    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
+                    save=not args.no_save, group_size=group_size)
+    if not records:
+        raise ValueError("no run finished; nothing to report")
+    trained = sum(before.get(run_key(r["config"])) != r for r in records)
+    everything = add_records(out, name, records)              # the report: the folder's records
+    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
+        print(FIGURES_HINT, file=sys.stderr)
+    if trained:
+        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
+            "command": command, "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
+            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+    print_report(name, args.preset or "quick", everything, out)
+    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
+        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
+    return 1 if missing and shard[1] == 1 else 0
+
+
 def evaluate_checkpoint(args):
     """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     device = mechsm.resolve_device(args.device or "auto")
@@ -1149,7 +1229,7 @@ def evaluate_checkpoint(args):
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
     Path(path).write_text(json.dumps(json_safe(record), indent=1))
-    print(result_table([dict(label=cfg.arch, best=record, runs=[record], n_seeds=1)]))
+    print(result_table([dict(label=cfg.arch, best=record, runs=[record])]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
               + interventions.render_heatmap(record["mechanism_table"]))
@@ -1158,12 +1238,14 @@ def evaluate_checkpoint(args):
 
 def run(argv=None):
     """The command line: bench, --list, --figures, --report, --checkpoint, or train a grid."""
-    t0 = time.time()
     args = build_parser().parse_args(argv)
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
+    if command == "train":
+        return train_grid(args, shlex.join(["python", "run.py",
+                                            *(sys.argv[1:] if argv is None else argv)]))
     flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
-    if command != "train" and args.given - COMMAND_OPTIONS[command]:
+    if args.given - COMMAND_OPTIONS[command]:
         raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
                          f"{'bench' if command == 'bench' else '--' + command} (it takes "
                          f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
@@ -1171,73 +1253,10 @@ def run(argv=None):
     if folder and not os.path.isdir(folder):
         raise ValueError(f"--{command} {folder}: " + ("not a folder" if os.path.exists(folder) else
                                                         "no such folder"))
-    if command != "train":
-        {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
-         "checkpoint": lambda: evaluate_checkpoint(args),
-         "figures": lambda: redraw_figures(args.figures),
-         "report": lambda: report_folder(args.report)}[command]()
-        return 0
-    for a, b, both in [("--task", "--experiment", args.task and args.experiment),
-                       ("--epochs", "--steps", args.epochs and args.steps),
-                       ("--replicates", "--seeds", args.replicates and args.seeds),
-                       ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
-        if both:
-            raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
-    name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
-    device = mechsm.resolve_device(args.device or "auto")
-    configs, notes = grid_runs(args, name, device)
-    check_runs(configs)                              # bad input: one line, before anything runs
-    for note in notes:
-        print(note, file=sys.stderr)
-    jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
-    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:               # now, not at the end: an unwritable --out, a file of it that links out of it
-        for part in [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
-                     *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]:
-            out_path(out, part)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | "
-          f"{len(configs)} runs" + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
-          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
-    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
-    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
-    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
-                    save=not args.no_save, group_size=group_size)
-    if not records:
-        raise ValueError("no run finished; nothing to report")
-    trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    path = out_path(out, f"{name}.jsonl")    # records already there are kept: added to, never replaced
-    kept = {run_key(r["config"]): r for r in read_results(path)}
-    for record in records:
-        if kept.get(run_key(record["config"])) != record:
-            append_result(path, record)
-    everything = latest(read_results(path, warn=False))         # the report: the folder's records
-    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
-        print(FIGURES_HINT, file=sys.stderr)
-    if trained:
-        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
-            "command": shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]),
-            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
-            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    rows, text = render(name, preset, everything, out)
-    Path(out_path(out, f"{name}.md")).write_text(text)
-    print(text.split("\n", 2)[2].split("\n![")[0])
-    tables = [row for row in rows if row["best"].get("mechanism_table")]
-    if tables:
-        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                            row["best"]["final"].get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
-              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
-    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
-        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
-        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
-    return 1 if missing and shard[1] == 1 else 0
+    {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
+     "checkpoint": lambda: evaluate_checkpoint(args), "figures": lambda: redraw_figures(folder),
+     "report": lambda: report_folder(folder)}[command]()
+    return 0
 
 
 def main(argv=None):

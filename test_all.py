@@ -1778,8 +1778,9 @@ def test_groups_are_cells_split_by_size_and_bad_groups_are_refused():
     for bad in ([cfgs[0], cfgs[6]], [cfgs[0], cfgs[0]]):             # two widths; the same run twice
         with pytest.raises(ValueError, match="train_group"):
             mechsm.train_group(bad, log=quiet)
-    with pytest.raises(ValueError, match="group_size"):
-        run_cli.make_groups(cfgs, 0)
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="group_size"):
+            run_cli.sweep(cfgs, "unused", group_size=bad)
 
 
 def test_sweep_trains_groups_records_each_run_and_resumes(tmp_path, monkeypatch):
