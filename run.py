@@ -621,9 +621,9 @@ def add_effective(folder, name, log=print):
 
 def best_by_lr(records):
     """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
-    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best, label."""
+    failed run never wins): arch, d_model, best_lr, runs (the seeds of best_lr), best, label."""
     groups, configs = {}, [config_of(r) for r in records]
-    for r in {run_key(r["config"]): r for r in records}.values():
+    for r in latest(records):
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
     score = lambda r: r["final"].get("acc") or 0.0
@@ -632,21 +632,17 @@ def best_by_lr(records):
         means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
         failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
         best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        values = [score(r) for r in per_lr[best_lr]]
         best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
             r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
-                     "n_seeds": len(values), "mean": statistics.fmean(values),
-                     "std": statistics.stdev(values) if len(values) > 1 else 0.0,
                      "label": row_label(config_of(best), configs)})
     order = {a: i for i, a in enumerate(ALL_ARCHS)}
     return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
 
 
-def fmt_pct(mean, std=None, n=1):
-    """'98.4%', or '50.7% ± 43.9' over n > 1 seeds; '-' when missing."""
-    return "-" if mean is None else f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}" if n > 1 else "")
+def fmt_pct(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def fmt_num(x):
@@ -661,14 +657,10 @@ def markdown(cells, columns=None):
                      + [f"| {row} |" for row in rows])
 
 
+# a record's attrib_key / _value / _query: their names in the tables and colours in the figures
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
-UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")
-
-
-def attribs(mech):
-    """The Attrib@Key/Value/Query cells of a mechanism summary."""
-    return {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
+UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
 
 
 def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
@@ -719,6 +711,11 @@ def widest_rows(rows):
     return keep
 
 
+def paper_text(numbers, row):
+    """The paper's text for a row of best_by_lr (`numbers`: an Experiment's paper_numbers), or None."""
+    return numbers.get(row["label"], numbers.get(row["arch"]))
+
+
 def result_table(rows, paper_numbers=None):
     """Per labelled row of best_by_lr: the distribution over its seeds and the paper's number."""
     cells = []
@@ -737,7 +734,7 @@ def result_table(rows, paper_numbers=None):
             c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
         c["verdicts"] = fmt_counts(s)
         if paper_numbers is not None:
-            c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
+            c["paper"] = paper_text(paper_numbers, row) or "-"
         cells.append(c)
     return markdown(cells)
 
@@ -749,25 +746,22 @@ def runs_table(records):
     for r, cfg in sorted(zip(records, configs), key=by):
         mech = r.get("mechanism") or {}
         cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
-                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs(mech),
+                      "accuracy": fmt_pct(r["final"].get("acc")),
+                      **{name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()},
                       **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
                       "verdict": verdict_of(r) or "-",
                       "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
     return markdown(cells)
 
 
-def fmt_attrib(entry, key):
-    """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
-    value = entry.get(key)
-    return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
-
-
 def timeline_text(row):
-    """The best run's history in one line: at most 6 evaluations (the last kept)."""
+    """The best run's history in one line: at most 6 evaluations (the last kept); an attribution is
+    '-' when missing or attrib_low_signal."""
     history = row["best"].get("history") or []
     keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
-    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {fmt_attrib(h, 'attrib_value')}/"
-             f"{fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
+    attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
+    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
+             f"{attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
     return f"- {row['label']}: " + "; ".join(steps)
 
 
@@ -824,16 +818,16 @@ def render(name, preset, records, folder=None):
            f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
 
 
-def holds(paper_text, s):
-    """Whether a row's seeds bear out the paper's text (s: its spread): 'yes' when the paper's
+def holds(text, s):
+    """Whether a row's seeds bear out the paper's `text` (s: its spread): 'yes' when the paper's
     reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
     half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
     for reading in interventions.READINGS.values():
-        if reading in paper_text:
+        if reading in text:
             if 2 * s["readable"] < s["n"]:
                 return "unreadable"
             return "yes" if 2 * s["verdicts"][reading] > s["readable"] else "no"
-    if "fails" in paper_text:
+    if "fails" in text:
         return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
     return "-"
 
@@ -841,25 +835,22 @@ def holds(paper_text, s):
 def summary_rows(name, rows):
     """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
     none); an experiment over widths: one row per label, its median accuracy at each width."""
-    exp = EXPERIMENTS[name]
-    paper = lambda row: exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
+    quoted = lambda row: paper_text(EXPERIMENTS[name].paper_numbers, row)
     if len({row["d_model"] for row in rows}) > 1:
         lines = {}
         for row in sorted(rows, key=lambda r: r["d_model"]):
             line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
             line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
-        return [{"row": label, "paper": paper(line["row"]) or "no number quoted", "holds?": "-",
+        return [{"row": label, "paper": quoted(line["row"]) or "no number quoted", "holds?": "-",
                  "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
                 for label, line in lines.items()]
-    quoted = [row for row in rows if paper(row)] or rows
     out = []
-    for row in quoted:
+    for row in [row for row in rows if quoted(row)] or rows:
         s, final = spread(row), row["best"]["final"]
         test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
         split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        out.append({"row": row["label"], "paper": paper(row) or "no number quoted",
-                    "ours": f"{split}; {fmt_counts(s)}",
-                    "holds?": holds(paper(row) or "", s)})
+        out.append({"row": row["label"], "paper": quoted(row) or "no number quoted",
+                    "ours": f"{split}; {fmt_counts(s)}", "holds?": holds(quoted(row) or "", s)})
     return out
 
 
@@ -874,8 +865,7 @@ def sensitivity_table(records):
     runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
             for r in rs if r.get("mechanism_table")}.values()
     judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
-              for row in best_by_lr(rs) for text in [EXPERIMENTS[name].paper_numbers.get(
-                  row["label"], EXPERIMENTS[name].paper_numbers.get(row["arch"]))]
+              for row in best_by_lr(rs) for text in [paper_text(EXPERIMENTS[name].paper_numbers, row)]
               if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
     base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
     cells = []
