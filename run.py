@@ -1394,7 +1394,7 @@ FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the e
 
 
 def redraw_figures(folder):
-    """--figures FOLDER: each experiment's figures from <experiment>.jsonl, else results*.jsonl."""
+    """--figures FOLDER: each experiment's figures from <experiment>.jsonl."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -1403,9 +1403,7 @@ def redraw_figures(folder):
     found = 0
     for name in EXPERIMENTS:
         path = os.path.join(folder, f"{name}.jsonl")
-        keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
-        records = latest(read_results(path) if os.path.exists(path) else [
-            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys])
+        records = latest(read_results(path)) if os.path.exists(path) else []
         if records:
             draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
@@ -1418,13 +1416,14 @@ def colour(arch):
     return colormaps["tab10"](ALL_ARCHS.index(arch) if arch in ALL_ARCHS else 7 + len(arch) % 3)
 
 
-def patched_runs(records, signal=False):
-    """The patched records, each run once (its last); only those with signal if `signal`."""
+def patched_runs(records, with_signal=False):
+    """The patched records, each run once (its last); only those with signal if `with_signal`."""
     runs = {run_key(r["config"]): r for r in records if (r.get("mechanism") or {}).get("attrib_value") is not None}
-    return [r for r in runs.values() if not (signal and r["mechanism"].get("low_signal"))]
+    return [r for r in runs.values() if not (with_signal and r["mechanism"].get("low_signal"))]
 
 
-def grid(fig, n, cols, height):
+def tiles(fig, n, cols, height):
+    """n axes in rows of `cols`, the figure `height` inches per row."""
     fig.set_size_inches(8.0, height * math.ceil(n / cols) + 0.6)
     return [fig.add_subplot(math.ceil(n / cols), cols, i + 1) for i in range(n)]
 
@@ -1487,7 +1486,7 @@ def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
     n_sites, panels = max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows), []
-    for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
+    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
@@ -1509,7 +1508,7 @@ def plot_heatmaps(fig, rows):
 def plot_timeline(fig, rows):
     """Per label (its widest row), the best run's accuracy and attributions against the step."""
     rows, out = widest_rows(rows), {}
-    axes = grid(fig, len(rows), min(3, len(rows)), 2.2)
+    axes = tiles(fig, len(rows), min(3, len(rows)), 2.2)
     for ax, (label, row) in zip(axes, rows.items()):
         history = row["best"].get("history") or []
         s = {k: np.array([h.get(k) for h in history], float) for k in ("step", "acc", "attrib_value", "attrib_query")}
@@ -1556,7 +1555,7 @@ def plot_effective(fig, rows):
     in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("effective")]
     panels = []
-    for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 1.5), rows):
+    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
         eff = row["best"]["effective"]
         lines = [*eff["query"], eff["value"]]
         cells = np.full((len(lines), len(eff["query"][0])), np.nan)
@@ -1584,7 +1583,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
     kinds = {"scatter": (plot_scatter, records, patched_runs(records)), "timeline": (plot_timeline, rows, rows),
              "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows)),
              "width": (plot_width, rows, several),
-             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True)),
+             "box": (plot_box, records, task == "atr" and patched_runs(records, with_signal=True)),
              "effective": (plot_effective, rows,
                            task in ("ar", "atr") and any(r["best"].get("effective") for r in rows))}
     out = {}
@@ -1606,12 +1605,9 @@ def make_step(model, data, forward=None, lr=1e-3):
     if isinstance(model, mechsm.Ensemble):
         return lambda: model.train_step(*batch, [lr] * len(model.modules))
     optimizer = mechsm.adamw(model, lr)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
 
     def step():
-        loss = mechsm.answer_loss(forward or model, data.tokens, data.positions["query"],
-                                  data.answers)
+        loss = mechsm.answer_loss(forward or model, *batch)
         optimizer.zero_grad(set_to_none=True)
         loss.sum().backward()
         optimizer.step()
@@ -1676,7 +1672,7 @@ def bench_scan(device, sizes):
              "its (B, L, e, n) state (x.mul_(1.0), the floor)")]
 
 
-def compare(kernels, inputs, grad_out, sizes, device, **fields):
+def compare(kernels, inputs, grad_out, sizes, device, **labels):
     """Rows: forward+backward of each kernel(*inputs) timed, and its errors against the first's."""
     inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
     wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
@@ -1693,7 +1689,7 @@ def compare(kernels, inputs, grad_out, sizes, device, **fields):
         err = [(wide(x) - x64).abs().max() for x, x64 in zip(got, exact)]
         rel = max(e / x64.abs().max().clamp(min=1e-30) for e, x64 in zip(err[1:], exact[1:]))
         return dict(max_abs_err=err[0].item(), grad_rel_err=rel.item())
-    return [dict(fields, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
+    return [dict(labels, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
                  **errors(forward_backward(kernel, inputs))) for name, kernel in kernels.items()]
 
 
