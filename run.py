@@ -93,8 +93,7 @@ QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pai
                 n_layers=2, train_size=100_032, steps=6000, eval_every=1000)
 QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
 QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
-             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3],
-             "gated_deltanet": [1e-3]}
+             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3], "gated_deltanet": [1e-3]}
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
 # 64 terminals (README, difference 14). Step budgets per arch from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
@@ -510,15 +509,12 @@ def check_runs(configs):
         cfg.check()
     vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
              for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
-    built = set()
+    built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
         mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
-        shape = (mechsm.data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
-            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv",
-            "long_only", "freeze_features")))
-        if shape not in built:                   # a model too large to allocate is bad input
+        if mechsm.group_key(cfg) not in built:   # a model too large to allocate is bad input
             mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
-            built.add(shape)
+            built.add(mechsm.group_key(cfg))
 
 
 def make_groups(configs, group_size=None):
@@ -531,8 +527,8 @@ def make_groups(configs, group_size=None):
 
 
 def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
-    # a part of a finished run that fails (a full disk: torch's RuntimeError) costs that part only
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records. A part of
+    a finished run that fails (a full disk: torch's RuntimeError) costs that part only."""
     def without(cfg, what, e):
         why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
         print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
