@@ -465,44 +465,6 @@ def append_result(path, record):
 
 # ===== The sweep
 
-def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
-          log=lambda msg: print(msg, file=sys.stderr, flush=True)):
-    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
-    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved.
-    group_size: train up to that many runs differing only in lr and seed as one batched model."""
-    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
-    size = lambda v: isinstance(v, int) and v > 0
-    for name, value, ok, expected in [
-            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
-            ("jobs", jobs, size(jobs), "a positive integer"),
-            ("group_size", group_size, group_size is None or size(group_size),
-             "a positive integer (None: a whole cell)"),
-            ("shard", shard, size(n) and isinstance(i, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
-        if not ok:
-            raise ValueError(f"{name}: got {value!r}, expected {expected}")
-    check_runs(configs)
-    os.makedirs(out, exist_ok=True)
-    unique = {}
-    for cfg in configs:
-        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
-    mine = [key for j, key in enumerate(unique) if j % n == i]
-    done = {run_key(r["config"]): r for r in read_results(out)}
-    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
-    tabled = lambda r: not patch or r.get("mechanism_table") is not None
-    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
-    todo = [key for key in mine if not (key in done and complete(done[key]))]
-    if len(todo) < len(mine):
-        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
-    groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
-    results = out_path(out, results_name(shard))
-    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
-        append_result(results, record)
-    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    return [newest[k] for k in unique if k in newest]
-
-
 def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
@@ -524,6 +486,18 @@ def make_groups(configs, group_size=None):
         cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
     return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
             for i in range(0, len(cell), group_size or len(cell))]
+
+
+def patched(model, cfg, dataset):
+    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
+    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
+    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
+    head = table.get("headline") or table.get("mixer_out") or {}
+    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
+               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
+               **table.get("extra", {})}
+    return json_safe({"mechanism": summary, "mechanism_table": table,
+                      "effective": interventions.effective_record(model, dataset)})
 
 
 def do_job(kind, payload, out, wants):
@@ -573,43 +547,42 @@ def do_job(kind, payload, out, wants):
         return []
 
 
-def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
-    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
-    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
-    head = table.get("headline") or table.get("mixer_out") or {}
-    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
-               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
-               **table.get("extra", {})}
-    return json_safe({"mechanism": summary, "mechanism_table": table,
-                      "effective": interventions.effective_record(model, dataset)})
-
-
-def add_effective(folder, name, log=print):
-    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
-    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
-    final metrics must equal the record's). Other fields of the record stay as they are."""
-    path = out_path(folder, f"{name}.jsonl")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
-    for row in best_by_lr([r for r in parsed if r]):
-        record = row["best"]
-        if record.get("effective") or record["status"] != "ok":
-            continue
-        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
-        if os.path.isfile(ckpt):
-            model = mechsm.load(ckpt)[0]
-        else:
-            log(f"{name}: retraining {record['name']} for its effective attention")
-            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
-            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
-                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
-                                 "record's; maps not added")
-        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
-        changed.add(id(record))
-    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
-                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
+def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
+          log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
+    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved.
+    group_size: train up to that many runs differing only in lr and seed as one batched model."""
+    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
+    size = lambda v: isinstance(v, int) and v > 0
+    for name, value, ok, expected in [
+            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("jobs", jobs, size(jobs), "a positive integer"),
+            ("group_size", group_size, group_size is None or size(group_size),
+             "a positive integer (None: a whole cell)"),
+            ("shard", shard, size(n) and isinstance(i, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
+        if not ok:
+            raise ValueError(f"{name}: got {value!r}, expected {expected}")
+    check_runs(configs)
+    os.makedirs(out, exist_ok=True)
+    unique = {}
+    for cfg in configs:
+        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
+    mine = [key for j, key in enumerate(unique) if j % n == i]
+    done = {run_key(r["config"]): r for r in read_results(out)}
+    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
+    tabled = lambda r: not patch or r.get("mechanism_table") is not None
+    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
+    todo = [key for key in mine if not (key in done and complete(done[key]))]
+    if len(todo) < len(mine):
+        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
+    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
+    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
+    results = out_path(out, results_name(shard))
+    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
+        append_result(results, record)
+    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    return [newest[k] for k in unique if k in newest]
 
 
 # ===== The report
@@ -1329,7 +1302,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
 
 
-# --- Shards, provenance, the README's summary
+# --- Shards, provenance, older records, the README's summary
 
 def shard_of(text):
     """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
@@ -1359,6 +1332,33 @@ def provenance():
         commit = None
     return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+
+
+def add_effective(folder, name, log=print):
+    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
+    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
+    final metrics must equal the record's). Other fields of the record stay as they are."""
+    path = out_path(folder, f"{name}.jsonl")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
+    for row in best_by_lr([r for r in parsed if r]):
+        record = row["best"]
+        if record.get("effective") or record["status"] != "ok":
+            continue
+        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
+        if os.path.isfile(ckpt):
+            model = mechsm.load(ckpt)[0]
+        else:
+            log(f"{name}: retraining {record['name']} for its effective attention")
+            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
+            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
+                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
+                                 "record's; maps not added")
+        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
+        changed.add(id(record))
+    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
+                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
 
 
 README = os.path.join(HERE, "README.md")
