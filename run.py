@@ -941,7 +941,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def typed(kind, many=False, zero=False):
-    """An argparse type: a non-empty str, or a positive (zero: or 0) int (<= 2**62) or finite float;
+    """An argparse type: a non-empty str, or a positive (zero: or 0) int below 2**62 or finite float;
     many: a comma list of them, none twice, ints also a range of seeds lo-hi (0-4)."""
     def one(text):
         text = text.strip()
@@ -950,13 +950,12 @@ def typed(kind, many=False, zero=False):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} is out of range")
-        if kind is not str and not (value >= 0 if zero else value > 0):
-            raise argparse.ArgumentTypeError(f"got {text}, expected a {'non-negative' if zero else 'positive'} "
-                                             f"{'integer' if kind is int else 'number'}")
+            value = None
+        if kind is not str and not (value is not None and (value >= 0 if zero else value > 0)
+                                    and (value < 2**62 if kind is int else math.isfinite(value))):
+            what = "integer below 2**62" if kind is int else "number"
+            raise argparse.ArgumentTypeError(f"got {text}, expected a "
+                                             f"{'non-negative' if zero else 'positive'} {what}")
         return value
 
     def span(part):
