@@ -374,7 +374,7 @@ MAYBE = lambda spec: lambda v: v is None or fits(v, spec)
 RECORD = {
     "status": lambda v: v in ("ok", "failed"), "n_params": int, "wall_s": NUM,
     "config": lambda c: fits(c, {"arch": str, "task": lambda v: v in mechsm.TASKS, "lr": REAL,
-                                 **dict.fromkeys(("d_model", "seed", "n_layers", "eval_size"), int)})
+                                 "d_model": int, "seed": int, "n_layers": int, "eval_size": int})
     and all(v is None or isinstance(v, (str, int, float)) for v in c.values()),
     "final": lambda f: isinstance(f, dict) and all(NUM(v) for k, v in f.items()
                                                     if k.endswith(("acc", "prob"))),
@@ -390,7 +390,7 @@ RECORD = {
     "effective": MAYBE({                                 # interventions.effective_record's dict
         "query": lambda q: fits(q, [[REAL]]) and q and all(q),
         "value": lambda v: fits(v, [REAL]) and v,
-        "positions": lambda p: isinstance(p, dict) and all(isinstance(v, int) for v in p.values())}),
+        "positions": lambda p: isinstance(p, dict) and fits(list(p.values()), [int])}),
     "provenance": MAYBE(dict),
     "checkpoint": MAYBE(lambda p: isinstance(p, str) and not os.path.isabs(p)   # inside the folder
                         and ".." not in p.split("/"))}
@@ -577,7 +577,8 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
+    jobs_list = [("patch", (unique[k], done[k])) for k in patchable]
+    jobs_list += [("train", group) for group in groups]
     results = out_path(out, results_name(shard))
     for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
@@ -680,13 +681,15 @@ def widest_rows(rows):
     return keep
 
 
-def paper_text(numbers, row):
-    """The paper's text for a row of best_by_lr (`numbers`: an Experiment's paper_numbers), or None."""
+def paper_text(name, row):
+    """The paper's text for a row of experiment `name` (by its label, else its arch), or None."""
+    numbers = EXPERIMENTS[name].paper_numbers
     return numbers.get(row["label"], numbers.get(row["arch"]))
 
 
-def result_table(rows, paper_numbers=None):
-    """Per labelled row of best_by_lr: the distribution over its seeds and the paper's number."""
+def result_table(rows, experiment=None):
+    """Per labelled row of best_by_lr: the distribution over its seeds and (with the experiment's
+    name) the paper's number."""
     cells = []
     for row in rows:
         best, s = row["best"], spread(row)
@@ -702,8 +705,8 @@ def result_table(rows, paper_numbers=None):
         for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
             c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
         c["verdicts"] = fmt_counts(s)
-        if paper_numbers is not None:
-            c["paper"] = paper_text(paper_numbers, row) or "-"
+        if experiment is not None:
+            c["paper"] = paper_text(experiment, row) or "-"
         cells.append(c)
     return markdown(cells)
 
@@ -714,9 +717,9 @@ def runs_table(records):
     by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
     for r, cfg in sorted(zip(records, configs), key=by):
         mech = r.get("mechanism") or {}
+        attribs = {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
         cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
-                      "accuracy": fmt_pct(r["final"].get("acc")),
-                      **{name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()},
+                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs,
                       **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
                       "verdict": verdict_of(r) or "-",
                       "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
@@ -771,7 +774,7 @@ def render(name, preset, records, folder=None):
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
     c = read_command(folder, name) if folder else None
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
-        runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
+        runs_table(records) if exp.probe else result_table(rows, name), "",
         f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
         f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
         "over the seeds that can be read, of the restoration of the clean answer probability when "
@@ -804,22 +807,22 @@ def holds(text, s):
 def summary_rows(name, rows):
     """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
     none); an experiment over widths: one row per label, its median accuracy at each width."""
-    quoted = lambda row: paper_text(EXPERIMENTS[name].paper_numbers, row)
     if len({row["d_model"] for row in rows}) > 1:
         lines = {}
         for row in sorted(rows, key=lambda r: r["d_model"]):
             line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
             line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
-        return [{"row": label, "paper": quoted(line["row"]) or "no number quoted", "holds?": "-",
+        return [{"row": label, "paper": paper_text(name, line["row"]) or "no number quoted",
+                 "holds?": "-",
                  "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
                 for label, line in lines.items()]
     out = []
-    for row in [row for row in rows if quoted(row)] or rows:
-        s, final = spread(row), row["best"]["final"]
+    for row in [row for row in rows if paper_text(name, row)] or rows:
+        s, final, text = spread(row), row["best"]["final"], paper_text(name, row)
         test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
         split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        out.append({"row": row["label"], "paper": quoted(row) or "no number quoted",
-                    "ours": f"{split}; {fmt_counts(s)}", "holds?": holds(quoted(row) or "", s)})
+        out.append({"row": row["label"], "paper": text or "no number quoted",
+                    "ours": f"{split}; {fmt_counts(s)}", "holds?": holds(text or "", s)})
     return out
 
 
@@ -834,7 +837,7 @@ def sensitivity_table(records):
     runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
             for r in rs if r.get("mechanism_table")}.values()
     judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
-              for row in best_by_lr(rs) for text in [paper_text(EXPERIMENTS[name].paper_numbers, row)]
+              for row in best_by_lr(rs) for text in [paper_text(name, row)]
               if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
     base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
     cells = []
@@ -941,8 +944,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def typed(kind, many=False, zero=False):
-    """An argparse type: a non-empty str, or a positive (zero: or 0) int below 2**62 or finite float;
-    many: a comma list of them, none twice, ints also a range of seeds lo-hi (0-4)."""
+    """An argparse type: a non-empty str, or a positive (zero: or 0) int below 2**62 or finite
+    float; many: a comma list of them, none twice, ints also a range of seeds lo-hi (0-4)."""
     def one(text):
         text = text.strip()
         if not text:
@@ -1143,10 +1146,11 @@ def train_grid(args, command):
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    check_out(out, [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
-                    *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)])
-    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {args.preset or 'quick'}"
-          f" | {len(configs)} runs" + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+    check_out(out, [results_name(shard), *(name + e for e in (".jsonl", ".md", ".command.json")),
+                    *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"][args.no_save:]])
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
+          f"{args.preset or 'quick'} | {len(configs)} runs"
+          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
     expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
@@ -1162,8 +1166,9 @@ def train_grid(args, command):
         print(FIGURES_HINT, file=sys.stderr)
     if trained:
         Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
-            "command": command, "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
+            "command": command, "trained": trained, "jobs": jobs,
+            "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
+            "machine": provenance()["machine"],
             "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
     print_report(name, args.preset or "quick", everything, out)
     missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
@@ -1481,7 +1486,8 @@ def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
     n_sites, panels = max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows), []
-    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
+    axes = tiles(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1)
+    for ax, (label, row) in zip(axes, rows):
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
