@@ -1146,8 +1146,9 @@ def train_grid(args, command):
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    check_out(out, [results_name(shard), *(name + e for e in (".jsonl", ".md", ".command.json")),
-                    *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"][args.no_save:]])
+    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
+             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
+    check_out(out, files)
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
           f"{args.preset or 'quick'} | {len(configs)} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
