@@ -65,7 +65,7 @@ import models  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ============================================ The experiments
+# ===== The experiments
 # One per result of the paper, each with a "quick" grid (sized for a 2-core CPU, aiming at 20
 # minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
 # fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
@@ -93,8 +93,7 @@ QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pai
                 n_layers=2, train_size=100_032, steps=6000, eval_every=1000)
 QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
 QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
-             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3],
-             "gated_deltanet": [1e-3]}
+             "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3], "gated_deltanet": [1e-3]}
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
 # 64 terminals (README, difference 14). Step budgets per arch from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
@@ -126,7 +125,7 @@ def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
                 seeds={"*": [42]})
 
 
-def archs(*names, **fields_):
+def each(*names, **fields_):
     return [dict(arch=a, **fields_) for a in names]
 
 
@@ -134,10 +133,10 @@ def convs(arch, sizes, **fields_):
     return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
 
 
-NOPE_PE = archs("attention", pos_emb=False) + archs("attention", pos_emb=True)
+NOPE_PE = each("attention", pos_emb=False) + each("attention", pos_emb=True)
 # ar-vocab: every arch at 512 and 1,024 keys and values, then attention, Based and Mamba probes
 VOCAB_RUNS = ([dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
-              + archs("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
+              + each("attention", lr=5e-4, steps=32_000, num_keys=1024, num_values=1024)
               + [dict(arch=a, num_keys=256, num_values=256, **f) for a, f in [
                   ("attention", dict(lr=5e-4)), ("attention", dict(lr=1e-3)),
                   ("attention", dict(lr=5e-4, steps=32_000)), ("based", dict(steps=16_000)),
@@ -163,15 +162,15 @@ EXPERIMENTS = {e.name: e for e in [
                 "mamba": "d 64: 80.62% (d 256: 91.25%); direct retrieval",
                 "hyena": "d 64: 2.81% (d 256: 29.69%); direct retrieval",
                 "h3": "d 64: 1.88%; direct retrieval", **LATER},
-               quick(QUICK_AR, archs(*"mamba attention h3 deltanet gated_deltanet hyena based "
+               quick(QUICK_AR, each(*"mamba attention h3 deltanet gated_deltanet hyena based "
                                      "base_conv".split())
-                     + archs("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
+                     + each("mamba", "h3", "hyena", num_keys=256, num_values=256),  # difference 19
                      seeds=SEEDS_SENSITIVE),
-               paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
+               paper(PAPER_AR, each(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-widths", "Sec. 5.1", "AR accuracy against width d",
                {a: f"d 16-256: {v}" for a, v in WIDTHS_PAPER.items()},
-               quick(QUICK_AR, archs(*PAPER_ARCHS, "deltanet"), widths=(16, 32, 64, 128)),
-               paper(PAPER_AR, archs(*ALL_ARCHS), lrs=LR7)),
+               quick(QUICK_AR, each(*PAPER_ARCHS, "deltanet"), widths=(16, 32, 64, 128)),
+               paper(PAPER_AR, each(*ALL_ARCHS), lrs=LR7)),
     Experiment("ar-nope", "Sec. 5.1", "attention without position embeddings fails AR",
                {"attention (NoPE)": "d 64: 9.1% (d 256: 5.62%)", "attention (PE)": "d 64: 100%"},
                quick(QUICK_AR, NOPE_PE), paper(PAPER_AR, NOPE_PE)),
@@ -182,7 +181,7 @@ EXPERIMENTS = {e.name: e for e in [
                 "attention (2 layers)": "d 64: 100%", "attention (3 layers)": "d 64: 100%"},
                quick(QUICK_AR, [dict(arch=a, n_layers=n) for n in (1, 2, 3)
                                 for a in ("mamba", "attention")]),
-               paper(PAPER_AR, archs(*PAPER_ARCHS, n_layers=1) + archs(*PAPER_ARCHS, n_layers=3),
+               paper(PAPER_AR, each(*PAPER_ARCHS, n_layers=1) + each(*PAPER_ARCHS, n_layers=3),
                      lrs=LR7)),
     Experiment("mamba-conv", "Sec. 5.4",
                "Mamba with short-conv sizes 0-4: it needs the conv for AR",
@@ -195,8 +194,8 @@ EXPERIMENTS = {e.name: e for e in [
                {"based (long convs only)": "d 64: 3.75%", "based (d_conv 1)": "d 64: 3.44%",
                 "based (d_conv 2)": "d 64: 98.75%", "based (default conv)": "d 64: 99.06% (conv 3); "
                 "induction", "based (d_conv 4)": "d 64: 97.19%"},
-               quick(QUICK_AR, archs("based", long_only=True) + convs("based", (1, 2, None, 4))),
-               paper(PAPER_AR, archs("based", "base_conv", long_only=True)
+               quick(QUICK_AR, each("based", long_only=True) + convs("based", (1, 2, None, 4))),
+               paper(PAPER_AR, each("based", "base_conv", long_only=True)
                      + convs("based", (1, 2, None, 4)))),
     Experiment("atr", "Sec. 5.2",
                "ATR (L_max 5, |Sigma| 20): accuracy and the same mechanism split as AR",
@@ -206,30 +205,30 @@ EXPERIMENTS = {e.name: e for e in [
                 "hyena": "d 64: 85.31%; box K .48 V .08 Q .50: direct retrieval (Q .495)",
                 "mamba": "d 64: 96.25%; box K .55 V .03 Q .29: held at the key (Sec. 5.2's text: "
                 "retrieval at the query)"},
-               quick(QUICK_ATR, archs("mamba", "attention", "h3", "hyena", "based", "base_conv",
+               quick(QUICK_ATR, each("mamba", "attention", "h3", "hyena", "based", "base_conv",
                                       "gated_deltanet"),
                      seeds={"mamba": SEEDS5, "*": SEEDS3}),
-               paper(PAPER_ATR, archs(*PAPER_ARCHS))),
+               paper(PAPER_ATR, each(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "d 64: 86.25% (d 256: 92.19%); box K .29 V .03 Q .45",
                 "attention": "d 64: 75.62% (d 256: 80.94%); box K .02 V 1.11 Q -.10: induction"},
-               quick(QUICK_ATR, archs("mamba", "attention"), **ATR_MEDIUM),
-               paper(PAPER_ATR, archs("attention", "base_conv", "based", "hyena", "mamba"),
+               quick(QUICK_ATR, each("mamba", "attention"), **ATR_MEDIUM),
+               paper(PAPER_ATR, each("attention", "base_conv", "based", "hyena", "mamba"),
                      **ATR_MEDIUM)),
     Experiment("atr-8192", "Sec. 5.2", "ATR over 8,192 terminals (attention)",
                {"attention": "d 64: 89.38%; box K .36 V .90 Q 0: induction"},
-               quick(QUICK_ATR, archs("attention"), num_terminals=8192),
-               paper(PAPER_ATR, archs("attention"), num_terminals=8192)),
+               quick(QUICK_ATR, each("attention"), num_terminals=8192),
+               paper(PAPER_ATR, each("attention"), num_terminals=8192)),
     Experiment("atr-generalisation", "Sec. 5.3",
                "ATR on held-out (parent, child) label pairs: dev against test",
                {"attention": "d 64: dev 95.00%, test 60.00% (d 256: 95.62%, 68.12%)"},
-               quick(QUICK_ATR, archs("attention"), holdout=0.2, gap_filter=0.01),
-               paper(PAPER_ATR, archs("attention"), holdout=0.2, gap_filter=0.01)),
+               quick(QUICK_ATR, each("attention"), holdout=0.2, gap_filter=0.01),
+               paper(PAPER_ATR, each("attention"), holdout=0.2, gap_filter=0.01)),
     Experiment("ar-generalisation", "the paper's notebook (not in its text)",
                "AR on held-out (key, value) pairs: dev against test",
                {"attention": "dev 100%, test 100% (ar_gen_dev_test.pdf, width not shown)"},
-               quick(QUICK_AR, archs("attention"), holdout=0.2),
-               paper(PAPER_AR, archs("attention"), holdout=0.2, epochs=32)),
+               quick(QUICK_AR, each("attention"), holdout=0.2),
+               paper(PAPER_AR, each("attention"), holdout=0.2, epochs=32)),
     Experiment("atr-mamba-conv", "arXiv v3",
                "Mamba without its short conv learns attention-like induction on ATR",
                {"mamba (d_conv 0)": "induction (high Attrib@Value)",
@@ -270,20 +269,20 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         if field in by_list or field not in {f.name for f in fields(mechsm.Config)}:
             raise ValueError(f"{field}: " + (f"set by {by_list[field]}=[...]" if field in by_list
                                              else "not a mechsm.Config field"))
-    grid = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
-    runs = grid["runs"]
+    spec = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
+    runs = spec["runs"]
     if archs is not None:
         runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
                                                           if a not in {r["arch"] for r in runs}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
     configs = []
-    for run in runs:
-        steps = pick(grid.get("steps", {}), run["arch"])
-        base = {**grid["config"], **({"steps": steps} if steps else {}), **run, **fields_}
-        run_lrs = lrs or ([run["lr"]] if "lr" in run else pick(grid["lrs"], run["arch"], [1e-3]))
+    for family in runs:
+        arch, steps = family["arch"], pick(spec.get("steps", {}), family["arch"])
+        base = {**spec["config"], **({"steps": steps} if steps else {}), **family, **fields_}
+        family_lrs = lrs or ([family["lr"]] if "lr" in family else pick(spec["lrs"], arch, [1e-3]))
         configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
-                    for width in widths or grid["widths"] for lr in run_lrs
-                    for seed in seeds or pick(grid["seeds"], run["arch"])]
+                    for width in widths or spec["widths"] for lr in family_lrs
+                    for seed in seeds or pick(spec["seeds"], arch)]
     return configs
 
 
@@ -311,7 +310,6 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
 CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
                    "mamba": 43.7, "deltanet": 79.2,
                    "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
-WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
 def estimate_seconds(configs, jobs=1):
@@ -323,21 +321,6 @@ def estimate_seconds(configs, jobs=1):
                 * 2 / cfg.n_layers * 32 / cfg.batch_size)
         total += cfg.total_steps() / rate
     return total / max(1, min(jobs, len(configs)))
-
-
-def default_jobs(device, n_runs):
-    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
-    if device != "cpu":
-        return 1, "one process drives the GPU"
-    cores = os.cpu_count() or 1
-    try:
-        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
-        free_gib = float("inf")
-    fit = max(1, int(free_gib // WORKER_GIB))
-    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
-    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
-    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
 def fmt_hours(seconds):
@@ -356,7 +339,577 @@ def catalogue():
     return "\n".join(lines)
 
 
-# ============================================ The command line
+# ===== Records: a JSON line per run
+
+# Where a run happens does not change what it is: a rerun differing only in these finds it done.
+KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
+
+
+def run_key(config):
+    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
+    return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
+
+
+def config_of(record):
+    """The Config of a record (fields that Config no longer has are dropped)."""
+    known = {f.name for f in fields(mechsm.Config)}
+    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
+
+
+def fits(value, spec):
+    """Whether `value` fits `spec`: a type, a test, {key: spec} (a missing key is None) or [spec]
+    (a list, each item fitting spec)."""
+    if isinstance(spec, dict):
+        return isinstance(value, dict) and all(fits(value.get(k), s) for k, s in spec.items())
+    if isinstance(spec, list):
+        return isinstance(value, list) and all(fits(v, spec[0]) for v in value)
+    return isinstance(value, spec) if isinstance(spec, type) else bool(spec(value))
+
+
+# What the readers of a record use (tables, timeline, figures, heatmap), of their types.
+NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+REAL = lambda v: v is not None and NUM(v)
+NUMS = lambda d: isinstance(d, dict) and all(map(NUM, d.values()))
+MAYBE = lambda spec: lambda v: v is None or fits(v, spec)
+RECORD = {
+    "status": lambda v: v in ("ok", "failed"), "n_params": int, "wall_s": NUM,
+    "config": lambda c: fits(c, {"arch": str, "task": lambda v: v in mechsm.TASKS, "lr": REAL,
+                                 "d_model": int, "seed": int, "n_layers": int, "eval_size": int})
+    and all(v is None or isinstance(v, (str, int, float)) for v in c.values()),
+    "final": lambda f: isinstance(f, dict) and all(NUM(v) for k, v in f.items()
+                                                    if k.endswith(("acc", "prob"))),
+    "history": MAYBE([{"step": int, "acc": NUM, "attrib_value": NUM, "attrib_query": NUM}]),
+    "mechanism": MAYBE(lambda m: isinstance(m, dict) and fits(m.get("verdict"), MAYBE(str))
+                       and all(NUM(v) for k, v in m.items() if k not in ("verdict", "low_signal"))
+                       and len({"attrib_key", "attrib_value", "attrib_query"} & set(m)) in (0, 3)),
+    "mechanism_table": MAYBE({                           # interventions.mechanism's dict
+        "rows": [{"site": str, "label": str, "layer": NUM, "scores": NUMS}], "positions": [str],
+        **dict.fromkeys(("p_clean", "p_corrupt", "gap", "seconds"), NUM), "threshold": REAL,
+        "verdict": str, "low_signal": bool, "verdict_reason": MAYBE(str), "extra": MAYBE(NUMS),
+        "headline": MAYBE(lambda h: NUMS(h) and {"key", "value", "query"} <= set(h))}),
+    "effective": MAYBE({                                 # interventions.effective_record's dict
+        "query": lambda q: fits(q, [[REAL]]) and q and all(q),
+        "value": lambda v: fits(v, [REAL]) and v,
+        "positions": lambda p: isinstance(p, dict) and fits(list(p.values()), [int])}),
+    "provenance": MAYBE(dict),
+    "checkpoint": MAYBE(lambda p: isinstance(p, str) and not os.path.isabs(p)   # inside the folder
+                        and ".." not in p.split("/"))}
+
+
+def parse_record(line):
+    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if fits(record, RECORD) else None
+
+
+def read_results(out, warn=True):
+    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
+    records = []
+    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
+    for path in sorted(glob.glob(pattern)):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                record = parse_record(line)
+                if record:
+                    records.append(record)
+                elif warn and line.strip():
+                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
+                          "skipped", file=sys.stderr)
+    return records
+
+
+def latest(records):
+    """Each run once, its last record, in the order first met."""
+    return list({run_key(r["config"]): r for r in records}.values())
+
+
+def json_safe(x):
+    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def out_path(out, *parts):
+    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
+    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
+    leaves `out`; a file hard-linked to other names)."""
+    path, real = os.path.join(out, *parts), os.path.realpath(out)
+    if os.path.commonpath([real, os.path.realpath(path)]) != real:
+        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
+                         "(remove the link)")
+    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
+        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
+                         "which writing it would change too; not written (remove it or copy it)")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    return path
+
+
+def append_result(path, record):
+    """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
+    line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
+    with open(path, "a+b") as f:
+        if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ===== The sweep
+
+def check_runs(configs):
+    """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
+    for cfg in configs:
+        cfg.check()
+    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
+             for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
+    built = set()                                # a model per group: lr and seed change no shape
+    for cfg in configs:
+        mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
+        if mechsm.group_key(cfg) not in built:   # a model too large to allocate is bad input
+            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
+            built.add(mechsm.group_key(cfg))
+
+
+def make_groups(configs, group_size=None):
+    """configs -> lists differing only in lr and seed, group_size at most (None: a whole cell)."""
+    cells = {}
+    for cfg in configs:
+        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
+    return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
+            for i in range(0, len(cell), group_size or len(cell))]
+
+
+def patched(model, cfg, dataset):
+    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
+    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
+    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
+    head = table.get("headline") or table.get("mixer_out") or {}
+    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
+               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
+               **table.get("extra", {})}
+    return json_safe({"mechanism": summary, "mechanism_table": table,
+                      "effective": interventions.effective_record(model, dataset)})
+
+
+def do_job(kind, payload, out, wants):
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records. A part of
+    a finished run that fails (a full disk: torch's RuntimeError) costs that part only."""
+    def without(cfg, what, e):
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
+              file=sys.stderr)
+
+    try:
+        if kind == "patch":
+            cfg, record = payload
+            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
+                                       device=mechsm.resolve_device(cfg.device))
+            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
+                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
+            pairs = [(dict(record), model)]
+        else:
+            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
+        for record, model in pairs:
+            cfg, ok = config_of(record), record["status"] == "ok"
+            if ok and wants["patch"]:
+                try:
+                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+                except Exception as e:
+                    if kind == "patch":          # nothing new to record
+                        raise
+                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
+            if ok and wants["save"] and not record.get("checkpoint"):
+                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
+                try:
+                    mechsm.save(model, cfg, out_path(out, path))
+                    record["checkpoint"] = path
+                except Exception as e:
+                    without(cfg, "checkpoint not saved", e)
+            record.setdefault("checkpoint", None)
+            record.setdefault("provenance", provenance())
+        return [json_safe(record) for record, _ in pairs]
+    except Exception as e:
+        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
+            import traceback
+            traceback.print_exc()
+        name = payload[0] if kind == "train" else payload[0].name()
+        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
+              "it)", file=sys.stderr)
+        return []
+
+
+def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
+          log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
+    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved.
+    group_size: train up to that many runs differing only in lr and seed as one batched model."""
+    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
+    size = lambda v: isinstance(v, int) and v > 0
+    for name, value, ok, expected in [
+            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("jobs", jobs, size(jobs), "a positive integer"),
+            ("group_size", group_size, group_size is None or size(group_size),
+             "a positive integer (None: a whole cell)"),
+            ("shard", shard, size(n) and isinstance(i, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
+        if not ok:
+            raise ValueError(f"{name}: got {value!r}, expected {expected}")
+    check_runs(configs)
+    os.makedirs(out, exist_ok=True)
+    unique = {}
+    for cfg in configs:
+        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
+    mine = [key for j, key in enumerate(unique) if j % n == i]
+    done = {run_key(r["config"]): r for r in read_results(out)}
+    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
+    tabled = lambda r: not patch or r.get("mechanism_table") is not None
+    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
+    todo = [key for key in mine if not (key in done and complete(done[key]))]
+    if len(todo) < len(mine):
+        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
+    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
+    jobs_list = [("patch", (unique[k], done[k])) for k in patchable]
+    jobs_list += [("train", group) for group in groups]
+    results = out_path(out, results_name(shard))
+    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
+        append_result(results, record)
+    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    return [newest[k] for k in unique if k in newest]
+
+
+# ===== The report
+# The best run per row (the paper reports the best learning rate) beside the paper's numbers.
+
+def best_by_lr(records):
+    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
+    failed run never wins): arch, d_model, best_lr, runs (the seeds of best_lr), best, label."""
+    groups, configs = {}, [config_of(r) for r in records]
+    for r in latest(records):
+        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
+        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
+    score = lambda r: r["final"].get("acc") or 0.0
+    rows = []
+    for per_lr in groups.values():
+        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
+        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
+        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
+        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
+            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
+        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
+                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
+                     "label": row_label(config_of(best), configs)})
+    order = {a: i for i, a in enumerate(ALL_ARCHS)}
+    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
+
+
+def fmt_pct(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def fmt_num(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown(cells, columns=None):
+    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
+    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
+    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
+    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+                     + [f"| {row} |" for row in rows])
+
+
+# a record's attrib_key / _value / _query: their names in the tables and colours in the figures
+ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
+           "query": ("Attrib@Query", "tab:blue")}
+UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
+
+
+def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
+    """A record's verdict by interventions.verdict from its stored table, at any cut and gap filter
+    (the sensitivity table); None when not patched, "failed", or "n/a (1 layer)"."""
+    table = record.get("mechanism_table")
+    if record["status"] != "ok" or not table:
+        return "failed" if record["status"] != "ok" else None
+    if not table.get("headline"):
+        return "n/a (1 layer)"                       # no layer-1 block input to read
+    threshold, gap = table["threshold"] * gap_scale, table.get("gap")
+    low = not (isinstance(gap, (int, float)) and gap > threshold)      # NaN: no signal
+    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
+
+
+def spread(row, **rule):
+    """A row's distribution over its seeds (every run counted): n, accuracies, verdicts (a Counter)
+    and the median Attrib@Key/Value/Query of the seeds that can be read (rule: verdict_of's)."""
+    runs = row["runs"]
+    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
+    readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
+    heads = [r["mechanism_table"]["headline"] for r in readable]
+    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
+            "verdicts": collections.Counter(verdicts), "readable": len(readable),
+            "median": {k: statistics.median(h[k] for h in heads) if heads else None
+                       for k in ATTRIBS}}
+
+
+def fmt_acc(s):
+    """'50.0% (0.9-84.4)': the median accuracy over seeds and its range."""
+    acc = s["acc"]
+    return fmt_pct(statistics.median(acc)) + (f" ({100 * acc[0]:.1f}-{100 * acc[-1]:.1f})"
+                                              if len(acc) > 1 else " (1 seed)")
+
+
+def fmt_counts(s):
+    """'direct retrieval 4/5, no signal 1/5', most frequent first."""
+    return ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
+
+
+def widest_rows(rows):
+    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
+    keep = {}
+    for row in rows:
+        d = row["d_model"]
+        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
+        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
+    return keep
+
+
+def paper_text(name, row):
+    """The paper's text for a row of experiment `name` (by its label, else its arch), or None."""
+    numbers = EXPERIMENTS[name].paper_numbers
+    return numbers.get(row["label"], numbers.get(row["arch"]))
+
+
+def result_table(rows, experiment=None):
+    """Per labelled row of best_by_lr: the distribution over its seeds and (with the experiment's
+    name) the paper's number."""
+    cells = []
+    for row in rows:
+        best, s = row["best"], spread(row)
+        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
+             "accuracy: median (range)": fmt_acc(s)}
+        finals = [r["final"] for r in row["runs"]]
+        c.update({key.replace("_acc", " accuracy"): fmt_pct(statistics.median(
+            f.get(key) or 0.0 for f in finals)) for key in ("test_acc", "novel_acc") if key in best["final"]})
+        one_layer = best["config"]["n_layers"] == 1
+        c.update({name: "n/a" if one_layer else fmt_num(s["median"][k])
+                  for k, (name, _) in ATTRIBS.items()})
+        mechs = [r.get("mechanism") or {} for r in row["runs"]]
+        for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
+            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
+        c["verdicts"] = fmt_counts(s)
+        if experiment is not None:
+            c["paper"] = paper_text(experiment, row) or "-"
+        cells.append(c)
+    return markdown(cells)
+
+
+def runs_table(records):
+    """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
+    configs, cells = [config_of(r) for r in records], []
+    by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
+    for r, cfg in sorted(zip(records, configs), key=by):
+        mech = r.get("mechanism") or {}
+        attribs = {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
+        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
+                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs,
+                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
+                      "verdict": verdict_of(r) or "-",
+                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
+    return markdown(cells)
+
+
+def timeline_text(row):
+    """The best run's history in one line: at most 6 evaluations (the last kept); an attribution is
+    '-' when missing or attrib_low_signal."""
+    history = row["best"].get("history") or []
+    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
+    attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
+    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
+             f"{attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
+    return f"- {row['label']}: " + "; ".join(steps)
+
+
+def read_command(folder, name):
+    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
+    warning if it cannot be read."""
+    path = os.path.join(folder, f"{name}.command.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            c = json.load(f)
+        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
+                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
+            return c
+    except (ValueError, OSError, RecursionError):
+        pass
+    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
+    return None
+
+
+FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
+FIGURE_KINDS = ("scatter", "timeline", "heatmaps", "width", "box", "effective")   # <experiment>_<kind>.png
+
+
+def render(name, preset, records, folder=None):
+    """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
+    exp, rows = EXPERIMENTS[name], best_by_lr(records)
+    if not rows:
+        raise ValueError(f"{name}: no run finished; nothing to report")
+    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
+    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
+                                           for r in records if r.get("provenance")})]
+    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
+                     f"commit {m.get('commit')}" for m in made)
+    wall = sum(r.get("wall_s") or 0 for r in records)
+    kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
+             if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
+    c = read_command(folder, name) if folder else None
+    return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
+        runs_table(records) if exp.probe else result_table(rows, name), "",
+        f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
+        f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
+        "over the seeds that can be read, of the restoration of the clean answer probability when "
+        "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
+        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
+        f"{exp.section}.", "",
+        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
+        "too little signal to read):", *[timeline_text(row) for row in rows], "",
+        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
+        f"summed), made {made}."
+        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
+           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
+           f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
+
+
+def holds(text, s):
+    """Whether a row's seeds bear out the paper's `text` (s: its spread): 'yes' when the paper's
+    reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
+    half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
+    for reading in interventions.READINGS.values():
+        if reading in text:
+            if 2 * s["readable"] < s["n"]:
+                return "unreadable"
+            return "yes" if 2 * s["verdicts"][reading] > s["readable"] else "no"
+    if "fails" in text:
+        return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
+    return "-"
+
+
+def summary_rows(name, rows):
+    """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
+    none); an experiment over widths: one row per label, its median accuracy at each width."""
+    if len({row["d_model"] for row in rows}) > 1:
+        lines = {}
+        for row in sorted(rows, key=lambda r: r["d_model"]):
+            line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
+            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
+        return [{"row": label, "paper": paper_text(name, line["row"]) or "no number quoted",
+                 "holds?": "-",
+                 "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
+                for label, line in lines.items()]
+    out = []
+    for row in [row for row in rows if paper_text(name, row)] or rows:
+        s, final, text = spread(row), row["best"]["final"], paper_text(name, row)
+        test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
+        split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
+        out.append({"row": row["label"], "paper": text or "no number quoted",
+                    "ours": f"{split}; {fmt_counts(s)}", "holds?": holds(text or "", s)})
+    return out
+
+
+SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
+               ("cut 0.6", dict(cut=interventions.CUT + 0.1)),
+               ("gap filter halved", dict(gap_scale=0.5)), ("gap filter doubled", dict(gap_scale=2.0))]
+
+
+def sensitivity_table(records):
+    """How many verdicts (every patched run of the experiments) and 'holds?' answers change when the
+    verdict's cut moves by 0.1 or the gap filter halves or doubles."""
+    runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
+            for r in rs if r.get("mechanism_table")}.values()
+    judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
+              for row in best_by_lr(rs) for text in [paper_text(name, row)]
+              if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
+    base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
+    cells = []
+    for label, rule in SENSITIVITY:
+        moved = collections.Counter((a, b) for a, b in zip(base[0], (verdict_of(r, **rule) for r in runs))
+                                    if a != b)
+        flips = sum(a != holds(t, spread(row, **rule)) for a, (t, row) in zip(base[1], judged))
+        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(base[0])}",
+                      "how": ", ".join(f"{a} -> {b} {k}" for (a, b), k in moved.most_common()) or "-",
+                      "'holds?' answers that change": f"{flips}/{len(judged)}"})
+    return ("Sensitivity of the verdicts (every patched run of the experiments; "
+            f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
+
+
+def pivot(records, across):
+    """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
+    configs, cells = [config_of(r) for r in records], {}
+    for r, cfg in zip(records, configs):
+        label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
+        cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
+            f"{fmt_pct(r['final'].get('acc'))} {verdict_of(r) or '-'}"
+    columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
+    return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
+
+
+def summary_table(folder="results"):
+    """The README's summary: each experiment's rows beside the paper's, the sensitivity of the
+    verdicts, the CPU time of the records, the `ar` timing and the probes."""
+    rel = os.path.relpath(folder, HERE)                           # links relative to the README
+    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+               for name in EXPERIMENTS}
+    lines = []
+    for name, exp in EXPERIMENTS.items():
+        if not exp.probe and records[name]:
+            for i, line in enumerate(summary_rows(name, best_by_lr(records[name]))):
+                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
+                              + (f": {exp.finding}" if i == 0 else ""), **line})
+    out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
+    mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
+    extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
+                                           if verdict_of(r) not in UNREADABLE) or "none")
+              for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
+              if "@" in name]
+    if extras:
+        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
+                   "be read: " + "; ".join(extras) + ".")
+    out.append("\n" + sensitivity_table(records))
+    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
+    seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
+                  for r in unique)
+    out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
+               "patching (the records' wall times summed; every run on one thread), made by `python "
+               "run.py --experiment NAME --replicates --out results` for each experiment, split into "
+               "processes with `--shard I/N --jobs 1`.")
+    first = [r for r in records["ar"] if r["config"]["seed"] == 0]
+    minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
+    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
+               f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
+               f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
+               "jobs, so an upper bound).")
+    c = read_command(folder, "ar")
+    if c:
+        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
+                   f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
+    for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
+        if records[name]:
+            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): "
+                       "accuracy, verdict\n\n" + pivot(records[name], across))
+    return "\n".join(out)
+
+
+# ===== The command line
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises ValueError, refuses an unknown or repeated option, and reads the token
@@ -391,8 +944,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def typed(kind, many=False, zero=False):
-    """An argparse type: a non-empty str, or a positive (zero: or 0) int (<= 2**62) or finite float;
-    many: a comma list of them, ints also a range of seeds lo-hi (0-4)."""
+    """An argparse type: a non-empty str, or a positive (zero: or 0) int below 2**62 or finite
+    float; many: a comma list of them, none twice, ints also a range of seeds lo-hi (0-4)."""
     def one(text):
         text = text.strip()
         if not text:
@@ -400,13 +953,12 @@ def typed(kind, many=False, zero=False):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if kind is int and abs(value) > 2**62 or kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text} is out of range")
-        if kind is not str and not (value >= 0 if zero else value > 0):
-            raise argparse.ArgumentTypeError(f"got {text}, expected a {'non-negative' if zero else 'positive'} "
-                                             f"{'integer' if kind is int else 'number'}")
+            value = None
+        if kind is not str and not (value is not None and (value >= 0 if zero else value > 0)
+                                    and (value < 2**62 if kind is int else math.isfinite(value))):
+            what = "integer below 2**62" if kind is int else "number"
+            raise argparse.ArgumentTypeError(f"got {text}, expected a "
+                                             f"{'non-negative' if zero else 'positive'} {what}")
         return value
 
     def span(part):
@@ -419,7 +971,13 @@ def typed(kind, many=False, zero=False):
                 f"a range of {len(values):,} values, at most 10,000" if values else "an empty range: "
                 "lo-hi needs lo <= hi"))
         return values
-    return (lambda text: [v for part in text.split(",") for v in span(part)]) if many else one
+
+    def comma_list(text):
+        values = [v for part in text.split(",") for v in span(part)]
+        if len(set(values)) < len(values):
+            raise argparse.ArgumentTypeError(f"a value is repeated in {values}")
+        return values
+    return comma_list if many else one
 
 
 def build_parser():
@@ -495,13 +1053,15 @@ COMMAND_OPTIONS = {"bench": {"device"}, **{c: {c} for c in ("list", "figures", "
 
 def grid_runs(args, name, device):
     """(configs, notes): the grid narrowed by --arch/--d-model/--lr/--seeds, each field flag set."""
+    for a, b, both in [("--task", "--experiment", args.task and args.experiment),
+                       ("--epochs", "--steps", args.epochs and args.steps),
+                       ("--replicates", "--seeds", args.replicates and args.seeds),
+                       ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
+        if both:
+            raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
     given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
     if "pos_emb" in given:
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
-    for flag in ("arch", "d_model", "lr", "seeds"):
-        values = getattr(args, flag)
-        if values is not None and len(set(values)) < len(values):
-            raise ValueError(f"--{flag.replace('_', '-')}: a value is repeated in {values}")
     configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
                                  archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
                                  seeds=args.seeds or (None if args.replicates or args.preset
@@ -523,220 +1083,169 @@ def grid_runs(args, name, device):
     return configs, notes
 
 
-def shard_of(text):
-    """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
-    source = "--shard"
-    if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
-        text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
-        source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (the shard when --shard is not given)"
-    if text is None:
-        return 0, 1
-    i, slash, n = text.partition("/")
-    if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
-        raise ValueError(f"{source}: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
-    return int(i), int(n)
+WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
 
 
-# ============================================ The sweep
-
-# Where a run happens does not change what it is: a rerun differing only in these finds it done.
-KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
-
-
-def run_key(config):
-    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
-
-
-def config_of(record):
-    """The Config of a record (fields that Config no longer has are dropped)."""
-    known = {f.name for f in fields(mechsm.Config)}
-    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
-
-
-def is_record(x):
-    """Whether a parsed line is a record every reader can read (tables, timeline, figures, heatmap):
-    the fields they use, of their types; a checkpoint path inside the folder."""
-    num = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
-    real = lambda v: num(v) and v is not None
-    nums = lambda d, keys=None: isinstance(d, dict) and all(num(d.get(k)) for k in keys or d)
-    reals = lambda v: isinstance(v, list) and len(v) > 0 and all(map(real, v))
-    text = lambda v: v is None or isinstance(v, str)
-
-    def readable(table):                                  # interventions.mechanism's dict
-        rows, positions, head = table.get("rows"), table.get("positions"), table.get("headline")
-        return (isinstance(rows, list) and isinstance(positions, list)
-                and all(isinstance(p, str) for p in positions)
-                and all(isinstance(r, dict) and isinstance(r.get("site"), str) and isinstance(
-                    r.get("label"), str) and num(r.get("layer")) and nums(r.get("scores")) for r in rows)
-                and nums(table, ("p_clean", "p_corrupt", "gap", "seconds")) and real(table.get("threshold"))
-                and isinstance(table.get("verdict"), str) and isinstance(table.get("low_signal"), bool)
-                and text(table.get("verdict_reason")) and nums(table.get("extra") or {})
-                and (head is None or nums(head) and {"key", "value", "query"} <= set(head)))
-
-    def drawable(e):                                      # interventions.effective_record's dict
-        return (isinstance(e, dict) and isinstance(e.get("query"), list) and e["query"]
-                and all(map(reals, e["query"] + [e.get("value")])) and isinstance(e.get("positions"), dict)
-                and all(isinstance(v, int) for v in e["positions"].values()))
-    if not (isinstance(x, dict) and isinstance(x.get("config"), dict)
-            and x.get("status") in ("ok", "failed")):
-        return False
-    c, final, ckpt, history = x["config"], x.get("final"), x.get("checkpoint"), x.get("history", [])
-    mech, table = x.get("mechanism") or {}, x.get("mechanism_table")
-    return (isinstance(c.get("arch"), str) and c.get("task") in mechsm.TASKS and real(c.get("lr"))
-            and all(isinstance(c.get(k), int) for k in ("d_model", "seed", "n_layers", "eval_size"))
-            and all(v is None or isinstance(v, (str, int, float)) for v in c.values())
-            and isinstance(x.get("n_params"), int) and isinstance(final, dict)
-            and all(num(v) for k, v in final.items() if k.endswith(("acc", "prob")))
-            and isinstance(history, list) and all(
-                nums(h, ("acc", "attrib_value", "attrib_query")) and isinstance(h.get("step"), int)
-                for h in history)
-            and isinstance(mech, dict) and text(mech.get("verdict"))
-            and all(num(v) for k, v in mech.items() if k not in ("verdict", "low_signal"))
-            and len({"attrib_key", "attrib_value", "attrib_query"} & set(mech)) in (0, 3)
-            and (table is None or isinstance(table, dict) and readable(table))
-            and (x.get("effective") is None or drawable(x["effective"]))
-            and num(x.get("wall_s")) and isinstance(x.get("provenance") or {}, dict)
-            and (ckpt is None or isinstance(ckpt, str) and not os.path.isabs(ckpt)
-                 and ".." not in ckpt.split("/")))
-
-
-def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
-    records = []
-    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
-    for path in sorted(glob.glob(pattern)):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for i, line in enumerate(f, 1):
-                record = parse_record(line)
-                if record:
-                    records.append(record)
-                elif warn and line.strip():
-                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
-                          "skipped", file=sys.stderr)
-    return records
-
-
-def json_safe(x):
-    """Replace non-finite floats by None (strict JSON has no NaN) recursively."""
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return None if isinstance(x, float) and not math.isfinite(x) else x
-def parse_record(line):
-    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
+def default_jobs(device, n_runs):
+    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
+    if device != "cpu":
+        return 1, "one process drives the GPU"
+    cores = os.cpu_count() or 1
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    return record if is_record(record) else None
+        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
+        free_gib = float("inf")
+    fit = max(1, int(free_gib // WORKER_GIB))
+    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
+    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
+    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
-def latest(records):
-    """Each run once, its last record, in the order first met."""
-    return list({run_key(r["config"]): r for r in records}.values())
+def check_out(out, names):
+    """Before any training: --out unwritable, or a file of it linking out of it, is bad input."""
+    try:
+        for name in names:
+            out_path(out, name)
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
 
 
-def out_path(out, *parts):
-    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
-    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
-    leaves `out`; a file hard-linked to other names)."""
-    path, real = os.path.join(out, *parts), os.path.realpath(out)
-    if os.path.commonpath([real, os.path.realpath(path)]) != real:
-        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
-                         "(remove the link)")
-    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
-        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
-                         "which writing it would change too; not written (remove it or copy it)")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    return path
+def add_records(out, name, records):
+    """Add the records not already there to OUT/<name>.jsonl (never rewritten); all its runs."""
+    path = out_path(out, f"{name}.jsonl")
+    kept = {run_key(r["config"]): r for r in read_results(path)}
+    for record in records:
+        if kept.get(run_key(record["config"])) != record:
+            append_result(path, record)
+    return latest(read_results(path, warn=False))
 
 
-def append_result(path, record):
-    """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
-    line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
-    with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                line = b"\n" + line
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+def print_report(name, preset, records, out):
+    """Write OUT/<name>.md; print its table and timeline, and the heatmap of the most accurate model
+    with an extra site (else the most accurate)."""
+    rows, text = render(name, preset, records, out)
+    Path(out_path(out, f"{name}.md")).write_text(text)
+    print(text.split("\n", 2)[2].split("\n![")[0])
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
 
 
-def stderr_log(prefix=""):
-    """A log function: one line to stderr, prefixed (e.g. by the arch when jobs run in parallel)."""
-    return lambda msg: print(f"{prefix}{msg}", file=sys.stderr, flush=True)
+def train_grid(args, command):
+    """Train the grid that `args` asks for into --out, then report it; `command` is recorded in
+    OUT/<experiment>.command.json. Exit status 1 when runs of the grid are missing (crashed)."""
+    t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
+    device = mechsm.resolve_device(args.device or "auto")
+    configs, notes = grid_runs(args, name, device)
+    check_runs(configs)                              # bad input: one line, before anything runs
+    for note in notes:
+        print(note, file=sys.stderr)
+    jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
+    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
+    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
+             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
+    check_out(out, files)
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
+          f"{args.preset or 'quick'} | {len(configs)} runs"
+          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
+    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
+    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
+    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
+                    save=not args.no_save, group_size=group_size)
+    if not records:
+        raise ValueError("no run finished; nothing to report")
+    trained = sum(before.get(run_key(r["config"])) != r for r in records)
+    everything = add_records(out, name, records)              # the report: the folder's records
+    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
+        print(FIGURES_HINT, file=sys.stderr)
+    if trained:
+        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
+            "command": command, "trained": trained, "jobs": jobs,
+            "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
+            "machine": provenance()["machine"],
+            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+    print_report(name, args.preset or "quick", everything, out)
+    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
+        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
+    return 1 if missing and shard[1] == 1 else 0
 
 
-def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
-          log=stderr_log()):
-    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
-    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved."""
-    i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
-    for name, value, ok, expected in [
-            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
-            ("jobs", jobs, isinstance(jobs, int) and jobs > 0, "a positive integer"),
-            ("shard", shard, isinstance(i, int) and isinstance(n, int) and 0 <= i < n, "(I, N), 0 <= I < N")]:
-        if not ok:
-            raise ValueError(f"{name}: got {value!r}, expected {expected}")
-    check_runs(configs)
-    os.makedirs(out, exist_ok=True)
-    unique = {}
-    for cfg in configs:
-        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
-    mine = [key for j, key in enumerate(unique) if j % n == i]
-    done = {run_key(r["config"]): r for r in read_results(out)}
-    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
-    tabled = lambda r: not patch or r.get("mechanism_table") is not None
-    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
-    todo = [key for key in mine if not (key in done and complete(done[key]))]
-    if len(todo) < len(mine):
-        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
-    train = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in train]
-    results = out_path(out, results_name(shard))
-    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
-        append_result(results, record)
-    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    return [newest[k] for k in unique if k in newest]
+def evaluate_checkpoint(args):
+    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
+    device = mechsm.resolve_device(args.device or "auto")
+    model, cfg = mechsm.load(args.checkpoint, device=device)          # cfg.device: this device
+    cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
+    digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
+    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
+        os.path.basename(args.checkpoint))[0] + "-" + digest, "result.json")
+    data = mechsm.make_data(cfg)
+    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
+              "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
+    if not args.no_interventions:
+        record.update(patched(model, cfg, data.eval))
+    Path(path).write_text(json.dumps(json_safe(record), indent=1))
+    print(result_table([dict(label=cfg.arch, best=record, runs=[record])]))
+    if not args.no_interventions:
+        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
+              + interventions.render_heatmap(record["mechanism_table"]))
+    print(f"\nresult in {path}", file=sys.stderr)
 
 
-def results_name(shard):
-    """The results file that shard (I, N) appends to."""
-    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
+def run(argv=None):
+    """The command line: bench, --list, --figures, --report, --checkpoint, or train a grid."""
+    args = build_parser().parse_args(argv)
+    command = "bench" if args.command == "bench" else next(
+        (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
+    if command == "train":
+        return train_grid(args, shlex.join(["python", "run.py",
+                                            *(sys.argv[1:] if argv is None else argv)]))
+    flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
+    if args.given - COMMAND_OPTIONS[command]:
+        raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
+                         f"{'bench' if command == 'bench' else '--' + command} (it takes "
+                         f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
+    folder = args.figures or args.report
+    if folder and not os.path.isdir(folder):
+        raise ValueError(f"--{command} {folder}: " + ("not a folder" if os.path.exists(folder) else
+                                                        "no such folder"))
+    {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
+     "checkpoint": lambda: evaluate_checkpoint(args), "figures": lambda: redraw_figures(folder),
+     "report": lambda: report_folder(folder)}[command]()
+    return 0
 
 
-def check_runs(configs):
-    """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
-    for cfg in configs:
-        cfg.check()
-    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
-             for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
-    built = set()
-    for cfg in configs:
-        mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
-        shape = (mechsm.data_key(cfg), *(getattr(cfg.resolved(), f) for f in (
-            "arch", "d_model", "n_layers", "n_heads", "pos_emb", "n_positions", "d_conv",
-            "long_only", "freeze_features")))
-        if shape not in built:                   # a model too large to allocate is bad input
-            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
-            built.add(shape)
+def main(argv=None):
+    """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
+    def on_sigterm(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return run(argv)
+    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 1 if isinstance(e, WorkerLost) else 2
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
+        sigterm = isinstance(e, Terminated)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
+              "in the results files; rerun to continue", file=sys.stderr)
+        return 143 if sigterm else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
-def make_groups(configs, group_size=None):
-    """configs -> lists differing only in lr and seed, group_size at most (None: a whole cell)."""
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size: got {group_size!r}, expected a positive integer")
-    cells = {}
-    for cfg in configs:
-        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
-    return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
-            for i in range(0, len(cell), group_size or len(cell))]
+# ===== Below: machinery a learner can skip (workers, shards, README, figures, benchmark) =====
 
+# --- Worker processes and signals
 
 def run_jobs(jobs_list, out, wants, jobs):
     """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
@@ -759,103 +1268,6 @@ def run_jobs(jobs_list, out, wants, jobs):
         stop_workers(pool)
         raise
     pool.shutdown(wait=True)
-
-
-def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint: the records."""
-    # a part of a finished run that fails (a full disk: torch's RuntimeError) costs that part only
-    def without(cfg, what, e):
-        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
-        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
-              file=sys.stderr)
-
-    try:
-        if kind == "patch":
-            cfg, record = payload
-            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
-                                       device=mechsm.resolve_device(cfg.device))
-            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
-                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
-            pairs = [(dict(record), model)]
-        else:
-            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
-        for record, model in pairs:
-            cfg, ok = config_of(record), record["status"] == "ok"
-            if ok and wants["patch"]:
-                try:
-                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
-                except Exception as e:
-                    if kind == "patch":          # nothing new to record
-                        raise
-                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
-            if ok and wants["save"] and not record.get("checkpoint"):
-                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
-                try:
-                    mechsm.save(model, cfg, out_path(out, path))
-                    record["checkpoint"] = path
-                except Exception as e:
-                    without(cfg, "checkpoint not saved", e)
-            record.setdefault("checkpoint", None)
-            record.setdefault("provenance", provenance())
-        return [json_safe(record) for record, _ in pairs]
-    except Exception as e:
-        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
-            import traceback
-            traceback.print_exc()
-        name = payload[0] if kind == "train" else payload[0].name()
-        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
-              "it)", file=sys.stderr)
-        return []
-
-
-def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
-    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
-    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
-    head = table.get("headline") or table.get("mixer_out") or {}
-    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
-               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
-               **table.get("extra", {})}
-    return json_safe({"mechanism": summary, "mechanism_table": table,
-                             "effective": interventions.effective_record(model, dataset)})
-
-
-def add_effective(folder, name, log=print):
-    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
-    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
-    final metrics must equal the record's). Other fields of the record stay as they are."""
-    path = out_path(folder, f"{name}.jsonl")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
-    for row in best_by_lr([r for r in parsed if r]):
-        record = row["best"]
-        if record.get("effective") or record["status"] != "ok":
-            continue
-        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
-        if os.path.isfile(ckpt):
-            model = mechsm.load(ckpt)[0]
-        else:
-            log(f"{name}: retraining {record['name']} for its effective attention")
-            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
-            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
-                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
-                                 "record's; maps not added")
-        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
-        changed.add(id(record))
-    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
-                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
-
-
-def provenance():
-    """Where and with what a record was made: date, machine, torch, the code's git commit."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
 
 
 def worker_init(parent):
@@ -895,424 +1307,63 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
 
 
-# ============================================ The report
-# The best run per row (the paper reports the best learning rate) beside the paper's numbers.
+# --- Shards, provenance, older records, the README's summary
 
-def best_by_lr(records):
-    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
-    failed run never wins): arch, d_model, best_lr, mean, std, n_seeds, its runs, best, label."""
-    groups, configs = {}, [config_of(r) for r in records]
-    for r in {run_key(r["config"]): r for r in records}.values():
-        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
-        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
-    score = lambda r: r["final"].get("acc") or 0.0
-    rows = []
-    for per_lr in groups.values():
-        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
-        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
-        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        values = [score(r) for r in per_lr[best_lr]]
-        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
-            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
-        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
-                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
-                     "n_seeds": len(values), "mean": statistics.fmean(values),
-                     "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-                     "label": row_label(config_of(best), configs)})
-    order = {a: i for i, a in enumerate(ALL_ARCHS)}
-    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
+def shard_of(text):
+    """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
+    source = "--shard"
+    if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
+        text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
+        source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (the shard when --shard is not given)"
+    if text is None:
+        return 0, 1
+    i, slash, n = text.partition("/")
+    if not (slash and i.strip().isdigit() and n.strip().isdigit() and int(i) < int(n)):
+        raise ValueError(f"{source}: got {text!r}, expected I/N with 0 <= I < N, e.g. 0/4")
+    return int(i), int(n)
 
 
-def fmt_pct(mean, std=None, n=1):
-    """'98.4%', or '50.7% ± 43.9' over n > 1 seeds; '-' when missing."""
-    return "-" if mean is None else f"{100 * mean:.1f}%" + (f" ± {100 * std:.1f}" if n > 1 else "")
+def results_name(shard):
+    """The results file that shard (I, N) appends to."""
+    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
 
 
-def fmt_num(x):
-    return "-" if x is None else f"{x:.2f}"
-
-
-def markdown(cells, columns=None):
-    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
-    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
-    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
-    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
-                     + [f"| {row} |" for row in rows])
-
-
-def attribs(mech):
-    """The Attrib@Key/Value/Query cells of a mechanism summary."""
-    return {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
-
-
-def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
-    """A record's verdict by interventions.verdict from its stored table, at any cut and gap filter
-    (the sensitivity table); None when not patched, "failed", or "n/a (1 layer)"."""
-    table = record.get("mechanism_table")
-    if record["status"] != "ok" or not table:
-        return "failed" if record["status"] != "ok" else None
-    if not table.get("headline"):
-        return "n/a (1 layer)"                       # no layer-1 block input to read
-    threshold, gap = table["threshold"] * gap_scale, table.get("gap")
-    low = not (isinstance(gap, (int, float)) and gap > threshold)      # NaN: no signal
-    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
-
-
-def spread(row, **rule):
-    """A row's distribution over its seeds (every run counted): n, accuracies, verdicts (a Counter)
-    and the median Attrib@Key/Value/Query of the seeds that can be read (rule: verdict_of's)."""
-    runs = row["runs"]
-    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
-    readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
-    heads = [r["mechanism_table"]["headline"] for r in readable]
-    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
-            "verdicts": collections.Counter(verdicts), "readable": len(readable),
-            "median": {k: statistics.median(h[k] for h in heads) if heads else None
-                       for k in ATTRIBS}}
-
-
-UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")
-
-
-def fmt_acc(s):
-    """'50.0% (0.9-84.4)': the median accuracy over seeds and its range."""
-    acc = s["acc"]
-    return fmt_pct(statistics.median(acc)) + (f" ({100 * acc[0]:.1f}-{100 * acc[-1]:.1f})"
-                                              if len(acc) > 1 else " (1 seed)")
-
-
-def fmt_counts(s):
-    """'direct retrieval 4/5, no signal 1/5', most frequent first."""
-    return ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
-
-
-def result_table(rows, paper_numbers=None):
-    """Per labelled row of best_by_lr: the distribution over its seeds and the paper's number."""
-    cells = []
-    for row in rows:
-        best, s = row["best"], spread(row)
-        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
-             "accuracy: median (range)": fmt_acc(s)}
-        finals = [r["final"] for r in row["runs"]]
-        c.update({key.replace("_acc", " accuracy"): fmt_pct(statistics.median(
-            f.get(key) or 0.0 for f in finals)) for key in ("test_acc", "novel_acc") if key in best["final"]})
-        one_layer = best["config"]["n_layers"] == 1
-        c.update({name: "n/a" if one_layer else fmt_num(s["median"][k])
-                  for k, (name, _) in ATTRIBS.items()})
-        mechs = [r.get("mechanism") or {} for r in row["runs"]]
-        for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
-            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
-        c["verdicts"] = fmt_counts(s)
-        if paper_numbers is not None:
-            c["paper"] = paper_numbers.get(row["label"], paper_numbers.get(row["arch"], "-"))
-        cells.append(c)
-    return markdown(cells)
-
-
-def runs_table(records):
-    """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
-    configs, cells = [config_of(r) for r in records], []
-    by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
-    for r, cfg in sorted(zip(records, configs), key=by):
-        mech = r.get("mechanism") or {}
-        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
-                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs(mech),
-                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
-                      "verdict": verdict_of(r) or "-",
-                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
-    return markdown(cells)
-
-
-def fmt_attrib(entry, key):
-    """An attribution of a history entry as '0.98', or '-' when missing or attrib_low_signal."""
-    value = entry.get(key)
-    return "-" if value is None or entry.get("attrib_low_signal") else f"{value:.2f}"
-
-
-def timeline_text(row):
-    """The best run's history in one line: at most 6 evaluations (the last kept)."""
-    history = row["best"].get("history") or []
-    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
-    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {fmt_attrib(h, 'attrib_value')}/"
-             f"{fmt_attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
-    return f"- {row['label']}: " + "; ".join(steps)
-
-
-def render(name, preset, records, folder=None):
-    """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
-    exp, rows = EXPERIMENTS[name], best_by_lr(records)
-    if not rows:
-        raise ValueError(f"{name}: no run finished; nothing to report")
-    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
-    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
-                                           for r in records if r.get("provenance")})]
-    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
-                     f"commit {m.get('commit')}" for m in made)
-    wall = sum(r.get("wall_s") or 0 for r in records)
-    kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
-             if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
-    c = read_command(folder, name) if folder else None
-    return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
-        runs_table(records) if exp.probe else result_table(rows, exp.paper_numbers), "",
-        f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
-        f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
-        "over the seeds that can be read, of the restoration of the clean answer probability when "
-        "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
-        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
-        f"{exp.section}.", "",
-        "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
-        "too little signal to read):", *[timeline_text(row) for row in rows], "",
-        f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
-        f"summed), made {made}."
-        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
-           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
-           f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
-
-
-def read_command(folder, name):
-    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
-    warning if it cannot be read."""
-    path = os.path.join(folder, f"{name}.command.json")
-    if not os.path.exists(path):
-        return None
+def provenance():
+    """Where and with what a record was made: date, machine, torch, the code's git commit."""
     try:
-        with open(path, encoding="utf-8") as f:
-            c = json.load(f)
-        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
-                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
-            return c
-    except (ValueError, OSError, RecursionError):
-        pass
-    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
-    return None
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=HERE, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
 
 
-def holds(paper_text, s):
-    """Whether a row's seeds bear out the paper's text (s: its spread): 'yes' when the paper's
-    reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
-    half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
-    for reading in interventions.READINGS.values():
-        if reading in paper_text:
-            if 2 * s["readable"] < s["n"]:
-                return "unreadable"
-            return "yes" if 2 * s["verdicts"][reading] > s["readable"] else "no"
-    if "fails" in paper_text:
-        return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
-    return "-"
-
-
-def summary_rows(name, rows):
-    """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
-    none); an experiment over widths: one row per label, its median accuracy at each width."""
-    exp = EXPERIMENTS[name]
-    paper = lambda row: exp.paper_numbers.get(row["label"], exp.paper_numbers.get(row["arch"]))
-    if len({row["d_model"] for row in rows}) > 1:
-        lines = {}
-        for row in sorted(rows, key=lambda r: r["d_model"]):
-            line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
-            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
-        return [{"row": label, "paper": paper(line["row"]) or "no number quoted", "holds?": "-",
-                 "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
-                for label, line in lines.items()]
-    quoted = [row for row in rows if paper(row)] or rows
-    out = []
-    for row in quoted:
-        s, final = spread(row), row["best"]["final"]
-        test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
-        split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        out.append({"row": row["label"], "paper": paper(row) or "no number quoted",
-                    "ours": f"{split}; {fmt_counts(s)}",
-                    "holds?": holds(paper(row) or "", s)})
-    return out
-
-
-def summary_table(folder="results"):
-    """The README's summary: each experiment's rows beside the paper's, the sensitivity of the
-    verdicts, the CPU time of the records, the `ar` timing and the probes."""
-    rel = os.path.relpath(folder, HERE)                           # links relative to the README
-    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
-               for name in EXPERIMENTS}
-    lines = []
-    for name, exp in EXPERIMENTS.items():
-        if not exp.probe and records[name]:
-            for i, line in enumerate(summary_rows(name, best_by_lr(records[name]))):
-                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
-                              + (f": {exp.finding}" if i == 0 else ""), **line})
-    out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
-    mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
-    extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
-                                           if verdict_of(r) not in UNREADABLE) or "none")
-              for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
-              if "@" in name]
-    if extras:
-        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
-                   "be read: " + "; ".join(extras) + ".")
-    out.append("\n" + sensitivity_table(records))
-    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
-    seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
-                  for r in unique)
-    out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
-               "patching (the records' wall times summed; every run on one thread), made by `python "
-               "run.py --experiment NAME --replicates --out results` for each experiment, split into "
-               "processes with `--shard I/N --jobs 1`.")
-    first = [r for r in records["ar"] if r["config"]["seed"] == 0]
-    minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
-    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
-               f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
-               f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
-               "jobs, so an upper bound).")
-    c = read_command(folder, "ar")
-    if c:
-        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
-                   f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
-    for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
-        if records[name]:
-            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): "
-                       "accuracy, verdict\n\n" + pivot(records[name], across))
-    return "\n".join(out)
-
-
-SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
-               ("cut 0.6", dict(cut=interventions.CUT + 0.1)),
-               ("gap filter halved", dict(gap_scale=0.5)), ("gap filter doubled", dict(gap_scale=2.0))]
-
-
-def sensitivity_table(records):
-    """How many verdicts (every patched run of the experiments) and 'holds?' answers change when the
-    verdict's cut moves by 0.1 or the gap filter halves or doubles."""
-    runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
-            for r in rs if r.get("mechanism_table")}.values()
-    judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
-              for row in best_by_lr(rs) for text in [EXPERIMENTS[name].paper_numbers.get(
-                  row["label"], EXPERIMENTS[name].paper_numbers.get(row["arch"]))]
-              if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
-    base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
-    cells = []
-    for label, rule in SENSITIVITY:
-        moved = collections.Counter((a, b) for a, b in zip(base[0], (verdict_of(r, **rule) for r in runs))
-                                    if a != b)
-        flips = sum(a != holds(t, spread(row, **rule)) for a, (t, row) in zip(base[1], judged))
-        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(base[0])}",
-                      "how": ", ".join(f"{a} -> {b} {k}" for (a, b), k in moved.most_common()) or "-",
-                      "'holds?' answers that change": f"{flips}/{len(judged)}"})
-    return ("Sensitivity of the verdicts (every patched run of the experiments; "
-            f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
-
-
-def pivot(records, across):
-    """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
-    configs, cells = [config_of(r) for r in records], {}
-    for r, cfg in zip(records, configs):
-        label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
-        cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct(r['final'].get('acc'))} {verdict_of(r) or '-'}"
-    columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
-    return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
-
-
-def evaluate_checkpoint(args):
-    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
-    device = mechsm.resolve_device(args.device or "auto")
-    model, cfg = mechsm.load(args.checkpoint, device=device)          # cfg.device: this device
-    cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
-    digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
-        os.path.basename(args.checkpoint))[0] + "-" + digest, "result.json")
-    data = mechsm.make_data(cfg)
-    record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
-              "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
-    if not args.no_interventions:
-        record.update(patched(model, cfg, data.eval))
-    Path(path).write_text(json.dumps(json_safe(record), indent=1))
-    print(result_table([dict(label=cfg.arch, best=record, runs=[record], n_seeds=1)]))
-    if not args.no_interventions:
-        print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
-              + interventions.render_heatmap(record["mechanism_table"]))
-    print(f"\nresult in {path}", file=sys.stderr)
-
-
-def run(argv=None):
-    """The command line: bench, --list, --figures, --report, --checkpoint, or train a grid."""
-    t0 = time.time()
-    args = build_parser().parse_args(argv)
-    command = "bench" if args.command == "bench" else next(
-        (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
-    flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
-    if command != "train" and args.given - COMMAND_OPTIONS[command]:
-        raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
-                         f"{'bench' if command == 'bench' else '--' + command} (it takes "
-                         f"{flags(COMMAND_OPTIONS[command] - {command}) or 'no options'})")
-    folder = args.figures or args.report
-    if folder and not os.path.isdir(folder):
-        raise ValueError(f"--{command} {folder}: " + ("not a folder" if os.path.exists(folder) else
-                                                        "no such folder"))
-    if command != "train":
-        {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
-         "checkpoint": lambda: evaluate_checkpoint(args),
-         "figures": lambda: redraw_figures(args.figures),
-         "report": lambda: report_folder(args.report)}[command]()
-        return 0
-    for a, b, both in [("--task", "--experiment", args.task and args.experiment),
-                       ("--epochs", "--steps", args.epochs and args.steps),
-                       ("--replicates", "--seeds", args.replicates and args.seeds),
-                       ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
-        if both:
-            raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
-    name, preset, out = args.experiment or args.task or "ar", args.preset or "quick", args.out or "out"
-    device = mechsm.resolve_device(args.device or "auto")
-    configs, notes = grid_runs(args, name, device)
-    check_runs(configs)                              # bad input: one line, before anything runs
-    for note in notes:
-        print(note, file=sys.stderr)
-    jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
-    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:               # now, not at the end: an unwritable --out, a file of it that links out of it
-        for part in [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
-                     *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]:
-            out_path(out, part)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset {preset} | "
-          f"{len(configs)} runs" + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
-          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
-    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
-    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
-    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
-                    save=not args.no_save, group_size=group_size)
-    if not records:
-        raise ValueError("no run finished; nothing to report")
-    trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    path = out_path(out, f"{name}.jsonl")    # records already there are kept: added to, never replaced
-    kept = {run_key(r["config"]): r for r in read_results(path)}
-    for record in records:
-        if kept.get(run_key(record["config"])) != record:
-            append_result(path, record)
-    everything = latest(read_results(path, warn=False))         # the report: the folder's records
-    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
-        print(FIGURES_HINT, file=sys.stderr)
-    if trained:
-        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
-            "command": shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]),
-            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
-            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    rows, text = render(name, preset, everything, out)
-    Path(out_path(out, f"{name}.md")).write_text(text)
-    print(text.split("\n", 2)[2].split("\n![")[0])
-    tables = [row for row in rows if row["best"].get("mechanism_table")]
-    if tables:
-        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                            row["best"]["final"].get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
-              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
-    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
-        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
-        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
-    return 1 if missing and shard[1] == 1 else 0
+def add_effective(folder, name, log=print):
+    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
+    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
+    final metrics must equal the record's). Other fields of the record stay as they are."""
+    path = out_path(folder, f"{name}.jsonl")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
+    for row in best_by_lr([r for r in parsed if r]):
+        record = row["best"]
+        if record.get("effective") or record["status"] != "ok":
+            continue
+        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
+        if os.path.isfile(ckpt):
+            model = mechsm.load(ckpt)[0]
+        else:
+            log(f"{name}: retraining {record['name']} for its effective attention")
+            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
+            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
+                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
+                                 "record's; maps not added")
+        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
+        changed.add(id(record))
+    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
+                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
 
 
 README = os.path.join(HERE, "README.md")
@@ -1338,8 +1389,13 @@ def report_folder(folder):
     print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" * readme))
 
 
+# --- Figures: the paper's plots, from the records alone
+
+FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
+
+
 def redraw_figures(folder):
-    """--figures FOLDER: each experiment's figures from <experiment>.jsonl, else results*.jsonl."""
+    """--figures FOLDER: each experiment's figures from <experiment>.jsonl."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -1348,42 +1404,11 @@ def redraw_figures(folder):
     found = 0
     for name in EXPERIMENTS:
         path = os.path.join(folder, f"{name}.jsonl")
-        keys = {run_key(asdict(c.resolved())) for c in experiment_configs(name)}
-        records = latest(read_results(path) if os.path.exists(path) else [
-            r for r in read_results(folder, warn=False) if run_key(r["config"]) in keys])
+        records = latest(read_results(path)) if os.path.exists(path) else []
         if records:
             draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
-
-
-def main(argv=None):
-    """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
-    def on_sigterm(signum, frame):
-        raise Terminated()
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        return run(argv)
-    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1 if isinstance(e, WorkerLost) else 2
-    except KeyboardInterrupt as e:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
-        sigterm = isinstance(e, Terminated)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
-              "in the results files; rerun to continue", file=sys.stderr)
-        return 143 if sigterm else 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-# ============================================ Figures: the paper's plots, from the records alone
-
-FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
-FIGURE_KINDS = ("scatter", "timeline", "heatmaps", "width", "box", "effective")   # <experiment>_<kind>.png
-ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
-           "query": ("Attrib@Query", "tab:blue")}
-FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
 
 
 def colour(arch):
@@ -1392,23 +1417,14 @@ def colour(arch):
     return colormaps["tab10"](ALL_ARCHS.index(arch) if arch in ALL_ARCHS else 7 + len(arch) % 3)
 
 
-def patched_runs(records, signal=False):
-    """The patched records, each run once (its last); only those with signal if `signal`."""
+def patched_runs(records, with_signal=False):
+    """The patched records, each run once (its last); only those with signal if `with_signal`."""
     runs = {run_key(r["config"]): r for r in records if (r.get("mechanism") or {}).get("attrib_value") is not None}
-    return [r for r in runs.values() if not (signal and r["mechanism"].get("low_signal"))]
+    return [r for r in runs.values() if not (with_signal and r["mechanism"].get("low_signal"))]
 
 
-def widest_rows(rows):
-    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
-    keep = {}
-    for row in rows:
-        d = row["d_model"]
-        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
-        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
-    return keep
-
-
-def grid(fig, n, cols, height):
+def tiles(fig, n, cols, height):
+    """n axes in rows of `cols`, the figure `height` inches per row."""
     fig.set_size_inches(8.0, height * math.ceil(n / cols) + 0.6)
     return [fig.add_subplot(math.ceil(n / cols), cols, i + 1) for i in range(n)]
 
@@ -1471,7 +1487,8 @@ def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
     n_sites, panels = max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows), []
-    for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1), rows):
+    axes = tiles(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1)
+    for ax, (label, row) in zip(axes, rows):
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
@@ -1493,7 +1510,7 @@ def plot_heatmaps(fig, rows):
 def plot_timeline(fig, rows):
     """Per label (its widest row), the best run's accuracy and attributions against the step."""
     rows, out = widest_rows(rows), {}
-    axes = grid(fig, len(rows), min(3, len(rows)), 2.2)
+    axes = tiles(fig, len(rows), min(3, len(rows)), 2.2)
     for ax, (label, row) in zip(axes, rows.items()):
         history = row["best"].get("history") or []
         s = {k: np.array([h.get(k) for h in history], float) for k in ("step", "acc", "attrib_value", "attrib_query")}
@@ -1540,7 +1557,7 @@ def plot_effective(fig, rows):
     in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("effective")]
     panels = []
-    for ax, (label, row) in zip(grid(fig, len(rows), min(2, len(rows)), 1.5), rows):
+    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
         eff = row["best"]["effective"]
         lines = [*eff["query"], eff["value"]]
         cells = np.full((len(lines), len(eff["query"][0])), np.nan)
@@ -1568,7 +1585,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
     kinds = {"scatter": (plot_scatter, records, patched_runs(records)), "timeline": (plot_timeline, rows, rows),
              "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows)),
              "width": (plot_width, rows, several),
-             "box": (plot_box, records, task == "atr" and patched_runs(records, signal=True)),
+             "box": (plot_box, records, task == "atr" and patched_runs(records, with_signal=True)),
              "effective": (plot_effective, rows,
                            task in ("ar", "atr") and any(r["best"].get("effective") for r in rows))}
     out = {}
@@ -1580,7 +1597,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
     return out
 
 
-# ============================================ `python run.py bench`: fast paths against references
+# --- `python run.py bench`: fast paths against references
 # Timed in the same run (medians of interleaved repeats). With OpenMP's spinning wait policy a busy
 # second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 
@@ -1590,12 +1607,9 @@ def make_step(model, data, forward=None, lr=1e-3):
     if isinstance(model, mechsm.Ensemble):
         return lambda: model.train_step(*batch, [lr] * len(model.modules))
     optimizer = mechsm.adamw(model, lr)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
 
     def step():
-        loss = mechsm.answer_loss(forward or model, data.tokens, data.positions["query"],
-                                  data.answers)
+        loss = mechsm.answer_loss(forward or model, *batch)
         optimizer.zero_grad(set_to_none=True)
         loss.sum().backward()
         optimizer.step()
@@ -1660,7 +1674,7 @@ def bench_scan(device, sizes):
              "its (B, L, e, n) state (x.mul_(1.0), the floor)")]
 
 
-def compare(kernels, inputs, grad_out, sizes, device, **fields):
+def compare(kernels, inputs, grad_out, sizes, device, **labels):
     """Rows: forward+backward of each kernel(*inputs) timed, and its errors against the first's."""
     inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
     wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
@@ -1677,7 +1691,7 @@ def compare(kernels, inputs, grad_out, sizes, device, **fields):
         err = [(wide(x) - x64).abs().max() for x, x64 in zip(got, exact)]
         rel = max(e / x64.abs().max().clamp(min=1e-30) for e, x64 in zip(err[1:], exact[1:]))
         return dict(max_abs_err=err[0].item(), grad_rel_err=rel.item())
-    return [dict(fields, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
+    return [dict(labels, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
                  **errors(forward_backward(kernel, inputs))) for name, kernel in kernels.items()]
 
 

@@ -1778,8 +1778,9 @@ def test_groups_are_cells_split_by_size_and_bad_groups_are_refused():
     for bad in ([cfgs[0], cfgs[6]], [cfgs[0], cfgs[0]]):             # two widths; the same run twice
         with pytest.raises(ValueError, match="train_group"):
             mechsm.train_group(bad, log=quiet)
-    with pytest.raises(ValueError, match="group_size"):
-        run_cli.make_groups(cfgs, 0)
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="group_size"):
+            run_cli.sweep(cfgs, "unused", group_size=bad)
 
 
 def test_sweep_trains_groups_records_each_run_and_resumes(tmp_path, monkeypatch):
@@ -1979,7 +1980,7 @@ def test_rerun_of_finished_sweep_trains_nothing_and_survives_a_torn_line(tmp_pat
     again = sweep_grid(tiny(), ["attention", "mamba"], [16], [1e-3], [0, 1], tmp_path)
     assert [r["name"] for r in again] == [r["name"] for r in first] and len(again) == 4
     rows = run_cli.best_by_lr(again)
-    assert [(r["arch"], r["n_seeds"]) for r in rows] == [("attention", 2), ("mamba", 2)]
+    assert [(r["arch"], len(r["runs"])) for r in rows] == [("attention", 2), ("mamba", 2)]
 
 
 def test_sweep_in_parallel_workers_reproduces_the_in_process_run(tmp_path):
@@ -2110,7 +2111,7 @@ def test_best_lr_never_picks_a_failed_run():
     runs = [fake_record(tiny(lr=1e-2, seed=0), acc=0.95, status="failed"), fake_record(tiny(lr=1e-2, seed=1), acc=0.95),
             fake_record(tiny(lr=1e-3, seed=0), acc=0.3), fake_record(tiny(lr=1e-3, seed=1), acc=0.3)]
     row, = run_cli.best_by_lr(runs)
-    assert row["best_lr"] == 1e-3 and row["n_seeds"] == 2
+    assert row["best_lr"] == 1e-3 and len(row["runs"]) == 2
     row, = run_cli.best_by_lr([failed])                        # nothing finished: the failed run is all there is
     assert row["best_lr"] == 1e-2
 
