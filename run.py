@@ -1553,9 +1553,13 @@ def plot_box(fig, records):
 
 
 def plot_effective(fig, rows):
-    """Per label (its widest row), the best run's effective attention on one document: the query's row
+    """The best run of each architecture, its effective attention on one document: the query's row
     in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
-    rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("effective")]
+    best = {}
+    for row in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0):
+        best[row["arch"]] = row                          # the most accurate row of the arch, last
+    rows = [(best[a]["label"], best[a]) for a in dict.fromkeys(r["arch"] for r in rows)
+            if best[a]["best"].get("effective")]
     panels = []
     for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
         eff = row["best"]["effective"]
