@@ -65,13 +65,11 @@ class Mixer(nn.Module):
     def capture(self, x, *names):
         """{name: output} of the named HookPoints in one call of mix(x)."""
         store = {}
-        handles = [getattr(self, n).register_forward_hook(lambda m, i, out, n=n: store.__setitem__(n, out))
-                   for n in names]
-        try:
+        with contextlib.ExitStack() as hooks:  # removed on exit, even on an error
+            for n in names:
+                save = lambda m, i, out, n=n: store.__setitem__(n, out)
+                hooks.enter_context(getattr(self, n).register_forward_hook(save))
             self.mix(x)
-        finally:
-            for handle in handles:
-                handle.remove()
         return store
 
 
@@ -95,21 +93,18 @@ def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
     return torch.einsum("blen,bln->ble", states, C)
 
 
+def toeplitz(kernel, gate=None):
+    """The causal long conv by kernel (l, c) gated by gate (b, l, c), as maps M (b, c, l, l):
+    M[b, c, t, s] = gate[b, t, c] kernel[t - s, c] for s <= t, else 0 (no gate: M (c, l, l))."""
+    t = torch.arange(kernel.shape[0], device=kernel.device)
+    lag = t[:, None] - t[None, :]                                       # (l, l): t - s
+    T = (kernel[lag.clamp(min=0)] * (lag >= 0)[..., None].to(kernel.dtype)).permute(2, 0, 1)
+    return T if gate is None else gate.transpose(1, 2)[..., None] * T   # (b,c,l,1) x (c,l,l)
+
+
 def direct_conv(u, k):
     """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b,l,d), k (l,d): Toeplitz."""
-    t = torch.arange(u.shape[1], device=u.device)
-    lag = t[:, None] - t[None, :]                         # (l, l): t - s
-    toeplitz = k[lag.clamp(min=0)] * (lag >= 0)[..., None].to(k.dtype)  # (l, l, d)
-    return torch.einsum("tsd,bsd->btd", toeplitz, u)      # (l,l,d) x (b,l,d) -> (b,l,d)
-
-
-def gated_toeplitz(kernel, gate):
-    """A causal long conv (kernel (l, c)) then a gate (b, l, c), as maps: M[b, c, t, s] = gate[b, t, c]
-    kernel[t - s, c] for s <= t, else 0 (b, c, l, l)."""
-    t = torch.arange(kernel.shape[0], device=kernel.device)
-    lag = t[:, None] - t[None, :]                                               # (l, l): t - s
-    toeplitz = (kernel[lag.clamp(min=0)] * (lag >= 0)[..., None].to(kernel.dtype)).permute(2, 0, 1)
-    return gate.transpose(1, 2)[..., None] * toeplitz                           # (b,c,l,1) x (c,l,l)
+    return torch.einsum("dts,bsd->btd", toeplitz(k[:u.shape[1]]), u)  # (d,l,l) x (b,l,d) -> (b,l,d)
 
 
 def _shift_right(x, s):
@@ -250,7 +245,7 @@ class BaseConv(Mixer):
             kernel = torch.cat([a["hook_filter"][:1] + 1, a["hook_filter"][1:]])   # LC(u) + u
         else:  # tap j of `size` looks size-1-j steps back
             kernel = F.pad(self.conv.weight[:, 0].flip(-1).t(), (0, 0, 0, u.shape[1]))[:u.shape[1]]  # (l,d)
-        return gated_toeplitz(kernel, a["hook_proj"]), u.transpose(1, 2)[..., None]
+        return toeplitz(kernel, a["hook_proj"]), u.transpose(1, 2)[..., None]
 
 
 def taylor_features(a):
@@ -391,7 +386,7 @@ class H3(Mixer):
         q, k, v = (a[n].view(b, l, self.n_heads, -1) for n in ("hook_q", "hook_k_tilde", "hook_v"))
         kernel = torch.cat([a["hook_ssm_kernel"][:1] + self.diag_D, a["hook_ssm_kernel"][1:]])  # (l,h)
         scores = torch.einsum("bthi,bshi->bhts", q, k)                               # (b,h,l,l)
-        return scores * gated_toeplitz(kernel, q.new_ones(1, 1, self.n_heads)), v.transpose(1, 2)
+        return scores * toeplitz(kernel), v.transpose(1, 2)
 
 
 class HyenaFilter(nn.Module):
@@ -459,7 +454,7 @@ class Hyena(Mixer):
         skip = self.skip if self.use_skip else 0 * self.skip
         kernel = torch.cat([a["hook_filter"][:1] + skip, a["hook_filter"][1:]])     # (l, d)
         x2 = a["hook_short"].split(x.shape[-1], dim=-1)[1]                         # (b, l, d)
-        return gated_toeplitz(kernel, x2), a["hook_pregate"].transpose(1, 2)[..., None]
+        return toeplitz(kernel, x2), a["hook_pregate"].transpose(1, 2)[..., None]
 
 
 class MambaBlock(nn.Module):
@@ -928,11 +923,6 @@ def _selective_states(u, delta, A, B):
     return decay, states
 
 
-def _selective_readout(states, C):
-    """y_t = sum_n C_t h_t: (b,l,e,n), (b,l,n) -> (b,l,e), by multiply and sum (1.5-2.5x bmm's)."""
-    return (states * C[:, :, None, :]).sum(-1)
-
-
 def _sum_over_e(x, states):
     """sum_e x_t h_t: (b, l, e), (b, l, e, n) -> (b, l, n), one bmm."""
     b, l, e, n = states.shape
@@ -960,7 +950,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
             for rows in row_chunks((*u.shape, A.shape[-1]), most=most):
                 A_rows = A if A.dim() == 2 else A[rows]
                 _, states = _selective_states(u[rows], delta[rows], A_rows, B[rows])
-                y[rows] = _selective_readout(states, C[rows])
+                y[rows] = (states * C[rows][:, :, None, :]).sum(-1)  # sum_n C_t h_t (1.5-2.5x bmm's)
         return y
 
     @staticmethod
@@ -985,7 +975,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
                     g_t[t].addcmul_(a[t + 1], g_t[t + 1])  # g_t += decay_{t+1} g_{t+1}
                 grad_C[rows] = _sum_over_e(dy, states)
                 grad_B[rows] = _sum_over_e(du, g)
-                grad_drive = _selective_readout(g, B[rows])               # sum_n g B (r,l,e)
+                grad_drive = (g * B[rows][:, :, None, :]).sum(-1)         # sum_n g B (r,l,e)
                 g[:, 1:].mul_(states[:, :-1])                             # g becomes dL/d(Δ A):
                 g[:, 0].zero_()  #   g_t h_{t-1} decay_t, h_{-1} = 0
                 g.mul_(decay)
