@@ -309,8 +309,7 @@ class H3(Mixer):
         super().__init__(reference)
         d, n, w, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
         if d % w or n % 2:
-            raise ValueError("H3 needs d_model % h3_head_dim == 0 and an even d_state "
-                             f"(got {d}, {w}, {n})")
+            raise ValueError(f"H3: h3_head_dim={w} must divide d_model={d}, h3_d_state={n} be even")
         self.d_state, self.head_dim, self.n_heads = n, w, h
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         # Shift SSM per channel: state = down-shift(state) + B^s k_t, output C^s . state
@@ -608,12 +607,11 @@ class GatedDeltaNet(DeltaNet):
     gated: RMSNorm(o) * SiLU(x W_g) (fla's FusedRMSNormGated). fla's head widths are 0.75d (keys) and
     1.5d (values); ours d and d, one head by default, as our DeltaNet (README, difference 15)."""
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
-                 **options):
-        super().__init__(d_model, layer_idx, n_layers, reference, n_heads=n_heads, d_conv=d_conv)
+    def __init__(self, d_model, *args, n_heads=1, d_conv=None, **options):
+        super().__init__(d_model, *args, n_heads=n_heads, d_conv=d_conv, **options)
         d, h = d_model, n_heads
         self.a_proj, self.g_proj = nn.Linear(d, h, bias=False), nn.Linear(d, d, bias=False)
-        self.A_log = nn.Parameter(torch.empty(h).uniform_(0, 16).log())  # decay rates exp(A_log) ~ U(0, 16)
+        self.A_log = nn.Parameter(torch.empty(h).uniform_(0, 16).log())  # exp(A_log) ~ U(0, 16)
         dt = torch.exp(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt), as Mamba's
         self.hook_log_alpha, self.hook_gate = HookPoint(), HookPoint()  # (b,l,h); SiLU(x W_g) (b,l,d)
@@ -654,12 +652,10 @@ class LM(nn.Module):
     """Token (+ learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
 
     def __init__(self, vocab_size, d_model, blocks, pos_emb=False, n_positions=1024):
-        """Then the init pass over every module, as the classes declare it, drawn in module order and
-        the DOWN_SCALED weights last. GPT2_INIT blocks (zoology's _init_weights, GPT-2's): embeddings
-        and Linear weights N(0, 0.02^2), Linear biases 0, each module's DOWN_SCALED Linear N(0,
-        (0.02/sqrt(2 n_layers))^2). Otherwise (MambaBlock, mamba_ssm's _init_weights): embeddings
-        N(0, 0.02^2), the Linears keep the init their mixer gave them (Mamba's dt_proj bias), the
-        DOWN_SCALED weight is redrawn torch's default / sqrt(n_layers). Convolutions keep theirs."""
+        """Then the init pass, as the classes declare it, in module order, DOWN_SCALED weights last.
+        GPT2_INIT blocks (zoology's _init_weights, GPT-2's): embeddings and Linears N(0, 0.02^2),
+        biases 0, DOWN_SCALED N(0, (0.02/sqrt(2 n_layers))^2). Else (MambaBlock, mamba_ssm's):
+        embeddings N(0, 0.02^2), DOWN_SCALED torch's default / sqrt(n_layers), others theirs."""
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(n_positions, d_model) if pos_emb else None
