@@ -65,13 +65,11 @@ class Mixer(nn.Module):
     def capture(self, x, *names):
         """{name: output} of the named HookPoints in one call of mix(x)."""
         store = {}
-        handles = [getattr(self, n).register_forward_hook(lambda m, i, out, n=n: store.__setitem__(n, out))
-                   for n in names]
-        try:
+        with contextlib.ExitStack() as hooks:  # removed on exit, even on an error
+            for n in names:
+                save = lambda m, i, out, n=n: store.__setitem__(n, out)
+                hooks.enter_context(getattr(self, n).register_forward_hook(save))
             self.mix(x)
-        finally:
-            for handle in handles:
-                handle.remove()
         return store
 
 
@@ -95,21 +93,18 @@ def selective_scan_reference(u, delta, A, B, C, plain_scan=sequential_scan):
     return torch.einsum("blen,bln->ble", states, C)
 
 
+def toeplitz(kernel, gate=None):
+    """The causal long conv by kernel (l, c) gated by gate (b, l, c), as maps M (b, c, l, l):
+    M[b, c, t, s] = gate[b, t, c] kernel[t - s, c] for s <= t, else 0 (no gate: M (c, l, l))."""
+    t = torch.arange(kernel.shape[0], device=kernel.device)
+    lag = t[:, None] - t[None, :]                                       # (l, l): t - s
+    T = (kernel[lag.clamp(min=0)] * (lag >= 0)[..., None].to(kernel.dtype)).permute(2, 0, 1)
+    return T if gate is None else gate.transpose(1, 2)[..., None] * T   # (b,c,l,1) x (c,l,l)
+
+
 def direct_conv(u, k):
     """Causal long conv y_t = sum_{s<=t} k_{t-s} u_s per channel, u (b,l,d), k (l,d): Toeplitz."""
-    t = torch.arange(u.shape[1], device=u.device)
-    lag = t[:, None] - t[None, :]                         # (l, l): t - s
-    toeplitz = k[lag.clamp(min=0)] * (lag >= 0)[..., None].to(k.dtype)  # (l, l, d)
-    return torch.einsum("tsd,bsd->btd", toeplitz, u)      # (l,l,d) x (b,l,d) -> (b,l,d)
-
-
-def gated_toeplitz(kernel, gate):
-    """A causal long conv (kernel (l, c)) then a gate (b, l, c), as maps: M[b, c, t, s] = gate[b, t, c]
-    kernel[t - s, c] for s <= t, else 0 (b, c, l, l)."""
-    t = torch.arange(kernel.shape[0], device=kernel.device)
-    lag = t[:, None] - t[None, :]                                               # (l, l): t - s
-    toeplitz = (kernel[lag.clamp(min=0)] * (lag >= 0)[..., None].to(kernel.dtype)).permute(2, 0, 1)
-    return gate.transpose(1, 2)[..., None] * toeplitz                           # (b,c,l,1) x (c,l,l)
+    return torch.einsum("dts,bsd->btd", toeplitz(k[:u.shape[1]]), u)  # (d,l,l) x (b,l,d) -> (b,l,d)
 
 
 def _shift_right(x, s):
@@ -250,7 +245,7 @@ class BaseConv(Mixer):
             kernel = torch.cat([a["hook_filter"][:1] + 1, a["hook_filter"][1:]])   # LC(u) + u
         else:  # tap j of `size` looks size-1-j steps back
             kernel = F.pad(self.conv.weight[:, 0].flip(-1).t(), (0, 0, 0, u.shape[1]))[:u.shape[1]]  # (l,d)
-        return gated_toeplitz(kernel, a["hook_proj"]), u.transpose(1, 2)[..., None]
+        return toeplitz(kernel, a["hook_proj"]), u.transpose(1, 2)[..., None]
 
 
 def taylor_features(a):
@@ -314,8 +309,7 @@ class H3(Mixer):
         super().__init__(reference)
         d, n, w, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
         if d % w or n % 2:
-            raise ValueError("H3 needs d_model % h3_head_dim == 0 and an even d_state "
-                             f"(got {d}, {w}, {n})")
+            raise ValueError(f"H3: h3_head_dim={w} must divide d_model={d}, h3_d_state={n} be even")
         self.d_state, self.head_dim, self.n_heads = n, w, h
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         # Shift SSM per channel: state = down-shift(state) + B^s k_t, output C^s . state
@@ -391,7 +385,7 @@ class H3(Mixer):
         q, k, v = (a[n].view(b, l, self.n_heads, -1) for n in ("hook_q", "hook_k_tilde", "hook_v"))
         kernel = torch.cat([a["hook_ssm_kernel"][:1] + self.diag_D, a["hook_ssm_kernel"][1:]])  # (l,h)
         scores = torch.einsum("bthi,bshi->bhts", q, k)                               # (b,h,l,l)
-        return scores * gated_toeplitz(kernel, q.new_ones(1, 1, self.n_heads)), v.transpose(1, 2)
+        return scores * toeplitz(kernel), v.transpose(1, 2)
 
 
 class HyenaFilter(nn.Module):
@@ -459,7 +453,7 @@ class Hyena(Mixer):
         skip = self.skip if self.use_skip else 0 * self.skip
         kernel = torch.cat([a["hook_filter"][:1] + skip, a["hook_filter"][1:]])     # (l, d)
         x2 = a["hook_short"].split(x.shape[-1], dim=-1)[1]                         # (b, l, d)
-        return gated_toeplitz(kernel, x2), a["hook_pregate"].transpose(1, 2)[..., None]
+        return toeplitz(kernel, x2), a["hook_pregate"].transpose(1, 2)[..., None]
 
 
 class MambaBlock(nn.Module):
@@ -613,12 +607,11 @@ class GatedDeltaNet(DeltaNet):
     gated: RMSNorm(o) * SiLU(x W_g) (fla's FusedRMSNormGated). fla's head widths are 0.75d (keys) and
     1.5d (values); ours d and d, one head by default, as our DeltaNet (README, difference 15)."""
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
-                 **options):
-        super().__init__(d_model, layer_idx, n_layers, reference, n_heads=n_heads, d_conv=d_conv)
+    def __init__(self, d_model, *args, n_heads=1, d_conv=None, **options):
+        super().__init__(d_model, *args, n_heads=n_heads, d_conv=d_conv, **options)
         d, h = d_model, n_heads
         self.a_proj, self.g_proj = nn.Linear(d, h, bias=False), nn.Linear(d, d, bias=False)
-        self.A_log = nn.Parameter(torch.empty(h).uniform_(0, 16).log())  # decay rates exp(A_log) ~ U(0, 16)
+        self.A_log = nn.Parameter(torch.empty(h).uniform_(0, 16).log())  # exp(A_log) ~ U(0, 16)
         dt = torch.exp(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt), as Mamba's
         self.hook_log_alpha, self.hook_gate = HookPoint(), HookPoint()  # (b,l,h); SiLU(x W_g) (b,l,d)
@@ -659,12 +652,10 @@ class LM(nn.Module):
     """Token (+ learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
 
     def __init__(self, vocab_size, d_model, blocks, pos_emb=False, n_positions=1024):
-        """Then the init pass over every module, as the classes declare it, drawn in module order and
-        the DOWN_SCALED weights last. GPT2_INIT blocks (zoology's _init_weights, GPT-2's): embeddings
-        and Linear weights N(0, 0.02^2), Linear biases 0, each module's DOWN_SCALED Linear N(0,
-        (0.02/sqrt(2 n_layers))^2). Otherwise (MambaBlock, mamba_ssm's _init_weights): embeddings
-        N(0, 0.02^2), the Linears keep the init their mixer gave them (Mamba's dt_proj bias), the
-        DOWN_SCALED weight is redrawn torch's default / sqrt(n_layers). Convolutions keep theirs."""
+        """Then the init pass, as the classes declare it, in module order, DOWN_SCALED weights last.
+        GPT2_INIT blocks (zoology's _init_weights, GPT-2's): embeddings and Linears N(0, 0.02^2),
+        biases 0, DOWN_SCALED N(0, (0.02/sqrt(2 n_layers))^2). Else (MambaBlock, mamba_ssm's):
+        embeddings N(0, 0.02^2), DOWN_SCALED torch's default / sqrt(n_layers), others theirs."""
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(n_positions, d_model) if pos_emb else None
@@ -928,11 +919,6 @@ def _selective_states(u, delta, A, B):
     return decay, states
 
 
-def _selective_readout(states, C):
-    """y_t = sum_n C_t h_t: (b,l,e,n), (b,l,n) -> (b,l,e), by multiply and sum (1.5-2.5x bmm's)."""
-    return (states * C[:, :, None, :]).sum(-1)
-
-
 def _sum_over_e(x, states):
     """sum_e x_t h_t: (b, l, e), (b, l, e, n) -> (b, l, n), one bmm."""
     b, l, e, n = states.shape
@@ -960,7 +946,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
             for rows in row_chunks((*u.shape, A.shape[-1]), most=most):
                 A_rows = A if A.dim() == 2 else A[rows]
                 _, states = _selective_states(u[rows], delta[rows], A_rows, B[rows])
-                y[rows] = _selective_readout(states, C[rows])
+                y[rows] = (states * C[rows][:, :, None, :]).sum(-1)  # sum_n C_t h_t (1.5-2.5x bmm's)
         return y
 
     @staticmethod
@@ -985,7 +971,7 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
                     g_t[t].addcmul_(a[t + 1], g_t[t + 1])  # g_t += decay_{t+1} g_{t+1}
                 grad_C[rows] = _sum_over_e(dy, states)
                 grad_B[rows] = _sum_over_e(du, g)
-                grad_drive = _selective_readout(g, B[rows])               # sum_n g B (r,l,e)
+                grad_drive = (g * B[rows][:, :, None, :]).sum(-1)         # sum_n g B (r,l,e)
                 g[:, 1:].mul_(states[:, :-1])                             # g becomes dL/d(Δ A):
                 g[:, 0].zero_()  #   g_t h_{t-1} decay_t, h_{-1} = 0
                 g.mul_(decay)
