@@ -15,17 +15,14 @@ of the clean answer at the query position. Attribution = (P̄_patched − P̄_co
 (P̄_clean − P̄_corrupt): 1 means the site restores the clean answer on its own, 0 that it
 carries nothing the answer needs.
 
-Verdict (thresholds below, as constants). The paper's pair is the block input of layer 1, i.e. the
-residual stream after layer 0, at `value` (induction: layer 0 wrote the association into the value
-token) against at `query` (direct retrieval: the association is already computed at the query).
-  * 2 layers: exactly the paper's quantity.
-  * 3+ layers: still layer 1 (as the paper); later block inputs' value/query in "later_layers".
-  * 1 layer: there is no layer-1 block input; both paths would end inside the same block, so the
-    verdict is "n/a (1 layer)" and the mixer output of layer 0 at value/query is reported instead.
+Verdict: the paper's pair is the block input of layer 1 (the residual stream after layer 0) at
+`value` (induction: layer 0 wrote the association into the value token) against at `query` (direct
+retrieval: the association is already computed at the query); 3+ layers also report later block
+inputs. One layer has no layer-1 block input (both paths end inside the same block): its verdict
+is "n/a (1 layer)", with layer 0's mixer output at value/query reported instead.
 
-Batching: per site, the corrupted batch stacked once per patched position (copy p patches position
-p), one forward in chunks of CHUNK_ROWS rows with two exact shortcuts (interchange); it equals
-patching one position at a time (interchange_reference; test_all.py checks every arch and site).
+interchange patches every position of a site in one batched forward; interchange_reference, one
+document at a time, is its slow twin (test_all.py checks they agree for every arch and site).
 
 Shape letters (the README's glossary): b documents (the ones patched, a batch), l sequence length,
 d d_model, v vocabulary, c an effective map's heads or channels, P positions patched at one site.
@@ -42,19 +39,10 @@ from tasks import ROLES
 
 POSITIONS = ROLES            # the positions a table patches: every role of tasks.Dataset.positions
 BLOCK_SITES = {  # name inside blocks.{i} -> table label, in forward order
-    "hook_resid_pre": "block_in",
-    "mixer.hook_in": "mixer_in",
-    "mixer.hook_out": "mixer_out",
-    "mlp.hook_in": "mlp_in",
-    "mlp.hook_out": "mlp_out",
-    "hook_resid_post": "block_out",
-}
-
-# The verdict reads the three sites of the paper's box plots (Attrib@Key, @Value, @Query at the
-# block input of layer 1) by one symmetric rule: the one site that alone restores at least CUT of
-# the answer names the mechanism (the paper reads its plots by eye; README, difference 16).
+    "hook_resid_pre": "block_in", "mixer.hook_in": "mixer_in", "mixer.hook_out": "mixer_out",
+    "mlp.hook_in": "mlp_in", "mlp.hook_out": "mlp_out", "hook_resid_post": "block_out"}
 READINGS = {"value": "induction", "query": "direct retrieval", "key": "held at the key"}
-CUT = 0.5
+CUT = 0.5                    # verdict: the one headline position >= CUT names the mechanism
 LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" (the paper's filter)
 CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in cache (2x faster)
 
@@ -232,8 +220,9 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
 
 def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
     """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The
-    READINGS name of the one site at or above `cut`; "mixed" when none or several are; "no signal"
-    when the gap is at or below the filter or an attribution is not a number."""
+    READINGS name of the one site at or above `cut` (the paper reads its box plots by eye: README,
+    difference 16); "mixed" when none or several are; "no signal" when the gap is at or below the
+    filter or an attribution is not a number."""
     _check_threshold(threshold)
     scores = [attribs[site] for site in READINGS]
     if low_signal or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
@@ -319,8 +308,10 @@ def headline_site(n_layers):
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
-def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
-    """(data, clean, corrupted, answers, query) of the first n_docs documents, on model's device."""
+def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, positions, threshold):
+    """Patch each site at each of `positions` (role names) in the first n_docs documents, on the
+    model's device: (documents patched, the attribution of the clean run itself (its p_clean,
+    p_corrupt, gap, low_signal), {site: {position: attribution}})."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
     check_dataset(model, dataset)
@@ -329,7 +320,17 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
     device = next(model.parameters()).device
     data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
     clean, corrupted = data.tokens.to(device), corrupt(data, corrupt_role, seed, strict).to(device)
-    return data, clean, corrupted, data.answers.to(device), data.positions["query"].to(device)
+    answers, query = data.answers.to(device), data.positions["query"].to(device)
+    pos = {name: data.positions[name].to(device) for name in positions}
+    p_clean = answer_prob(model, clean, answers, query)
+    cache = prepare(model, clean, corrupted, sites, pos, answers, query)
+    base = attribution(p_clean, cache["p_corrupt"], p_clean, threshold)
+    scores = {}
+    for site in sites:
+        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
+        scores[site] = {name: attribution(p_clean, cache["p_corrupt"], p, threshold)
+                        for name, p in p_patched.items()}
+    return len(data), base, scores
 
 
 @torch.no_grad()
@@ -339,16 +340,12 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
     site = headline_site(len(model.blocks))
-    pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
-    p_clean = answer_prob(model, clean, answers, query)
-    cache = prepare(model, clean, corrupted, [site], pos, answers, query)
-    patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
+    _, base, scores = _attributions(model, dataset, n_docs, corrupt_role, seed, False, [site],
+                                    ("key", "value", "query"), threshold)
     model.train(was_training)
-    scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
-    return {**{k: a["score"] for k, a in scores.items()}, "gap": scores["key"]["gap"],
-            "low_signal": scores["key"]["low_signal"]}
+    return {**{k: a["score"] for k, a in scores[site].items()}, "gap": base["gap"],
+            "low_signal": base["low_signal"]}
 
 
 @torch.no_grad()
@@ -360,42 +357,28 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     {key, value, query}, verdict, verdict_reason, later_layers (3+ layers), mixer_out (1 layer),
     extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
-    _check_threshold(threshold)
     _check_names("positions", positions, POSITIONS)
     if sites is not None:
         _check_names("sites", sites, list(hook_points(model)))
     model.eval()
-    docs = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
-    data, clean, corrupted, answers, query = docs
-    pos = {name: data.positions[name].to(clean.device) for name in positions}
     n_layers = len(model.blocks)
-
-    # Sites the summary needs are always measured, even when the caller asked for fewer.
+    # The sites and positions the summary needs are always measured, even when not asked for.
     reads = getattr(model.blocks[0].mixer, "READS", {})   # {name: (hook, position)}
     reads = {name: (f"blocks.0.mixer.{hook}", p) for name, (hook, p) in reads.items()}
     extra = [headline_site(n_layers)] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
     sites = list(sites if sites is not None else default_sites(model))
     sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
-    for name in ("key", "value", "query", *(p for _, p in reads.values())):
-        pos.setdefault(name, data.positions[name].to(clean.device))
-
-    p_clean = answer_prob(model, clean, answers, query)
-    cache = prepare(model, clean, corrupted, sites, pos, answers, query)
-    p_corrupt = cache["p_corrupt"]
-    base = attribution(p_clean, p_corrupt, p_clean, threshold)
-
-    rows = []
-    for site in sites:
-        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
-        a = {name: attribution(p_clean, p_corrupt, p, threshold) for name, p in p_patched.items()}
-        rows.append({"site": site, "label": site_label(site), "layer": site_layer(site),
-                     "scores": {name: x["score"] for name, x in a.items()},
-                     "p_patched": {name: x["p_patched"] for name, x in a.items()}})
+    names = dict.fromkeys([*positions, "key", "value", "query", *(p for _, p in reads.values())])
+    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites,
+                                     list(names), threshold)
+    rows = [{"site": site, "label": site_label(site), "layer": site_layer(site),
+             "scores": {name: x["score"] for name, x in a.items()},
+             "p_patched": {name: x["p_patched"] for name, x in a.items()}}
+            for site, a in attribs.items()]
     score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
-
     return {"arch": getattr(model, "build_args", {}).get("arch"),
             "build_args": getattr(model, "build_args", None),
-            "n_docs": len(data), "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
+            "n_docs": n, "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
             "positions": list(positions), "threshold": threshold,
             "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
             "low_signal": base["low_signal"], "rows": rows,
@@ -417,24 +400,19 @@ def _summary(score, n_layers, low_signal, threshold):
             "later_layers": {s: {k: score[s, k] for k in ("value", "query")} for s in later}}
 
 
-# --- Effective attention: where each position reads, from each mixer's own exact map (Mixer.effective_map).
-
-def reduce_map(M):
-    """(b, c, l, l) -> (b, l, l): the mean over the c heads or channels of |M|. For attention, the pattern
-    averaged over heads. Lost: signs (channels that cancel both count), which channel reads where, and
-    the size of the value read (a position whose value is ~0 still counts)."""
-    return M.abs().mean(1)
-
+# --- Effective attention: where each position reads, from each mixer's own exact map.
 
 @torch.no_grad()
 def effective_attention(model, tokens, reduce=True):
-    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t), from the
-    mixer's own exact map (Mixer.effective_map, (b, c, l, l) per head or channel), reduced by reduce_map;
-    reduce=False: the effective_map pairs (M, v) themselves."""
+    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t),
+    from the mixer's own exact map (Mixer.effective_map, M (b, c, l, l) per head or channel) as the
+    mean of |M| over the c heads or channels (for attention, the pattern averaged over heads). Lost:
+    signs (channels that cancel both count), which channel reads where, and the size of the value
+    read (a position whose value is ~0 still counts). reduce=False: the pairs (M, v) themselves."""
     hooks = [f"blocks.{i}.mixer.hook_in" for i in range(len(model.blocks))]
     inputs = record(model, tokens, hooks)
     maps = [block.mixer.effective_map(inputs[h]) for block, h in zip(model.blocks, hooks)]
-    return [reduce_map(M) for M, _ in maps] if reduce else maps
+    return [M.abs().mean(1) for M, _ in maps] if reduce else maps                # layers x (b, l, l)
 
 
 def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "query")):
@@ -453,10 +431,6 @@ def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour
 
 
-def _shade(x):
-    return "?" if x is None else SHADES[max(0, min(len(SHADES) - 1, int(x * len(SHADES))))]
-
-
 def render_heatmap(result, *, sites=None):
     """Terminal table: rows 'L{layer} {label}' (sites: names or labels to keep), cells score*100."""
     positions = result["positions"]
@@ -472,9 +446,10 @@ def render_heatmap(result, *, sites=None):
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
     pct = lambda x: "--" if x is None else round(100 * x)
+    shade = lambda x: "?" if x is None else SHADES[max(0, min(4, int(x * 5)))]   # 5 shades
     for name, r in zip(names, rows):
         xs = [r["scores"].get(p) for p in positions]
-        lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {_shade(x)}" for x in xs))
+        lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {shade(x)}" for x in xs))
     if result.get("headline"):
         lines.append("headline, L1 block_in: " + "  ".join(
             f"{k} {pct(v)}" for k, v in result["headline"].items()))
