@@ -56,8 +56,7 @@ def _check_threshold(threshold):
 
 
 def _check_names(name, names, allowed):
-    """names must be a non-empty list (or tuple) of names in allowed, else a ValueError naming the
-    parameter and the choices (a lone string too: it would be read letter by letter)."""
+    """names: a non-empty list or tuple of names in allowed (never a lone string: its letters)."""
     choices = ", ".join(list(allowed)[:6]) + ", ..." * (len(allowed) > 6)
     if not (isinstance(names, (list, tuple)) and names):
         raise ValueError(f"{name} must be a non-empty list of names among {choices}; got {names!r}.")
@@ -65,8 +64,6 @@ def _check_names(name, names, allowed):
         if not isinstance(n, str) or n not in allowed:
             raise ValueError(f"{name} must be among {choices}; got {n!r}.")
 
-
-# --- Sites: every HookPoint with a seq_dim, named as in model.named_modules().
 
 def hook_points(model):
     """{name: HookPoint} for every patchable site (HookPoint with a seq_dim), in module order."""
@@ -155,15 +152,12 @@ def answer_prob(model, tokens, answers, query):
     return torch.cat([_answer_prob(model(tokens[c], readout=query[c]), answers[c]) for c in chunks])
 
 
-# --- Corruption: one token of each document replaced by another of its class.
-
 def corrupt(dataset, role="key", seed=0, strict=False):
     """A corrupted copy of dataset.tokens (b, l): each document's token at positions[role] replaced
     by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); README
     difference 1); strict=True also excludes the document's own tokens (the corrupted key points to
     no other answer). One draw per document, reused by every site (README, difference 6)."""
-    if not isinstance(role, str) or role not in dataset.classes:
-        raise ValueError(f"role must be among {', '.join(dataset.classes)}; got {role!r}.")
+    _check_names("role", [role], dataset.classes)
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
     pos = dataset.positions[role].to(tokens.device)
@@ -210,12 +204,10 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
     score = (patched - corrupted) / gap if gap != 0 else math.nan
-    return {
-        "score": score if math.isfinite(score) else None,
-        "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
-        "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
-        "low_signal": not gap > threshold,                 # NaN probabilities: no signal
-    }
+    return {"score": score if math.isfinite(score) else None,
+            "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
+            "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
+            "low_signal": not gap > threshold}                 # NaN probabilities: no signal
 
 
 def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
@@ -250,12 +242,10 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
         at = act.movedim(modules[site].seq_dim, 1)                           # (b, l, ...)
         return torch.stack([at[rows, p] for p in pos])                       # (P, b, ...)
     resid = record(model, corrupt_tokens, stream)
-    return {
-        "p_corrupt": answer_prob(model, corrupt_tokens, answers, query),
-        "clean": record(model, clean_tokens, sites, gather),
-        "corrupt": record(model, corrupt_tokens, sites, gather),
-        "resid": [resid[name] for name in stream],                           # L+1 x (b, l, d)
-    }
+    return {"p_corrupt": answer_prob(model, corrupt_tokens, answers, query),
+            "clean": record(model, clean_tokens, sites, gather),
+            "corrupt": record(model, corrupt_tokens, sites, gather),
+            "resid": [resid[name] for name in stream]}                       # L+1 x (b, l, d)
 
 
 @torch.no_grad()
@@ -376,28 +366,23 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
              "p_patched": {name: x["p_patched"] for name, x in a.items()}}
             for site, a in attribs.items()]
     score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
+    head = {name: score[extra[0], name] for name in ("key", "value", "query")}
+    if n_layers == 1:
+        summary = {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
+                   "verdict_reason": "one layer has no layer-1 block input: induction and direct "
+                                     "retrieval both end inside the same block; see mixer_out"}
+    else:
+        reading, reason = verdict(head, base["low_signal"], threshold)
+        summary = {"headline": head, "verdict": reading, "verdict_reason": reason, "later_layers":
+                   {s: {k: score[s, k] for k in ("value", "query")} for s in extra[1:]}}
     return {"arch": getattr(model, "build_args", {}).get("arch"),
             "build_args": getattr(model, "build_args", None),
             "n_docs": n, "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
             "positions": list(positions), "threshold": threshold,
             "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
-            "low_signal": base["low_signal"], "rows": rows,
-            **_summary(score, n_layers, base["low_signal"], threshold),
+            "low_signal": base["low_signal"], "rows": rows, **summary,
             "extra": {name: score[site, p] for name, (site, p) in reads.items()},
             "seconds": time.perf_counter() - start}
-
-
-def _summary(score, n_layers, low_signal, threshold):
-    """headline (or mixer_out, 1 layer), verdict, verdict_reason, later_layers from the scores."""
-    head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
-    if n_layers == 1:
-        return {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
-                "verdict_reason": "one layer has no layer-1 block input: induction and direct "
-                                  "retrieval both end inside the same block; see mixer_out"}
-    name, reason = verdict(head, low_signal, threshold)
-    later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
-    return {"headline": head, "verdict": name, "verdict_reason": reason,
-            "later_layers": {s: {k: score[s, k] for k in ("value", "query")} for s in later}}
 
 
 # --- Effective attention: where each position reads, from each mixer's own exact map.
