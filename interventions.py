@@ -157,7 +157,8 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); README
     difference 1); strict=True also excludes the document's own tokens (the corrupted key points to
     no other answer). One draw per document, reused by every site (README, difference 6)."""
-    _check_names("role", [role], dataset.classes)
+    if not isinstance(role, str) or role not in dataset.classes:
+        raise ValueError(f"role must be among {', '.join(dataset.classes)}; got {role!r}.")
     lo, hi = dataset.classes[role]
     tokens = dataset.tokens.clone()
     pos = dataset.positions[role].to(tokens.device)
