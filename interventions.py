@@ -15,11 +15,9 @@ of the clean answer at the query position. Attribution = (P̄_patched − P̄_co
 (P̄_clean − P̄_corrupt): 1 means the site restores the clean answer on its own, 0 that it
 carries nothing the answer needs.
 
-Verdict: the paper's pair is the block input of layer 1 (the residual stream after layer 0) at
-`value` (induction: layer 0 wrote the association into the value token) against at `query` (direct
-retrieval: the association is already computed at the query); 3+ layers also report later block
-inputs. One layer has no layer-1 block input (both paths end inside the same block): its verdict
-is "n/a (1 layer)", with layer 0's mixer output at value/query reported instead.
+Verdict: at the block input of layer 1 (the residual stream after layer 0), an answer restored at
+`value` reads as induction (layer 0 wrote the association into the value token), at `query` as
+direct retrieval (the association is already computed there); one layer has no such input.
 
 interchange patches every position of a site in one batched forward; interchange_reference, one
 document at a time, is its slow twin (test_all.py checks they agree for every arch and site).
@@ -29,6 +27,7 @@ d d_model, v vocabulary, c an effective map's heads or channels, P positions pat
 """
 
 import contextlib
+import functools
 import math
 import time
 
@@ -99,22 +98,20 @@ def patch(model, edits):
     modules = dict(model.named_modules())
     handles = []
 
-    def hook(site, fn):
-        def run(module, inputs, act):
-            out = fn(act)
-            if not isinstance(out, torch.Tensor) or out.shape != act.shape:   # None: left unchanged
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"edits[{site!r}] must return the activation to use, a tensor of "
-                                 f"its shape {tuple(act.shape)}; got {got}.")
-            return out
-        return run
+    def hook(site, fn, module, inputs, act):
+        out = fn(act)
+        if not isinstance(out, torch.Tensor) or out.shape != act.shape:   # None: left unchanged
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"edits[{site!r}] must return the activation to use, a tensor of "
+                             f"its shape {tuple(act.shape)}; got {got}.")
+        return out
 
     try:
         for site, fn in edits.items():
             if not isinstance(modules.get(site), HookPoint) or not callable(fn):
                 raise ValueError(f"edits: {site!r} must be a HookPoint of this model (hook_points("
                                  f"model)) and its edit a function of the activation; got {fn!r}.")
-            handles.append(modules[site].register_forward_hook(hook(site, fn)))
+            handles.append(modules[site].register_forward_hook(functools.partial(hook, site, fn)))
         yield model
     finally:
         for handle in handles:
@@ -128,13 +125,11 @@ def record(model, tokens, sites, take=None):
         raise ValueError(f"sites must be a non-empty list of HookPoint names; got {sites!r}.")
     store = {}
 
-    def keep(site):
-        def fn(act):
-            store[site] = take(site, act) if take else act.detach().clone()
-            return act
-        return fn
+    def keep(site, act):
+        store[site] = take(site, act) if take else act.detach().clone()
+        return act
 
-    with patch(model, {s: keep(s) for s in sites}):
+    with patch(model, {s: functools.partial(keep, s) for s in sites}):
         model(tokens)
     return store
 
@@ -389,16 +384,15 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
 # --- Effective attention: where each position reads, from each mixer's own exact map.
 
 @torch.no_grad()
-def effective_attention(model, tokens, reduce=True):
-    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t),
-    from the mixer's own exact map (Mixer.effective_map, M (b, c, l, l) per head or channel) as the
-    mean of |M| over the c heads or channels (for attention, the pattern averaged over heads). Lost:
-    signs (channels that cancel both count), which channel reads where, and the size of the value
-    read (a position whose value is ~0 still counts). reduce=False: the pairs (M, v) themselves."""
+def effective_attention(model, tokens):
+    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t):
+    the mean of |M| over the heads or channels of the mixer's own exact map M (b, c, l, l)
+    (Mixer.effective_map). Lost: signs (channels that cancel both count), which channel reads
+    where, and the size of the value read (a position whose value is ~0 still counts)."""
     hooks = [f"blocks.{i}.mixer.hook_in" for i in range(len(model.blocks))]
     inputs = record(model, tokens, hooks)
     maps = [block.mixer.effective_map(inputs[h]) for block, h in zip(model.blocks, hooks)]
-    return [M.abs().mean(1) for M, _ in maps] if reduce else maps                # layers x (b, l, l)
+    return [M.abs().mean(1) for M, _ in maps]                                 # layers x (b, l, l)
 
 
 def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "query")):

@@ -86,10 +86,9 @@ class Dataset:
     def token_name(self, tok):
         if tok in (PAD, BOS, EOS):
             return ("<pad>", "<bos>", "<eos>")[tok]
-        (klo, khi), (vlo, vhi) = self.classes["key"], self.classes["value"]
-        if self.task == "ar":
-            return f"k{tok - klo}" if tok < khi else f"v{tok - vlo}"
-        return f"t{tok - klo}" if tok < khi else f"q{tok - khi}"   # q*: the unused query-type ids
+        lo, hi = self.classes["key"]      # AR's values start at hi; ATR's q*: unused query-type ids
+        below, above = ("k", "v") if self.task == "ar" else ("t", "q")
+        return f"{below}{tok - lo}" if tok < hi else f"{above}{tok - hi}"
 
     def describe(self, i):
         """Document i as text, the queried key in [brackets], its value in {braces}, then the query:
