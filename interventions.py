@@ -1,11 +1,13 @@
 """interventions.py: interchange interventions (activation patching): HOW a model solves recall.
 
 Follows "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105): the
-clean / corrupted / patched runs and the attribution score of Sec. 3-4, the headline pair of
-Sec. 5 (the block input of layer 1 at the value and at the query), and the later version's Mamba
-follow-up (arXiv v3: layer 0's short-conv output at the token after the value). The reference runs
-them with pyvene (tinylang: experiment.py); here they are forward hooks on models.HookPoint sites.
-Where we differ from the reference on purpose: README, differences 1, 6 and 17.
+clean / corrupted / patched runs and the attribution score of Sec. 3-4; the headline pair of Sec. 5,
+the block input of layer 1 (the residual stream after layer 0) at the value (restored there:
+induction, layer 0 wrote the association into the value token) and at the query (direct retrieval:
+the association is already computed there); and the later version's Mamba follow-up (arXiv v3:
+layer 0's short-conv output at the token after the value). The reference runs them with pyvene
+(tinylang: experiment.py); here they are forward hooks on models.HookPoint sites. Where we differ
+from the reference on purpose: README, differences 1, 6 and 17.
 
 One interchange intervention: the base run is the corrupted document (one token, by default the
 queried key in context, replaced by another token of its class), the source is the clean document.
@@ -14,13 +16,6 @@ the forward pass is recomputed from the corrupted input, and the readout is the 
 of the clean answer at the query position. Attribution = (P̄_patched − P̄_corrupt) /
 (P̄_clean − P̄_corrupt): 1 means the site restores the clean answer on its own, 0 that it
 carries nothing the answer needs.
-
-Verdict: at the block input of layer 1 (the residual stream after layer 0), an answer restored at
-`value` reads as induction (layer 0 wrote the association into the value token), at `query` as
-direct retrieval (the association is already computed there); one layer has no such input.
-
-interchange patches every position of a site in one batched forward; interchange_reference, one
-document at a time, is its slow twin (test_all.py checks they agree for every arch and site).
 
 Shape letters (the README's glossary): b documents (the ones patched, a batch), l sequence length,
 d d_model, v vocabulary, c an effective map's heads or channels, P positions patched at one site.
@@ -72,8 +67,7 @@ def hook_points(model):
 
 def site_layer(site):
     """'blocks.3.mixer.hook_u' -> 3 (None for sites outside the blocks)."""
-    parts = site.split(".")
-    return int(parts[1]) if parts[0] == "blocks" and len(parts) > 1 else None
+    return int(site.split(".")[1]) if site.startswith("blocks.") else None
 
 
 def site_label(site):
@@ -90,11 +84,10 @@ def default_sites(model):
             if f"blocks.{i}.{s}" in available]
 
 
-# --- Hooks as a context manager (hooks are global state: always remove them).
-
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation); the hooks are removed on any exit."""
+    """Within the block, site s outputs edits[s](activation). Hooks are global state: they are
+    removed on any exit."""
     modules = dict(model.named_modules())
     handles = []
 
@@ -170,7 +163,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     return tokens
 
 
-# --- One interchange intervention by definition, its score (attribution), the pair's verdict.
+# --- One interchange intervention by definition, its score, the verdict; then the batched form.
 
 @torch.no_grad()
 def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
@@ -222,8 +215,6 @@ def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
     return "mixed", f"{text}: {'several sites restore' if held else 'no site restores'} >= {cut}"
 
 
-# --- The same, batched: every position of a site in one forward, from cached activations.
-
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
     """What interchange() reuses, from four forwards: p_corrupt, both runs' activations at each
@@ -262,8 +253,7 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     on_residual = site.endswith((".hook_resid_pre", ".hook_resid_post"))     # the site IS a residual
     layer = int(site.split(".")[1]) + site.endswith(".hook_resid_post")      # the forward starts here
     clean, corrupted = cache["clean"][site], cache["corrupt"][site]          # (P, b, ...)
-    noop = (clean == corrupted).flatten(2).all(-1).flatten()                 # (P*b,)
-    todo = (~noop).nonzero()[:, 0]                                           # rows to run
+    todo = (clean != corrupted).flatten(2).any(-1).flatten().nonzero()[:, 0]  # rows that differ
     doc = todo % b                                                           # their documents
     todo_pos = torch.cat([positions[name] for name in names])[todo]          # (rows,)
     todo_clean = clean.flatten(0, 1)[todo]                                   # (rows, ...)
@@ -287,17 +277,14 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     return dict(zip(names, probs.view(P, b)))
 
 
-# --- The whole table and the headline pair.
-
 def headline_site(n_layers):
     """The headline pair's site: layer 1's block input; a one-layer model's layer-0 mixer output."""
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
 def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, positions, threshold):
-    """Patch each site at each of `positions` (role names) in the first n_docs documents, on the
-    model's device: (documents patched, the attribution of the clean run itself (its p_clean,
-    p_corrupt, gap, low_signal), {site: {position: attribution}})."""
+    """Patch each site at each of `positions` (role names) in the first n_docs documents: (documents
+    patched, the clean run's own attribution (p_clean, gap, ...), {site: {name: attribution}})."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
     check_dataset(model, dataset)
@@ -311,12 +298,10 @@ def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, pos
     p_clean = answer_prob(model, clean, answers, query)
     cache = prepare(model, clean, corrupted, sites, pos, answers, query)
     base = attribution(p_clean, cache["p_corrupt"], p_clean, threshold)
-    scores = {}
-    for site in sites:
-        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
-        scores[site] = {name: attribution(p_clean, cache["p_corrupt"], p, threshold)
-                        for name, p in p_patched.items()}
-    return len(data), base, scores
+    patched = {site: interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
+               for site in sites}                                            # {site: {name: (b,)}}
+    return len(data), base, {site: {name: attribution(p_clean, cache["p_corrupt"], p, threshold)
+                                    for name, p in ps.items()} for site, ps in patched.items()}
 
 
 @torch.no_grad()
@@ -406,13 +391,12 @@ def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "
             "value": maps[0][0, at["value"], :at["value"] + 1].tolist()}
 
 
-# --- Output: the terminal heatmap (the PNG figures are run.py's).
-
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour
 
 
 def render_heatmap(result, *, sites=None):
-    """Terminal table: rows 'L{layer} {label}' (sites: names or labels to keep), cells score*100."""
+    """Terminal heatmap (the PNG figures are run.py's): rows 'L{layer} {label}' (sites: names or
+    labels to keep), cells score*100."""
     positions = result["positions"]
     if sites is not None:
         known = dict.fromkeys(name for r in result["rows"] for name in (r["site"], r["label"]))

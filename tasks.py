@@ -47,13 +47,12 @@ def _check(ok, name, allowed):
         raise ValueError(f"{name} must be {allowed}")
 
 
-# --- Dataset: one container for both tasks.
-
 ROLES = ("key", "value", "next_key", "divider", "query", "answer")
 
 
 @dataclass
 class Dataset:
+    """One container for both tasks: documents, their answers, and where each role sits."""
     task: str                        # "ar" | "atr"
     tokens: torch.Tensor             # (b, l) long, right-padded with PAD
     answers: torch.Tensor            # (b,) the token the model must predict at positions["query"]
