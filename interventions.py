@@ -1,11 +1,13 @@
 """interventions.py: interchange interventions (activation patching): HOW a model solves recall.
 
 Follows "Mechanistic evaluation of Transformers and state space models" (arXiv 2505.15105): the
-clean / corrupted / patched runs and the attribution score of Sec. 3-4, the headline pair of
-Sec. 5 (the block input of layer 1 at the value and at the query), and the later version's Mamba
-follow-up (arXiv v3: layer 0's short-conv output at the token after the value). The reference runs
-them with pyvene (tinylang: experiment.py); here they are forward hooks on models.HookPoint sites.
-Where we differ from the reference on purpose: README, differences 1, 6 and 17.
+clean / corrupted / patched runs and the attribution score of Sec. 3-4; the headline pair of Sec. 5,
+the block input of layer 1 (the residual stream after layer 0) at the value (restored there:
+induction, layer 0 wrote the association into the value token) and at the query (direct retrieval:
+the association is already computed there); and the later version's Mamba follow-up (arXiv v3:
+layer 0's short-conv output at the token after the value). The reference runs them with pyvene
+(tinylang: experiment.py); here they are forward hooks on models.HookPoint sites. Where we differ
+from the reference on purpose: README, differences 1, 6 and 17.
 
 One interchange intervention: the base run is the corrupted document (one token, by default the
 queried key in context, replaced by another token of its class), the source is the clean document.
@@ -15,23 +17,12 @@ of the clean answer at the query position. Attribution = (P̄_patched − P̄_co
 (P̄_clean − P̄_corrupt): 1 means the site restores the clean answer on its own, 0 that it
 carries nothing the answer needs.
 
-Verdict (thresholds below, as constants). The paper's pair is the block input of layer 1, i.e. the
-residual stream after layer 0, at `value` (induction: layer 0 wrote the association into the value
-token) against at `query` (direct retrieval: the association is already computed at the query).
-  * 2 layers: exactly the paper's quantity.
-  * 3+ layers: still layer 1 (as the paper); later block inputs' value/query in "later_layers".
-  * 1 layer: there is no layer-1 block input; both paths would end inside the same block, so the
-    verdict is "n/a (1 layer)" and the mixer output of layer 0 at value/query is reported instead.
-
-Batching: per site, the corrupted batch stacked once per patched position (copy p patches position
-p), one forward in chunks of CHUNK_ROWS rows with two exact shortcuts (interchange); it equals
-patching one position at a time (interchange_reference; test_all.py checks every arch and site).
-
 Shape letters (the README's glossary): b documents (the ones patched, a batch), l sequence length,
 d d_model, v vocabulary, c an effective map's heads or channels, P positions patched at one site.
 """
 
 import contextlib
+import functools
 import math
 import time
 
@@ -42,19 +33,10 @@ from tasks import ROLES
 
 POSITIONS = ROLES            # the positions a table patches: every role of tasks.Dataset.positions
 BLOCK_SITES = {  # name inside blocks.{i} -> table label, in forward order
-    "hook_resid_pre": "block_in",
-    "mixer.hook_in": "mixer_in",
-    "mixer.hook_out": "mixer_out",
-    "mlp.hook_in": "mlp_in",
-    "mlp.hook_out": "mlp_out",
-    "hook_resid_post": "block_out",
-}
-
-# The verdict reads the three sites of the paper's box plots (Attrib@Key, @Value, @Query at the
-# block input of layer 1) by one symmetric rule: the one site that alone restores at least CUT of
-# the answer names the mechanism (the paper reads its plots by eye; README, difference 16).
+    "hook_resid_pre": "block_in", "mixer.hook_in": "mixer_in", "mixer.hook_out": "mixer_out",
+    "mlp.hook_in": "mlp_in", "mlp.hook_out": "mlp_out", "hook_resid_post": "block_out"}
 READINGS = {"value": "induction", "query": "direct retrieval", "key": "held at the key"}
-CUT = 0.5
+CUT = 0.5                    # verdict: the one headline position >= CUT names the mechanism
 LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" (the paper's filter)
 CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in cache (2x faster)
 
@@ -68,8 +50,7 @@ def _check_threshold(threshold):
 
 
 def _check_names(name, names, allowed):
-    """names must be a non-empty list (or tuple) of names in allowed, else a ValueError naming the
-    parameter and the choices (a lone string too: it would be read letter by letter)."""
+    """names: a non-empty list or tuple of names in allowed (never a lone string: its letters)."""
     choices = ", ".join(list(allowed)[:6]) + ", ..." * (len(allowed) > 6)
     if not (isinstance(names, (list, tuple)) and names):
         raise ValueError(f"{name} must be a non-empty list of names among {choices}; got {names!r}.")
@@ -77,8 +58,6 @@ def _check_names(name, names, allowed):
         if not isinstance(n, str) or n not in allowed:
             raise ValueError(f"{name} must be among {choices}; got {n!r}.")
 
-
-# --- Sites: every HookPoint with a seq_dim, named as in model.named_modules().
 
 def hook_points(model):
     """{name: HookPoint} for every patchable site (HookPoint with a seq_dim), in module order."""
@@ -88,8 +67,7 @@ def hook_points(model):
 
 def site_layer(site):
     """'blocks.3.mixer.hook_u' -> 3 (None for sites outside the blocks)."""
-    parts = site.split(".")
-    return int(parts[1]) if parts[0] == "blocks" and len(parts) > 1 else None
+    return int(site.split(".")[1]) if site.startswith("blocks.") else None
 
 
 def site_label(site):
@@ -106,30 +84,27 @@ def default_sites(model):
             if f"blocks.{i}.{s}" in available]
 
 
-# --- Hooks as a context manager (hooks are global state: always remove them).
-
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation); the hooks are removed on any exit."""
+    """Within the block, site s outputs edits[s](activation). Hooks are global state: they are
+    removed on any exit."""
     modules = dict(model.named_modules())
     handles = []
 
-    def hook(site, fn):
-        def run(module, inputs, act):
-            out = fn(act)
-            if not isinstance(out, torch.Tensor) or out.shape != act.shape:   # None: left unchanged
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"edits[{site!r}] must return the activation to use, a tensor of "
-                                 f"its shape {tuple(act.shape)}; got {got}.")
-            return out
-        return run
+    def hook(site, fn, module, inputs, act):
+        out = fn(act)
+        if not isinstance(out, torch.Tensor) or out.shape != act.shape:   # None: left unchanged
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"edits[{site!r}] must return the activation to use, a tensor of "
+                             f"its shape {tuple(act.shape)}; got {got}.")
+        return out
 
     try:
         for site, fn in edits.items():
             if not isinstance(modules.get(site), HookPoint) or not callable(fn):
                 raise ValueError(f"edits: {site!r} must be a HookPoint of this model (hook_points("
                                  f"model)) and its edit a function of the activation; got {fn!r}.")
-            handles.append(modules[site].register_forward_hook(hook(site, fn)))
+            handles.append(modules[site].register_forward_hook(functools.partial(hook, site, fn)))
         yield model
     finally:
         for handle in handles:
@@ -143,13 +118,11 @@ def record(model, tokens, sites, take=None):
         raise ValueError(f"sites must be a non-empty list of HookPoint names; got {sites!r}.")
     store = {}
 
-    def keep(site):
-        def fn(act):
-            store[site] = take(site, act) if take else act.detach().clone()
-            return act
-        return fn
+    def keep(site, act):
+        store[site] = take(site, act) if take else act.detach().clone()
+        return act
 
-    with patch(model, {s: keep(s) for s in sites}):
+    with patch(model, {s: functools.partial(keep, s) for s in sites}):
         model(tokens)
     return store
 
@@ -166,8 +139,6 @@ def answer_prob(model, tokens, answers, query):
     chunks = [slice(a, a + CHUNK_ROWS) for a in range(0, len(tokens), CHUNK_ROWS)]
     return torch.cat([_answer_prob(model(tokens[c], readout=query[c]), answers[c]) for c in chunks])
 
-
-# --- Corruption: one token of each document replaced by another of its class.
 
 def corrupt(dataset, role="key", seed=0, strict=False):
     """A corrupted copy of dataset.tokens (b, l): each document's token at positions[role] replaced
@@ -192,7 +163,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     return tokens
 
 
-# --- One interchange intervention by definition, its score (attribution), the pair's verdict.
+# --- One interchange intervention by definition, its score, the verdict; then the batched form.
 
 @torch.no_grad()
 def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
@@ -222,18 +193,17 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
     score = (patched - corrupted) / gap if gap != 0 else math.nan
-    return {
-        "score": score if math.isfinite(score) else None,
-        "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
-        "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
-        "low_signal": not gap > threshold,                 # NaN probabilities: no signal
-    }
+    return {"score": score if math.isfinite(score) else None,
+            "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
+            "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
+            "low_signal": not gap > threshold}                 # NaN probabilities: no signal
 
 
 def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
     """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The
-    READINGS name of the one site at or above `cut`; "mixed" when none or several are; "no signal"
-    when the gap is at or below the filter or an attribution is not a number."""
+    READINGS name of the one site at or above `cut` (the paper reads its box plots by eye: README,
+    difference 16); "mixed" when none or several are; "no signal" when the gap is at or below the
+    filter or an attribution is not a number."""
     _check_threshold(threshold)
     scores = [attribs[site] for site in READINGS]
     if low_signal or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
@@ -244,8 +214,6 @@ def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
         return READINGS[held[0]], f"{text}: only the {held[0]} restores >= {cut}"
     return "mixed", f"{text}: {'several sites restore' if held else 'no site restores'} >= {cut}"
 
-
-# --- The same, batched: every position of a site in one forward, from cached activations.
 
 @torch.no_grad()
 def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, query):
@@ -261,12 +229,10 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
         at = act.movedim(modules[site].seq_dim, 1)                           # (b, l, ...)
         return torch.stack([at[rows, p] for p in pos])                       # (P, b, ...)
     resid = record(model, corrupt_tokens, stream)
-    return {
-        "p_corrupt": answer_prob(model, corrupt_tokens, answers, query),
-        "clean": record(model, clean_tokens, sites, gather),
-        "corrupt": record(model, corrupt_tokens, sites, gather),
-        "resid": [resid[name] for name in stream],                           # L+1 x (b, l, d)
-    }
+    return {"p_corrupt": answer_prob(model, corrupt_tokens, answers, query),
+            "clean": record(model, clean_tokens, sites, gather),
+            "corrupt": record(model, corrupt_tokens, sites, gather),
+            "resid": [resid[name] for name in stream]}                       # L+1 x (b, l, d)
 
 
 @torch.no_grad()
@@ -287,8 +253,7 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     on_residual = site.endswith((".hook_resid_pre", ".hook_resid_post"))     # the site IS a residual
     layer = int(site.split(".")[1]) + site.endswith(".hook_resid_post")      # the forward starts here
     clean, corrupted = cache["clean"][site], cache["corrupt"][site]          # (P, b, ...)
-    noop = (clean == corrupted).flatten(2).all(-1).flatten()                 # (P*b,)
-    todo = (~noop).nonzero()[:, 0]                                           # rows to run
+    todo = (clean != corrupted).flatten(2).any(-1).flatten().nonzero()[:, 0]  # rows that differ
     doc = todo % b                                                           # their documents
     todo_pos = torch.cat([positions[name] for name in names])[todo]          # (rows,)
     todo_clean = clean.flatten(0, 1)[todo]                                   # (rows, ...)
@@ -312,15 +277,14 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     return dict(zip(names, probs.view(P, b)))
 
 
-# --- The whole table and the headline pair.
-
 def headline_site(n_layers):
     """The headline pair's site: layer 1's block input; a one-layer model's layer-0 mixer output."""
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
-def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
-    """(data, clean, corrupted, answers, query) of the first n_docs documents, on model's device."""
+def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, positions, threshold):
+    """Patch each site at each of `positions` (role names) in the first n_docs documents: (documents
+    patched, the clean run's own attribution (p_clean, gap, ...), {site: {name: attribution}})."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
     check_dataset(model, dataset)
@@ -329,7 +293,15 @@ def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
     device = next(model.parameters()).device
     data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
     clean, corrupted = data.tokens.to(device), corrupt(data, corrupt_role, seed, strict).to(device)
-    return data, clean, corrupted, data.answers.to(device), data.positions["query"].to(device)
+    answers, query = data.answers.to(device), data.positions["query"].to(device)
+    pos = {name: data.positions[name].to(device) for name in positions}
+    p_clean = answer_prob(model, clean, answers, query)
+    cache = prepare(model, clean, corrupted, sites, pos, answers, query)
+    base = attribution(p_clean, cache["p_corrupt"], p_clean, threshold)
+    patched = {site: interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
+               for site in sites}                                            # {site: {name: (b,)}}
+    return len(data), base, {site: {name: attribution(p_clean, cache["p_corrupt"], p, threshold)
+                                    for name, p in ps.items()} for site, ps in patched.items()}
 
 
 @torch.no_grad()
@@ -339,16 +311,12 @@ def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold
     _check_threshold(threshold)
     was_training = model.training
     model.eval()
-    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
     site = headline_site(len(model.blocks))
-    pos = {k: data.positions[k].to(clean.device) for k in ("key", "value", "query")}
-    p_clean = answer_prob(model, clean, answers, query)
-    cache = prepare(model, clean, corrupted, [site], pos, answers, query)
-    patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
+    _, base, scores = _attributions(model, dataset, n_docs, corrupt_role, seed, False, [site],
+                                    ("key", "value", "query"), threshold)
     model.train(was_training)
-    scores = {k: attribution(p_clean, cache["p_corrupt"], p, threshold) for k, p in patched.items()}
-    return {**{k: a["score"] for k, a in scores.items()}, "gap": scores["key"]["gap"],
-            "low_signal": scores["key"]["low_signal"]}
+    return {**{k: a["score"] for k, a in scores[site].items()}, "gap": base["gap"],
+            "low_signal": base["low_signal"]}
 
 
 @torch.no_grad()
@@ -360,81 +328,56 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     {key, value, query}, verdict, verdict_reason, later_layers (3+ layers), mixer_out (1 layer),
     extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
-    _check_threshold(threshold)
     _check_names("positions", positions, POSITIONS)
     if sites is not None:
         _check_names("sites", sites, list(hook_points(model)))
     model.eval()
-    docs = _documents(model, dataset, n_docs, corrupt_role, seed, strict)
-    data, clean, corrupted, answers, query = docs
-    pos = {name: data.positions[name].to(clean.device) for name in positions}
     n_layers = len(model.blocks)
-
-    # Sites the summary needs are always measured, even when the caller asked for fewer.
+    # The sites and positions the summary needs are always measured, even when not asked for.
     reads = getattr(model.blocks[0].mixer, "READS", {})   # {name: (hook, position)}
     reads = {name: (f"blocks.0.mixer.{hook}", p) for name, (hook, p) in reads.items()}
     extra = [headline_site(n_layers)] + [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
     sites = list(sites if sites is not None else default_sites(model))
     sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
-    for name in ("key", "value", "query", *(p for _, p in reads.values())):
-        pos.setdefault(name, data.positions[name].to(clean.device))
-
-    p_clean = answer_prob(model, clean, answers, query)
-    cache = prepare(model, clean, corrupted, sites, pos, answers, query)
-    p_corrupt = cache["p_corrupt"]
-    base = attribution(p_clean, p_corrupt, p_clean, threshold)
-
-    rows = []
-    for site in sites:
-        p_patched = interchange(model, clean, corrupted, site, pos, answers, query, cache=cache)
-        a = {name: attribution(p_clean, p_corrupt, p, threshold) for name, p in p_patched.items()}
-        rows.append({"site": site, "label": site_label(site), "layer": site_layer(site),
-                     "scores": {name: x["score"] for name, x in a.items()},
-                     "p_patched": {name: x["p_patched"] for name, x in a.items()}})
+    names = dict.fromkeys([*positions, "key", "value", "query", *(p for _, p in reads.values())])
+    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites,
+                                     list(names), threshold)
+    rows = [{"site": site, "label": site_label(site), "layer": site_layer(site),
+             "scores": {name: x["score"] for name, x in a.items()},
+             "p_patched": {name: x["p_patched"] for name, x in a.items()}}
+            for site, a in attribs.items()]
     score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
-
+    head = {name: score[extra[0], name] for name in ("key", "value", "query")}
+    if n_layers == 1:
+        summary = {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
+                   "verdict_reason": "one layer has no layer-1 block input: induction and direct "
+                                     "retrieval both end inside the same block; see mixer_out"}
+    else:
+        reading, reason = verdict(head, base["low_signal"], threshold)
+        summary = {"headline": head, "verdict": reading, "verdict_reason": reason, "later_layers":
+                   {s: {k: score[s, k] for k in ("value", "query")} for s in extra[1:]}}
     return {"arch": getattr(model, "build_args", {}).get("arch"),
             "build_args": getattr(model, "build_args", None),
-            "n_docs": len(data), "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
+            "n_docs": n, "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
             "positions": list(positions), "threshold": threshold,
             "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
-            "low_signal": base["low_signal"], "rows": rows,
-            **_summary(score, n_layers, base["low_signal"], threshold),
+            "low_signal": base["low_signal"], "rows": rows, **summary,
             "extra": {name: score[site, p] for name, (site, p) in reads.items()},
             "seconds": time.perf_counter() - start}
 
 
-def _summary(score, n_layers, low_signal, threshold):
-    """headline (or mixer_out, 1 layer), verdict, verdict_reason, later_layers from the scores."""
-    head = {name: score[headline_site(n_layers), name] for name in ("key", "value", "query")}
-    if n_layers == 1:
-        return {"headline": None, "mixer_out": head, "verdict": "n/a (1 layer)",
-                "verdict_reason": "one layer has no layer-1 block input: induction and direct "
-                                  "retrieval both end inside the same block; see mixer_out"}
-    name, reason = verdict(head, low_signal, threshold)
-    later = [f"blocks.{i}.hook_resid_pre" for i in range(2, n_layers)]
-    return {"headline": head, "verdict": name, "verdict_reason": reason,
-            "later_layers": {s: {k: score[s, k] for k in ("value", "query")} for s in later}}
-
-
-# --- Effective attention: where each position reads, from each mixer's own exact map (Mixer.effective_map).
-
-def reduce_map(M):
-    """(b, c, l, l) -> (b, l, l): the mean over the c heads or channels of |M|. For attention, the pattern
-    averaged over heads. Lost: signs (channels that cancel both count), which channel reads where, and
-    the size of the value read (a position whose value is ~0 still counts)."""
-    return M.abs().mean(1)
-
+# --- Effective attention: where each position reads, from each mixer's own exact map.
 
 @torch.no_grad()
-def effective_attention(model, tokens, reduce=True):
-    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t), from the
-    mixer's own exact map (Mixer.effective_map, (b, c, l, l) per head or channel), reduced by reduce_map;
-    reduce=False: the effective_map pairs (M, v) themselves."""
+def effective_attention(model, tokens):
+    """For each layer, (b, l, l): how much output position t reads input position s (0 for s > t):
+    the mean of |M| over the heads or channels of the mixer's own exact map M (b, c, l, l)
+    (Mixer.effective_map). Lost: signs (channels that cancel both count), which channel reads
+    where, and the size of the value read (a position whose value is ~0 still counts)."""
     hooks = [f"blocks.{i}.mixer.hook_in" for i in range(len(model.blocks))]
     inputs = record(model, tokens, hooks)
     maps = [block.mixer.effective_map(inputs[h]) for block, h in zip(model.blocks, hooks)]
-    return [reduce_map(M) for M, _ in maps] if reduce else maps
+    return [M.abs().mean(1) for M, _ in maps]                                 # layers x (b, l, l)
 
 
 def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "query")):
@@ -448,17 +391,12 @@ def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "
             "value": maps[0][0, at["value"], :at["value"] + 1].tolist()}
 
 
-# --- Output: the terminal heatmap (the PNG figures are run.py's).
-
 SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows without colour
 
 
-def _shade(x):
-    return "?" if x is None else SHADES[max(0, min(len(SHADES) - 1, int(x * len(SHADES))))]
-
-
 def render_heatmap(result, *, sites=None):
-    """Terminal table: rows 'L{layer} {label}' (sites: names or labels to keep), cells score*100."""
+    """Terminal heatmap (the PNG figures are run.py's): rows 'L{layer} {label}' (sites: names or
+    labels to keep), cells score*100."""
     positions = result["positions"]
     if sites is not None:
         known = dict.fromkeys(name for r in result["rows"] for name in (r["site"], r["label"]))
@@ -472,9 +410,10 @@ def render_heatmap(result, *, sites=None):
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
     pct = lambda x: "--" if x is None else round(100 * x)
+    shade = lambda x: "?" if x is None else SHADES[max(0, min(4, int(x * 5)))]   # 5 shades
     for name, r in zip(names, rows):
         xs = [r["scores"].get(p) for p in positions]
-        lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {_shade(x)}" for x in xs))
+        lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {shade(x)}" for x in xs))
     if result.get("headline"):
         lines.append("headline, L1 block_in: " + "  ".join(
             f"{k} {pct(v)}" for k, v in result["headline"].items()))

@@ -47,13 +47,12 @@ def _check(ok, name, allowed):
         raise ValueError(f"{name} must be {allowed}")
 
 
-# --- Dataset: one container for both tasks.
-
 ROLES = ("key", "value", "next_key", "divider", "query", "answer")
 
 
 @dataclass
 class Dataset:
+    """One container for both tasks: documents, their answers, and where each role sits."""
     task: str                        # "ar" | "atr"
     tokens: torch.Tensor             # (b, l) long, right-padded with PAD
     answers: torch.Tensor            # (b,) the token the model must predict at positions["query"]
@@ -86,10 +85,9 @@ class Dataset:
     def token_name(self, tok):
         if tok in (PAD, BOS, EOS):
             return ("<pad>", "<bos>", "<eos>")[tok]
-        (klo, khi), (vlo, vhi) = self.classes["key"], self.classes["value"]
-        if self.task == "ar":
-            return f"k{tok - klo}" if tok < khi else f"v{tok - vlo}"
-        return f"t{tok - klo}" if tok < khi else f"q{tok - khi}"   # q*: the unused query-type ids
+        lo, hi = self.classes["key"]      # AR's values start at hi; ATR's q*: unused query-type ids
+        below, above = ("k", "v") if self.task == "ar" else ("t", "q")
+        return f"{below}{tok - lo}" if tok < hi else f"{above}{tok - hi}"
 
     def describe(self, i):
         """Document i as text, the queried key in [brackets], its value in {braces}, then the query:
