@@ -244,8 +244,9 @@ def make_data(cfg, data=None):
 
 
 def probe_task(cfg):
-    """The vocabulary size of cfg's task, from a few documents (tasks' ValueError if impossible)."""
-    return make_documents(data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
+    """The vocabulary size of cfg's task, from a few documents (tasks' ValueError if impossible);
+    not cached, so that it evicts no run's Data."""
+    return make_documents.__wrapped__(data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
 
 
 # --- The recipe: learning-rate schedule, loss, evaluation.
@@ -431,26 +432,32 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match the model it describes."""
 
 
-def _mismatch(built, build_args, state):
-    """How (build_args but the seed, state_dict's keys and shapes) differ from `built`, or None."""
-    if not isinstance(build_args, dict) or not isinstance(state, dict):
-        return "its build_args or state_dict is not a dict"
-    ours = built.build_args
-    for k in dict.fromkeys([*ours, *build_args]):
-        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: None or False
-        if (k == "seed" or a == b or (k not in ours and b in (None, False))
-                or (k not in build_args and a in (None, False))):
-            continue
-        return f"the config builds {k}={a!r}, the weights were built with {k}={b!r}"
-    expected = built.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        return (f"{len(missing)} weights missing (e.g. {missing[:1]}), {len(unexpected)} unexpected (e.g. "
-                f"{unexpected[:1]}) for the config's {ours['arch']} model")
-    for k, v in expected.items():
-        if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape:
-            shape = tuple(state[k].shape) if isinstance(state[k], torch.Tensor) else type(state[k]).__name__
-            return f"{k} is {shape}, the config's model has {tuple(v.shape)}"
+def _rebuild(blob, device, fail):
+    """(model, cfg) of a checkpoint's dict on `device`: its config (exactly Config's fields, valid)
+    builds a model of its build_args (the seed aside) that takes its state_dict strictly; else
+    raise fail(one line saying why)."""
+    config, known = blob.get("config"), [f.name for f in fields(Config)]
+    if not isinstance(config, dict):
+        raise fail("its config is not a dict")
+    odd = [f"lacks the field {k!r}" for k in known if k not in config] + \
+          [f"has an unknown field {k!r}" for k in config if k not in known]
+    if odd:
+        raise fail(f"its config {odd[0]}; expected exactly mechsm.Config's fields")
+    try:
+        cfg = replace(Config(**config), device=device).check()
+        model = build(cfg, probe_task(cfg))
+        ours, theirs = model.build_args, dict(blob.get("build_args") or {})
+        absent = lambda v: v is None or v is False              # as an option one side lacks
+        for k in dict.fromkeys([*ours, *theirs]):
+            a, b = ours.get(k), theirs.get(k)
+            if k != "seed" and a != b and not (absent(a) and absent(b)):
+                raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
+                                 f"{k}={b!r}")
+        model.load_state_dict(blob.get("state_dict"))       # strict: the same keys and shapes
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise fail(" ".join(str(e).split())[:300]) from None
+    model.task = cfg.task                           # check_dataset refuses other tasks' data
+    return model, cfg.resolved()
 
 
 def save(model, cfg, path):
@@ -458,19 +465,13 @@ def save(model, cfg, path):
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
-    replace(cfg, device="cpu").check()                  # saved where its device is absent: valid
-    vocab = getattr(model, "build_args", {}).get("vocab_size")
-    probe = make_documents.__wrapped__(data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))
-    if vocab != probe.vocab_size:
-        raise ValueError(f"cfg: its {cfg.task} task has a vocabulary of {probe.vocab_size} tokens, but the "
-                         f"model's has {vocab}; cfg does not describe this model")
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    what = _mismatch(build(replace(cfg, device="cpu"), vocab), dict(model.build_args), state)
-    if what:
-        raise ValueError(f"cfg does not describe this model: {what}")
+    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg),
+            "build_args": dict(getattr(model, "build_args", {})),
+            "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    fail = lambda why: ValueError(f"cfg does not describe the model: {why}")
+    _, checked = _rebuild(blob, "cpu", fail)
+    blob["config"] = asdict(replace(checked, device=cfg.device))        # resolved: "auto" explicit
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg.resolved()),
-            "build_args": dict(model.build_args), "state_dict": state}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(blob, tmp)
@@ -487,7 +488,6 @@ def load(path, device="cpu"):
     model and cfg.device are `device`'s, wherever it was trained (a GPU's checkpoint on a laptop)."""
     Config(device=device).check()                       # a bad device: a ValueError naming it
     fail = lambda what: CheckpointError(f"checkpoint {path}: {what}")
-    oneline = lambda e: " ".join(str(e).split())
     if not os.path.isfile(path):
         raise fail("no such file")
     try:
@@ -496,39 +496,7 @@ def load(path, device="cpu"):
         raise fail(f"unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
     if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
         raise fail(f"not a {CHECKPOINT_FORMAT} checkpoint")
-    config, known = blob.get("config"), [f.name for f in fields(Config)]
-    if not isinstance(config, dict):
-        raise fail("its config is not a dict")
-    missing, unknown = [k for k in known if k not in config], [k for k in config if k not in known]
-    if missing or unknown:
-        raise fail("its config " + (f"lacks the field {missing[0]!r}" if missing else
-                                    f"has an unknown field {unknown[0]!r}")
-                   + "; expected exactly mechsm.Config's fields")
-    try:
-        cfg = replace(Config(**config), device=device).check()
-    except ValueError as e:
-        raise fail(f"its config is invalid ({oneline(e)})") from None
-    # the model must read its own config's documents (no unknown ids, no data it was not trained on)
-    try:
-        task_vocab = probe_task(cfg)
-    except ValueError as e:
-        raise fail(f"its task cannot be generated ({oneline(e)})") from None
-    build_args = blob.get("build_args") if isinstance(blob.get("build_args"), dict) else {}
-    if build_args.get("vocab_size") != task_vocab:
-        raise fail(f"its model has a vocabulary of {build_args.get('vocab_size')} tokens but its "
-                   f"{cfg.task} task ({cfg.name()}) has {task_vocab}; the config does not describe "
-                   "the data this model was trained on")
-    try:
-        model = build(cfg, task_vocab)
-        what = _mismatch(model, blob.get("build_args"), blob.get("state_dict"))
-        if what is None:
-            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        what = f"{type(e).__name__}: {oneline(e)[:200]}"
-    if what:
-        raise fail(f"does not rebuild its model ({what})")
-    model.task = cfg.task                               # check_dataset refuses other tasks' data
-    return model, cfg
+    return _rebuild(blob, device, lambda why: fail(f"does not rebuild its model ({why})"))
 
 
 # ==================================================================================================
