@@ -436,15 +436,13 @@ def _rebuild(blob, device, fail):
     """(model, cfg) of a checkpoint's dict on `device`: its config (exactly Config's fields, valid)
     builds a model of its build_args (the seed aside) that takes its state_dict strictly; else
     raise fail(one line saying why)."""
-    config, known = blob.get("config"), [f.name for f in fields(Config)]
-    if not isinstance(config, dict):
-        raise fail("its config is not a dict")
-    odd = [f"lacks the field {k!r}" for k in known if k not in config] + \
-          [f"has an unknown field {k!r}" for k in config if k not in known]
-    if odd:
-        raise fail(f"its config {odd[0]}; expected exactly mechsm.Config's fields")
     try:
-        cfg = replace(Config(**config), device=device).check()
+        config = blob.get("config")
+        cfg = replace(Config(**config), device=device)  # an unknown field: a TypeError naming it
+        missing = [f.name for f in fields(Config) if f.name not in config]
+        if missing:
+            raise ValueError(f"its config lacks the field {missing[0]!r}")
+        cfg.check()
         model = build(cfg, probe_task(cfg))
         ours, theirs = model.build_args, dict(blob.get("build_args") or {})
         absent = lambda v: v is None or v is False              # as an option one side lacks
@@ -456,7 +454,6 @@ def _rebuild(blob, device, fail):
         model.load_state_dict(blob.get("state_dict"))       # strict: the same keys and shapes
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise fail(" ".join(str(e).split())[:300]) from None
-    model.task = cfg.task                           # check_dataset refuses other tasks' data
     return model, cfg.resolved()
 
 
@@ -530,15 +527,13 @@ class Ensemble:
             if [n for n, _ in m.named_parameters()] != self.names or \
                     not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
                 raise ValueError("Ensemble: the members must share their parameter names and buffers")
-        with torch.no_grad():
-            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()])
-                                for m in self.modules])
-        self.flat = flat.requires_grad_()                               # (r, n_params): the leaf
-        r = len(self.modules)
-        self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
-        self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: alive
-        self.failed_loss = torch.zeros(r, dtype=flat.dtype, device=flat.device)
-        self.exp_avg, self.exp_avg_sq, self.n_steps = torch.zeros_like(flat), torch.zeros_like(flat), 0
+        self.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+                                 for m in self.modules]).requires_grad_()   # (r, n_params): the leaf
+        r, device = len(self.modules), self.flat.device
+        self.failed_step = torch.full((r,), -1, device=device)         # a member's failed step; -1
+        self.failed_loss = torch.zeros(r, dtype=self.flat.dtype, device=device)   # while it lives
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
+        self.n_steps = 0
 
     def __call__(self, tokens, readout):
         """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
@@ -555,23 +550,20 @@ class Ensemble:
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
                                  reduction="none").mean(1)                      # (r,)
-        finite = torch.isfinite(losses.detach())
-        newly = self.alive & ~finite
+        newly = (self.failed_step < 0) & ~torch.isfinite(losses.detach())
         self.failed_step = torch.where(newly, self.n_steps, self.failed_step)
         self.failed_loss = torch.where(newly, losses.detach(), self.failed_loss)
-        self.alive = self.alive & finite
-        return torch.where(self.alive, losses, 0.0)
+        return torch.where(self.failed_step < 0, losses, 0.0)
 
     def train_step(self, tokens, queries, answers, lrs):
         """One AdamW step of every member on one batch at its lr (lrs[i]); returns losses() (r,)."""
         losses = self.losses(tokens, queries, answers)
-        self.flat.grad = None
-        losses.sum().backward()
+        grad, = torch.autograd.grad(losses.sum(), self.flat)               # (r, n_params)
         with torch.no_grad():
-            flat, alive, (beta1, beta2) = self.flat, self.alive, self.BETAS
+            flat, alive, (beta1, beta2) = self.flat, self.failed_step < 0, self.BETAS
             self.n_steps += 1
             bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
-            grad = torch.where(alive[:, None], flat.grad, 0.0)              # (r, n_params): failed: 0
+            grad = torch.where(alive[:, None], grad, 0.0)                   # a failed member's: 0
             lrs = torch.tensor(lrs, dtype=torch.float64).to(flat.device)
             neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]    # (r, 1): 0 when failed
             self.exp_avg.lerp_(grad, 1 - beta1)
