@@ -528,7 +528,7 @@ class Ensemble:
                     not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
                 raise ValueError("Ensemble: the members must share their parameter names and buffers")
         self.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-                                 for m in self.modules]).requires_grad_()   # (r, n_params): the leaf
+                                 for m in self.modules]).requires_grad_()   # (r, n_params) leaf
         r, device = len(self.modules), self.flat.device
         self.failed_step = torch.full((r,), -1, device=device)         # a member's failed step; -1
         self.failed_loss = torch.zeros(r, dtype=self.flat.dtype, device=device)   # while it lives
@@ -580,21 +580,15 @@ class Ensemble:
                     p.copy_(x.view_as(p))
         return self.modules
 
-    def failures(self, cfgs):
-        """Per member (its config in cfgs): None, or (step, error) as a lone run reports it."""
-        return [None if s < 0 else (s, FAILED.format(loss, s, c.lr))
-                for s, loss, c in zip(self.failed_step.tolist(), self.failed_loss.tolist(), cfgs)]
-
 
 def train_group(configs, *, data=None, log=None):
     """Train configs that differ only in lr and seed as one Ensemble, in a loop like train()'s:
     [(result, model)], each what train(cfg) returns (to rounding) plus "group": {"size", "index"};
     wall_s is the group's. A member whose loss goes NaN/inf fails there; the others go on."""
     cfgs = [c.check().resolved() for c in configs]
-    if not cfgs or len({group_key(c) for c in cfgs}) > 1:
-        raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
-    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
-        raise ValueError("train_group: configs: two have the same lr and seed")
+    if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
+        raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
+                         "and seed, no two alike")
     cfg, r = cfgs[0], len(cfgs)
     data = make_data(cfg, data)
     prefix = f"[{cfg.arch} d{cfg.d_model} x{r}] "
@@ -619,9 +613,9 @@ def train_group(configs, *, data=None, log=None):
         lrs = [lr_at(step, total, c.warmup_frac, c.schedule, c.lr) for c in cfgs]
         loss_sum, n_losses = loss_sum + ens.train_step(*batch(step), lrs).detach(), n_losses + 1
     wall, pairs = time.time() - start, []
-    for i, (c, member, history, failure) in enumerate(zip(cfgs, ens.members(), histories,
-                                                          ens.failures(cfgs))):
-        steps_done, error = failure or (total, None)
-        record = run_record(c, member, history, steps_done, error, wall)
-        pairs.append(({**record, "group": {"size": r, "index": i}}, member))
+    failed = zip(ens.failed_step.tolist(), ens.failed_loss.tolist())    # step -1: never failed
+    for i, (c, model, history, (s, loss)) in enumerate(zip(cfgs, ens.members(), histories, failed)):
+        steps_done, error = (total, None) if s < 0 else (s, FAILED.format(loss, s, c.lr))
+        record = run_record(c, model, history, steps_done, error, wall)
+        pairs.append(({**record, "group": {"size": r, "index": i}}, model))
     return pairs
