@@ -161,12 +161,10 @@ def resolve_device(device):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not str(device).startswith("cuda"):
         return device
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: got {device!r}, but torch.cuda.is_available() is False here; "
-                         "use cpu or auto")
     index, count = str(device).partition(":")[2], torch.cuda.device_count()
-    if index and (not index.isdigit() or int(index) >= count):
-        raise ValueError(f"device: got {device!r}, but this machine has {count} CUDA device(s)")
+    if not torch.cuda.is_available() or index and (not index.isdigit() or int(index) >= count):
+        raise ValueError(f"device: got {device!r}, but this machine has {count} usable CUDA "
+                         "device(s); use cpu or auto")
     return device
 
 
@@ -465,8 +463,7 @@ def save(model, cfg, path):
     blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg),
             "build_args": dict(getattr(model, "build_args", {})),
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
-    fail = lambda why: ValueError(f"cfg does not describe the model: {why}")
-    _, checked = _rebuild(blob, "cpu", fail)
+    checked = _rebuild(blob, "cpu", lambda why: ValueError(f"cfg does not fit the model: {why}"))[1]
     blob["config"] = asdict(replace(checked, device=cfg.device))        # resolved: "auto" explicit
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -520,11 +517,10 @@ class Ensemble:
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
         named = list(self.base.named_parameters())                      # the tied head counted once
-        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
-        self.sizes = [p.numel() for _, p in named]
+        self.shapes, self.sizes = {n: p.shape for n, p in named}, [p.numel() for _, p in named]
         self.frozen = {n for n, p in named if not p.requires_grad}
         for m in self.modules[1:]:
-            if [n for n, _ in m.named_parameters()] != self.names or \
+            if [n for n, _ in m.named_parameters()] != list(self.shapes) or \
                     not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
                 raise ValueError("Ensemble: the members must share their parameter names and buffers")
         self.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
@@ -535,18 +531,14 @@ class Ensemble:
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
         self.n_steps = 0
 
-    def __call__(self, tokens, readout):
-        """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
-        def logits(row):                # row (n_params,): one member's parameters, as views of it
-            params = {n: (x.detach() if n in self.frozen else x).view(shape)
-                      for n, shape, x in zip(self.names, self.shapes, row.split(self.sizes))}
-            return torch.func.functional_call(self.base, params, (tokens,), {"readout": readout})
-        return torch.func.vmap(logits)(self.flat)
-
     def losses(self, tokens, queries, answers):
-        """Every member's answer_loss (r,), a failed member's 0; a non-finite one fails its member
-        at this step (no host sync)."""
-        logits = self(tokens, queries)                                          # (r, b, v)
+        """Every member's answer_loss (r,), its logits a vmap over the leaf's rows; a failed
+        member's 0, a non-finite one fails its member at this step (no host sync)."""
+        def member_logits(row):         # row (n_params,): one member's parameters, as views of it
+            params = {n: (x.detach() if n in self.frozen else x).view(shape)
+                      for (n, shape), x in zip(self.shapes.items(), row.split(self.sizes))}
+            return torch.func.functional_call(self.base, params, (tokens,), {"readout": queries})
+        logits = torch.func.vmap(member_logits)(self.flat)                      # (r, b, v)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
                                  reduction="none").mean(1)                      # (r,)
