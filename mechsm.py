@@ -443,10 +443,9 @@ def _rebuild(blob, device, fail):
         cfg.check()
         model = build(cfg, probe_task(cfg))
         ours, theirs = model.build_args, dict(blob.get("build_args") or {})
-        absent = lambda v: v is None or v is False              # as an option one side lacks
-        for k in dict.fromkeys([*ours, *theirs]):
-            a, b = ours.get(k), theirs.get(k)
-            if k != "seed" and a != b and not (absent(a) and absent(b)):
+        for k in dict.fromkeys([*ours, *theirs]):           # an option one side lacks: None
+            a, b = ours.get(k), theirs.get(k)                   # (or False: off)
+            if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
                 raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
                                  f"{k}={b!r}")
         model.load_state_dict(blob.get("state_dict"))       # strict: the same keys and shapes
@@ -512,7 +511,6 @@ class Ensemble:
     torch.optim.AdamW's single-tensor update (0.9, 0.999, eps 1e-8, no weight decay) op for op, an
     lr per member. A member whose loss is not finite fails at that step: its row steps by 0 from
     then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
-    BETAS, EPS = (0.9, 0.999), 1e-8
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
@@ -525,9 +523,8 @@ class Ensemble:
                 raise ValueError("Ensemble: the members must share their parameter names and buffers")
         self.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
                                  for m in self.modules]).requires_grad_()   # (r, n_params) leaf
-        r, device = len(self.modules), self.flat.device
-        self.failed_step = torch.full((r,), -1, device=device)         # a member's failed step; -1
-        self.failed_loss = torch.zeros(r, dtype=self.flat.dtype, device=device)   # while it lives
+        self.failed_step = self.flat.new_full((len(self.flat),), -1, dtype=torch.long)  # -1: alive
+        self.failed_loss = self.flat.new_zeros(len(self.flat))      # (r,): a failed member's loss
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
         self.n_steps = 0
 
@@ -552,7 +549,7 @@ class Ensemble:
         losses = self.losses(tokens, queries, answers)
         grad, = torch.autograd.grad(losses.sum(), self.flat)               # (r, n_params)
         with torch.no_grad():
-            flat, alive, (beta1, beta2) = self.flat, self.failed_step < 0, self.BETAS
+            flat, alive, (beta1, beta2) = self.flat, self.failed_step < 0, (0.9, 0.999)
             self.n_steps += 1
             bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
             grad = torch.where(alive[:, None], grad, 0.0)                   # a failed member's: 0
@@ -560,7 +557,7 @@ class Ensemble:
             neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]    # (r, 1): 0 when failed
             self.exp_avg.lerp_(grad, 1 - beta1)
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
+            denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(1e-8)
             flat.addcdiv_(self.exp_avg * neg_step, denom)                  # p -= lr / bias1 * m / denom
         return losses
 
