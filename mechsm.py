@@ -141,10 +141,8 @@ class Config:
         pos_emb = models.MIXER_CLASSES[self.arch].POS_EMB if self.pos_emb is None else self.pos_emb
         return replace(self, epochs=epochs, pos_emb=pos_emb)
 
-    def total_steps(self):
-        if self.steps is not None:
-            return self.steps
-        return self.train_size // self.batch_size * self.resolved().epochs   # partial batch dropped
+    def total_steps(self):              # steps (never 0 once checked), else epochs of full batches
+        return self.steps or self.train_size // self.batch_size * self.resolved().epochs
 
     def name(self):
         """A short human name, its suffix 8 hex digits of every field but device: runs that differ
@@ -224,8 +222,7 @@ def make_data(cfg, data=None):
     """cfg's Data (made once per data_key), or `data`, which must be cfg's (its record will say so);
     either way its documents must fit cfg's model (learned positions, filters of fixed length)."""
     key = data_key(cfg)
-    if data is None:
-        data = make_documents(key)
+    data = make_documents(key) if data is None else data
     made = dict(data.key) if isinstance(data, Data) else {}
     wrong = [name for name, value in key if made.get(name) != value]
     if wrong:
@@ -242,8 +239,7 @@ def make_data(cfg, data=None):
 
 
 def probe_task(cfg):
-    """The vocabulary size of cfg's task, from a few documents (tasks' ValueError if impossible);
-    not cached, so that it evicts no run's Data."""
+    """The vocabulary of cfg's task, from 4 uncached documents (tasks' ValueError if impossible)."""
     return make_documents.__wrapped__(data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
 
 
@@ -378,8 +374,7 @@ def train(cfg, *, data=None, log=None):
 
 
 def run_record(cfg, model, history, steps_done, error, wall):
-    """The result of a run (train's, or a group member's): a failed one keeps its history up to
-    its failed step."""
+    """A run's result (train's or a group member's); a failed one's history ends at its failure."""
     history = [dict(h) for h in history if h["step"] <= steps_done]
     timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
     final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
@@ -395,9 +390,8 @@ def run_record(cfg, model, history, steps_done, error, wall):
 def history_entry(model, data, cfg, step, train_loss):
     """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}; if cfg.timeline_docs, the
     headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s."""
-    total = cfg.total_steps()
-    entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
-             "train_loss": train_loss, **evaluate_all(model, data)}
+    lr = lr_at(step, cfg.total_steps(), cfg.warmup_frac, cfg.schedule, cfg.lr)
+    entry = {"step": step, "lr": lr, "train_loss": train_loss, **evaluate_all(model, data)}
     if cfg.timeline_docs:
         start = time.time()
         head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs,
@@ -432,8 +426,7 @@ class CheckpointError(ValueError):
 
 def _rebuild(blob, device, fail):
     """(model, cfg) of a checkpoint's dict on `device`: its config (exactly Config's fields, valid)
-    builds a model of its build_args (the seed aside) that takes its state_dict strictly; else
-    raise fail(one line saying why)."""
+    builds a model of its build_args (seed aside) taking its state_dict strictly; else fail(why)."""
     try:
         config = blob.get("config")
         cfg = replace(Config(**config), device=device)  # an unknown field: a TypeError naming it
@@ -499,9 +492,8 @@ def load(path, device="cpu"):
 # ==================================================================================================
 
 def group_key(cfg):
-    """What the runs of one group share: every Config field but lr and seed."""
-    shared = {k: v for k, v in asdict(cfg.resolved()).items() if k not in ("lr", "seed")}
-    return json.dumps(shared, sort_keys=True)
+    """What the runs of one group share: every Config field but lr and seed (set to 0 here)."""
+    return json.dumps(asdict(replace(cfg.resolved(), lr=0, seed=0)), sort_keys=True)
 
 
 class Ensemble:
@@ -517,10 +509,9 @@ class Ensemble:
         named = list(self.base.named_parameters())                      # the tied head counted once
         self.shapes, self.sizes = {n: p.shape for n, p in named}, [p.numel() for _, p in named]
         self.frozen = {n for n, p in named if not p.requires_grad}
-        for m in self.modules[1:]:
-            if [n for n, _ in m.named_parameters()] != list(self.shapes) or \
-                    not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
-                raise ValueError("Ensemble: the members must share their parameter names and buffers")
+        if any([n for n, _ in m.named_parameters()] != list(self.shapes) or not all(
+                map(torch.equal, m.buffers(), self.base.buffers())) for m in self.modules[1:]):
+            raise ValueError("Ensemble: the members must share their parameter names and buffers")
         self.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
                                  for m in self.modules]).requires_grad_()   # (r, n_params) leaf
         self.failed_step = self.flat.new_full((len(self.flat),), -1, dtype=torch.long)  # -1: alive
@@ -586,8 +577,7 @@ def train_group(configs, *, data=None, log=None):
     log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
         f"seeds {','.join(str(c.seed) for c in cfgs)}")
     batch, total, start = training_batches(cfg, data), cfg.total_steps(), time.time()
-    histories, loss_sum, n_losses = [[] for _ in cfgs], 0.0, 0
-    ens.base.train()
+    histories, loss_sum, n_losses = [[] for _ in cfgs], 0.0, 0      # the members: in train mode
     for step in range(total + 1):
         if step % cfg.eval_every == 0 or step == total:
             losses = (loss_sum / n_losses).tolist() if n_losses else [None] * r
