@@ -141,10 +141,8 @@ class Config:
         pos_emb = models.MIXER_CLASSES[self.arch].POS_EMB if self.pos_emb is None else self.pos_emb
         return replace(self, epochs=epochs, pos_emb=pos_emb)
 
-    def total_steps(self):
-        if self.steps is not None:
-            return self.steps
-        return self.train_size // self.batch_size * self.resolved().epochs   # partial batch dropped
+    def total_steps(self):              # steps (never 0 once checked), else epochs of full batches
+        return self.steps or self.train_size // self.batch_size * self.resolved().epochs
 
     def name(self):
         """A short human name, its suffix 8 hex digits of every field but device: runs that differ
@@ -161,12 +159,10 @@ def resolve_device(device):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not str(device).startswith("cuda"):
         return device
-    if not torch.cuda.is_available():
-        raise ValueError(f"device: got {device!r}, but torch.cuda.is_available() is False here; "
-                         "use cpu or auto")
     index, count = str(device).partition(":")[2], torch.cuda.device_count()
-    if index and (not index.isdigit() or int(index) >= count):
-        raise ValueError(f"device: got {device!r}, but this machine has {count} CUDA device(s)")
+    if not torch.cuda.is_available() or index and (not index.isdigit() or int(index) >= count):
+        raise ValueError(f"device: got {device!r}, but this machine has {count} usable CUDA "
+                         "device(s); use cpu or auto")
     return device
 
 
@@ -226,8 +222,7 @@ def make_data(cfg, data=None):
     """cfg's Data (made once per data_key), or `data`, which must be cfg's (its record will say so);
     either way its documents must fit cfg's model (learned positions, filters of fixed length)."""
     key = data_key(cfg)
-    if data is None:
-        data = make_documents(key)
+    data = make_documents(key) if data is None else data
     made = dict(data.key) if isinstance(data, Data) else {}
     wrong = [name for name, value in key if made.get(name) != value]
     if wrong:
@@ -244,8 +239,8 @@ def make_data(cfg, data=None):
 
 
 def probe_task(cfg):
-    """The vocabulary size of cfg's task, from a few documents (tasks' ValueError if impossible)."""
-    return make_documents(data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
+    """The vocabulary of cfg's task, from 4 uncached documents (tasks' ValueError if impossible)."""
+    return make_documents.__wrapped__(data_key(replace(cfg, train_size=4, eval_size=4))).vocab_size
 
 
 # --- The recipe: learning-rate schedule, loss, evaluation.
@@ -379,8 +374,7 @@ def train(cfg, *, data=None, log=None):
 
 
 def run_record(cfg, model, history, steps_done, error, wall):
-    """The result of a run (train's, or a group member's): a failed one keeps its history up to
-    its failed step."""
+    """A run's result (train's or a group member's); a failed one's history ends at its failure."""
     history = [dict(h) for h in history if h["step"] <= steps_done]
     timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
     final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
@@ -396,9 +390,8 @@ def run_record(cfg, model, history, steps_done, error, wall):
 def history_entry(model, data, cfg, step, train_loss):
     """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}; if cfg.timeline_docs, the
     headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s."""
-    total = cfg.total_steps()
-    entry = {"step": step, "lr": lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr),
-             "train_loss": train_loss, **evaluate_all(model, data)}
+    lr = lr_at(step, cfg.total_steps(), cfg.warmup_frac, cfg.schedule, cfg.lr)
+    entry = {"step": step, "lr": lr, "train_loss": train_loss, **evaluate_all(model, data)}
     if cfg.timeline_docs:
         start = time.time()
         head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs,
@@ -431,26 +424,27 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match the model it describes."""
 
 
-def _mismatch(built, build_args, state):
-    """How (build_args but the seed, state_dict's keys and shapes) differ from `built`, or None."""
-    if not isinstance(build_args, dict) or not isinstance(state, dict):
-        return "its build_args or state_dict is not a dict"
-    ours = built.build_args
-    for k in dict.fromkeys([*ours, *build_args]):
-        a, b = ours.get(k), build_args.get(k)       # an option one side lacks: None or False
-        if (k == "seed" or a == b or (k not in ours and b in (None, False))
-                or (k not in build_args and a in (None, False))):
-            continue
-        return f"the config builds {k}={a!r}, the weights were built with {k}={b!r}"
-    expected = built.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        return (f"{len(missing)} weights missing (e.g. {missing[:1]}), {len(unexpected)} unexpected (e.g. "
-                f"{unexpected[:1]}) for the config's {ours['arch']} model")
-    for k, v in expected.items():
-        if not isinstance(state[k], torch.Tensor) or state[k].shape != v.shape:
-            shape = tuple(state[k].shape) if isinstance(state[k], torch.Tensor) else type(state[k]).__name__
-            return f"{k} is {shape}, the config's model has {tuple(v.shape)}"
+def _rebuild(blob, device, fail):
+    """(model, cfg) of a checkpoint's dict on `device`: its config (exactly Config's fields, valid)
+    builds a model of its build_args (seed aside) taking its state_dict strictly; else fail(why)."""
+    try:
+        config = blob.get("config")
+        cfg = replace(Config(**config), device=device)  # an unknown field: a TypeError naming it
+        missing = [f.name for f in fields(Config) if f.name not in config]
+        if missing:
+            raise ValueError(f"its config lacks the field {missing[0]!r}")
+        cfg.check()
+        model = build(cfg, probe_task(cfg))
+        ours, theirs = model.build_args, dict(blob.get("build_args") or {})
+        for k in dict.fromkeys([*ours, *theirs]):           # an option one side lacks: None
+            a, b = ours.get(k), theirs.get(k)                   # (or False: off)
+            if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
+                raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
+                                 f"{k}={b!r}")
+        model.load_state_dict(blob.get("state_dict"))       # strict: the same keys and shapes
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise fail(" ".join(str(e).split())[:300]) from None
+    return model, cfg.resolved()
 
 
 def save(model, cfg, path):
@@ -458,19 +452,12 @@ def save(model, cfg, path):
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
-    replace(cfg, device="cpu").check()                  # saved where its device is absent: valid
-    vocab = getattr(model, "build_args", {}).get("vocab_size")
-    probe = make_documents.__wrapped__(data_key(replace(cfg, train_size=4, eval_size=4, holdout=0.0)))
-    if vocab != probe.vocab_size:
-        raise ValueError(f"cfg: its {cfg.task} task has a vocabulary of {probe.vocab_size} tokens, but the "
-                         f"model's has {vocab}; cfg does not describe this model")
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    what = _mismatch(build(replace(cfg, device="cpu"), vocab), dict(model.build_args), state)
-    if what:
-        raise ValueError(f"cfg does not describe this model: {what}")
+    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg),
+            "build_args": dict(getattr(model, "build_args", {})),
+            "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    checked = _rebuild(blob, "cpu", lambda why: ValueError(f"cfg does not fit the model: {why}"))[1]
+    blob["config"] = asdict(replace(checked, device=cfg.device))        # resolved: "auto" explicit
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg.resolved()),
-            "build_args": dict(model.build_args), "state_dict": state}
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(blob, tmp)
@@ -487,7 +474,6 @@ def load(path, device="cpu"):
     model and cfg.device are `device`'s, wherever it was trained (a GPU's checkpoint on a laptop)."""
     Config(device=device).check()                       # a bad device: a ValueError naming it
     fail = lambda what: CheckpointError(f"checkpoint {path}: {what}")
-    oneline = lambda e: " ".join(str(e).split())
     if not os.path.isfile(path):
         raise fail("no such file")
     try:
@@ -496,39 +482,7 @@ def load(path, device="cpu"):
         raise fail(f"unreadable ({type(e).__name__}); is it a mechsm checkpoint?") from None
     if not isinstance(blob, dict) or blob.get("format") != CHECKPOINT_FORMAT:
         raise fail(f"not a {CHECKPOINT_FORMAT} checkpoint")
-    config, known = blob.get("config"), [f.name for f in fields(Config)]
-    if not isinstance(config, dict):
-        raise fail("its config is not a dict")
-    missing, unknown = [k for k in known if k not in config], [k for k in config if k not in known]
-    if missing or unknown:
-        raise fail("its config " + (f"lacks the field {missing[0]!r}" if missing else
-                                    f"has an unknown field {unknown[0]!r}")
-                   + "; expected exactly mechsm.Config's fields")
-    try:
-        cfg = replace(Config(**config), device=device).check()
-    except ValueError as e:
-        raise fail(f"its config is invalid ({oneline(e)})") from None
-    # the model must read its own config's documents (no unknown ids, no data it was not trained on)
-    try:
-        task_vocab = probe_task(cfg)
-    except ValueError as e:
-        raise fail(f"its task cannot be generated ({oneline(e)})") from None
-    build_args = blob.get("build_args") if isinstance(blob.get("build_args"), dict) else {}
-    if build_args.get("vocab_size") != task_vocab:
-        raise fail(f"its model has a vocabulary of {build_args.get('vocab_size')} tokens but its "
-                   f"{cfg.task} task ({cfg.name()}) has {task_vocab}; the config does not describe "
-                   "the data this model was trained on")
-    try:
-        model = build(cfg, task_vocab)
-        what = _mismatch(model, blob.get("build_args"), blob.get("state_dict"))
-        if what is None:
-            model.load_state_dict(blob["state_dict"])   # strict; keys and shapes agree
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        what = f"{type(e).__name__}: {oneline(e)[:200]}"
-    if what:
-        raise fail(f"does not rebuild its model ({what})")
-    model.task = cfg.task                               # check_dataset refuses other tasks' data
-    return model, cfg
+    return _rebuild(blob, device, lambda why: fail(f"does not rebuild its model ({why})"))
 
 
 # ==================================================================================================
@@ -538,9 +492,8 @@ def load(path, device="cpu"):
 # ==================================================================================================
 
 def group_key(cfg):
-    """What the runs of one group share: every Config field but lr and seed."""
-    shared = {k: v for k, v in asdict(cfg.resolved()).items() if k not in ("lr", "seed")}
-    return json.dumps(shared, sort_keys=True)
+    """What the runs of one group share: every Config field but lr and seed (set to 0 here)."""
+    return json.dumps(asdict(replace(cfg.resolved(), lr=0, seed=0)), sort_keys=True)
 
 
 class Ensemble:
@@ -550,65 +503,52 @@ class Ensemble:
     torch.optim.AdamW's single-tensor update (0.9, 0.999, eps 1e-8, no weight decay) op for op, an
     lr per member. A member whose loss is not finite fails at that step: its row steps by 0 from
     then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
-    BETAS, EPS = (0.9, 0.999), 1e-8
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
         named = list(self.base.named_parameters())                      # the tied head counted once
-        self.names, self.shapes = [n for n, _ in named], [p.shape for _, p in named]
-        self.sizes = [p.numel() for _, p in named]
+        self.shapes, self.sizes = {n: p.shape for n, p in named}, [p.numel() for _, p in named]
         self.frozen = {n for n, p in named if not p.requires_grad}
-        for m in self.modules[1:]:
-            if [n for n, _ in m.named_parameters()] != self.names or \
-                    not all(torch.equal(b, b0) for b, b0 in zip(m.buffers(), self.base.buffers())):
-                raise ValueError("Ensemble: the members must share their parameter names and buffers")
-        with torch.no_grad():
-            flat = torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()])
-                                for m in self.modules])
-        self.flat = flat.requires_grad_()                               # (r, n_params): the leaf
-        r = len(self.modules)
-        self.alive = torch.ones(r, dtype=torch.bool, device=flat.device)
-        self.failed_step = torch.full((r,), -1, dtype=torch.long, device=flat.device)  # -1: alive
-        self.failed_loss = torch.zeros(r, dtype=flat.dtype, device=flat.device)
-        self.exp_avg, self.exp_avg_sq, self.n_steps = torch.zeros_like(flat), torch.zeros_like(flat), 0
-
-    def __call__(self, tokens, readout):
-        """Every member's logits on the same batch: tokens (b, l), readout (b,) -> (r, b, v)."""
-        def logits(row):                # row (n_params,): one member's parameters, as views of it
-            params = {n: (x.detach() if n in self.frozen else x).view(shape)
-                      for n, shape, x in zip(self.names, self.shapes, row.split(self.sizes))}
-            return torch.func.functional_call(self.base, params, (tokens,), {"readout": readout})
-        return torch.func.vmap(logits)(self.flat)
+        if any([n for n, _ in m.named_parameters()] != list(self.shapes) or not all(
+                map(torch.equal, m.buffers(), self.base.buffers())) for m in self.modules[1:]):
+            raise ValueError("Ensemble: the members must share their parameter names and buffers")
+        self.flat = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+                                 for m in self.modules]).requires_grad_()   # (r, n_params) leaf
+        self.failed_step = self.flat.new_full((len(self.flat),), -1, dtype=torch.long)  # -1: alive
+        self.failed_loss = self.flat.new_zeros(len(self.flat))      # (r,): a failed member's loss
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
+        self.n_steps = 0
 
     def losses(self, tokens, queries, answers):
-        """Every member's answer_loss (r,), a failed member's 0; a non-finite one fails its member
-        at this step (no host sync)."""
-        logits = self(tokens, queries)                                          # (r, b, v)
+        """Every member's answer_loss (r,), its logits a vmap over the leaf's rows; a failed
+        member's 0, a non-finite one fails its member at this step (no host sync)."""
+        def member_logits(row):         # row (n_params,): one member's parameters, as views of it
+            params = {n: (x.detach() if n in self.frozen else x).view(shape)
+                      for (n, shape), x in zip(self.shapes.items(), row.split(self.sizes))}
+            return torch.func.functional_call(self.base, params, (tokens,), {"readout": queries})
+        logits = torch.func.vmap(member_logits)(self.flat)                      # (r, b, v)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
                                  reduction="none").mean(1)                      # (r,)
-        finite = torch.isfinite(losses.detach())
-        newly = self.alive & ~finite
+        newly = (self.failed_step < 0) & ~torch.isfinite(losses.detach())
         self.failed_step = torch.where(newly, self.n_steps, self.failed_step)
         self.failed_loss = torch.where(newly, losses.detach(), self.failed_loss)
-        self.alive = self.alive & finite
-        return torch.where(self.alive, losses, 0.0)
+        return torch.where(self.failed_step < 0, losses, 0.0)
 
     def train_step(self, tokens, queries, answers, lrs):
         """One AdamW step of every member on one batch at its lr (lrs[i]); returns losses() (r,)."""
         losses = self.losses(tokens, queries, answers)
-        self.flat.grad = None
-        losses.sum().backward()
+        grad, = torch.autograd.grad(losses.sum(), self.flat)               # (r, n_params)
         with torch.no_grad():
-            flat, alive, (beta1, beta2) = self.flat, self.alive, self.BETAS
+            flat, alive, (beta1, beta2) = self.flat, self.failed_step < 0, (0.9, 0.999)
             self.n_steps += 1
             bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
-            grad = torch.where(alive[:, None], flat.grad, 0.0)              # (r, n_params): failed: 0
+            grad = torch.where(alive[:, None], grad, 0.0)                   # a failed member's: 0
             lrs = torch.tensor(lrs, dtype=torch.float64).to(flat.device)
             neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]    # (r, 1): 0 when failed
             self.exp_avg.lerp_(grad, 1 - beta1)
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(self.EPS)
+            denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(1e-8)
             flat.addcdiv_(self.exp_avg * neg_step, denom)                  # p -= lr / bias1 * m / denom
         return losses
 
@@ -620,21 +560,15 @@ class Ensemble:
                     p.copy_(x.view_as(p))
         return self.modules
 
-    def failures(self, cfgs):
-        """Per member (its config in cfgs): None, or (step, error) as a lone run reports it."""
-        return [None if s < 0 else (s, FAILED.format(loss, s, c.lr))
-                for s, loss, c in zip(self.failed_step.tolist(), self.failed_loss.tolist(), cfgs)]
-
 
 def train_group(configs, *, data=None, log=None):
     """Train configs that differ only in lr and seed as one Ensemble, in a loop like train()'s:
     [(result, model)], each what train(cfg) returns (to rounding) plus "group": {"size", "index"};
     wall_s is the group's. A member whose loss goes NaN/inf fails there; the others go on."""
     cfgs = [c.check().resolved() for c in configs]
-    if not cfgs or len({group_key(c) for c in cfgs}) > 1:
-        raise ValueError("train_group: configs: expected one or more that differ only in lr and seed")
-    if len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
-        raise ValueError("train_group: configs: two have the same lr and seed")
+    if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
+        raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
+                         "and seed, no two alike")
     cfg, r = cfgs[0], len(cfgs)
     data = make_data(cfg, data)
     prefix = f"[{cfg.arch} d{cfg.d_model} x{r}] "
@@ -643,8 +577,7 @@ def train_group(configs, *, data=None, log=None):
     log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
         f"seeds {','.join(str(c.seed) for c in cfgs)}")
     batch, total, start = training_batches(cfg, data), cfg.total_steps(), time.time()
-    histories, loss_sum, n_losses = [[] for _ in cfgs], 0.0, 0
-    ens.base.train()
+    histories, loss_sum, n_losses = [[] for _ in cfgs], 0.0, 0      # the members: in train mode
     for step in range(total + 1):
         if step % cfg.eval_every == 0 or step == total:
             losses = (loss_sum / n_losses).tolist() if n_losses else [None] * r
@@ -659,9 +592,9 @@ def train_group(configs, *, data=None, log=None):
         lrs = [lr_at(step, total, c.warmup_frac, c.schedule, c.lr) for c in cfgs]
         loss_sum, n_losses = loss_sum + ens.train_step(*batch(step), lrs).detach(), n_losses + 1
     wall, pairs = time.time() - start, []
-    for i, (c, member, history, failure) in enumerate(zip(cfgs, ens.members(), histories,
-                                                          ens.failures(cfgs))):
-        steps_done, error = failure or (total, None)
-        record = run_record(c, member, history, steps_done, error, wall)
-        pairs.append(({**record, "group": {"size": r, "index": i}}, member))
+    failed = zip(ens.failed_step.tolist(), ens.failed_loss.tolist())    # step -1: never failed
+    for i, (c, model, history, (s, loss)) in enumerate(zip(cfgs, ens.members(), histories, failed)):
+        steps_done, error = (total, None) if s < 0 else (s, FAILED.format(loss, s, c.lr))
+        record = run_record(c, model, history, steps_done, error, wall)
+        pairs.append(({**record, "group": {"size": r, "index": i}}, model))
     return pairs

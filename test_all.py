@@ -2142,7 +2142,7 @@ def test_checkpoint_writes_nothing_of_the_sweep_refuses_flags_and_checks_its_voc
         blob["config"]["num_keys"] = num_keys
         torch.save(blob, tmp_path / f"keys{num_keys}.pt")
         assert run_cli.main(["--checkpoint", str(tmp_path / f"keys{num_keys}.pt"), "--out", str(out)]) == 2
-        assert one_error_line(capsys.readouterr().err, "vocabulary"), num_keys
+        assert one_error_line(capsys.readouterr().err, "vocab_size"), num_keys
 
 
 def _children(pid):
@@ -2632,7 +2632,7 @@ def test_strict_checkpoints_config_and_weights_must_describe_each_other(tmp_path
     cfg = tiny(train_size=32, steps=1, timeline_docs=0)
     _, model = mechsm.train(cfg, log=quiet)
     for other, needle in [(replace(cfg, arch="mamba"), "arch"), (replace(cfg, d_model=16), "d_model"),
-                          (replace(cfg, num_keys=32), "vocabulary"), (replace(cfg, pos_emb=False), "pos_emb"),
+                          (replace(cfg, num_keys=32), "vocab_size"), (replace(cfg, pos_emb=False), "pos_emb"),
                           (replace(cfg, lr="1e-3"), "lr")]:
         with pytest.raises(ValueError, match=needle) as excinfo:
             mechsm.save(model, other, str(tmp_path / "bad.pt"))
@@ -2649,10 +2649,10 @@ def test_strict_checkpoints_config_and_weights_must_describe_each_other(tmp_path
 
     cases = [(lambda b: b["config"].update(arch="mamba"), "arch='mamba'"),                     # config only
              (lambda b: (b["config"].update(arch="mamba", pos_emb=False), b["build_args"].update(mamba_weights.build_args)),
-              "weights missing"),                                                             # weights: attention
+              "Missing key"),                                                             # weights: attention
              (lambda b: b["state_dict"].update({"embed.weight": torch.zeros(3, 32)}), "embed.weight"),
              (lambda b: b["config"].pop("lr"), "lacks the field 'lr'"),
-             (lambda b: b["config"].update(bogus=1), "unknown field 'bogus'"),
+             (lambda b: b["config"].update(bogus=1), "argument 'bogus'"),
              (lambda b: b["config"].update(lr="fast"), "lr")]
     for i, (edit, needle) in enumerate(cases):
         with pytest.raises(mechsm.CheckpointError, match=needle) as excinfo:
