@@ -323,8 +323,7 @@ def estimate_seconds(configs, jobs=1):
     return total / max(1, min(jobs, len(configs)))
 
 
-def fmt_hours(seconds):
-    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+fmt_hours = lambda s: f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"   # s: seconds
 
 
 def catalogue():
@@ -469,13 +468,11 @@ def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
         cfg.check()
-    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
-             for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
     built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
-        mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
+        vocab = mechsm.make_data(cfg).vocab_size  # documents that do not fit the model: ValueError
         if mechsm.group_key(cfg) not in built:   # a model too large to allocate is bad input
-            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
+            mechsm.build(replace(cfg, device="cpu"), vocab)
             built.add(mechsm.group_key(cfg))
 
 
@@ -611,12 +608,8 @@ def best_by_lr(records):
     return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
 
 
-def fmt_pct(x):
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def fmt_num(x):
-    return "-" if x is None else f"{x:.2f}"
+fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
+fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
 
 
 def markdown(cells, columns=None):
@@ -961,19 +954,16 @@ def typed(kind, many=False, zero=False):
                                              f"{'non-negative' if zero else 'positive'} {what}")
         return value
 
-    def span(part):
-        lo, dash, hi = part.strip().partition("-")
-        if not (dash and kind is int and lo):
-            return [one(part)]
-        values = range(one(lo), one(hi) + 1)
-        if not 0 < len(values) <= 10_000:
-            raise argparse.ArgumentTypeError(f"{part.strip()} is " + (
-                f"a range of {len(values):,} values, at most 10,000" if values else "an empty range: "
-                "lo-hi needs lo <= hi"))
-        return values
-
     def comma_list(text):
-        values = [v for part in text.split(",") for v in span(part)]
+        values = []
+        for part in text.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            span = range(one(lo), one(hi) + 1) if dash and kind is int and lo else [one(part)]
+            if not 0 < len(span) <= 10_000:
+                raise argparse.ArgumentTypeError(f"{part.strip()} is " + (
+                    f"a range of {len(span):,} values, at most 10,000" if span else "an empty "
+                    "range: lo-hi needs lo <= hi"))
+            values += span
         if len(set(values)) < len(values):
             raise argparse.ArgumentTypeError(f"a value is repeated in {values}")
         return values
@@ -1403,8 +1393,7 @@ def redraw_figures(folder):
         return
     found = 0
     for name in EXPERIMENTS:
-        path = os.path.join(folder, f"{name}.jsonl")
-        records = latest(read_results(path)) if os.path.exists(path) else []
+        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
         if records:
             draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
@@ -1794,19 +1783,17 @@ def ops_per_call(fn):
 
 
 def medians(fns, repeats, device):
-    """Median seconds of each callable over `repeats` interleaved rounds, after a warm-up each."""
+    """Median seconds of each callable over `repeats` interleaved rounds after a warm-up one."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    for fn in fns.values():
-        fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         for name, fn in fns.items():
             sync()
             start = time.perf_counter()
             fn()
             sync()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
 
 
 def print_table(title, rows, print_fn):
