@@ -48,7 +48,9 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
+from multiprocessing import get_context
 from pathlib import Path
 
 # Before torch's first allocation: the CPU allocator then backs tensors of 2 MB and more with huge
@@ -257,10 +259,9 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
                        **fields_):
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run)."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
-    if preset not in PRESETS:
-        raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
+    for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
+        if value not in allowed:
+            raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
     for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
         if values is not None and not (isinstance(values, (list, tuple, range)) and values):
             raise ValueError(f"{param}: got {values!r}, expected a non-empty list (None: the grid's)")
@@ -574,10 +575,9 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", (unique[k], done[k])) for k in patchable]
-    jobs_list += [("train", group) for group in groups]
+    work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
-    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
+    for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
     newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     return [newest[k] for k in unique if k in newest]
@@ -647,9 +647,8 @@ def spread(row, **rule):
     readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
     heads = [r["mechanism_table"]["headline"] for r in readable]
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
-            "verdicts": collections.Counter(verdicts), "readable": len(readable),
-            "median": {k: statistics.median(h[k] for h in heads) if heads else None
-                       for k in ATTRIBS}}
+            "verdicts": collections.Counter(verdicts), "readable": len(readable), "median": {
+                k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
 
 
 def fmt_acc(s):
@@ -758,10 +757,9 @@ def render(name, preset, records, folder=None):
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
-    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
-                                           for r in records if r.get("provenance")})]
+    made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
     made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
-                     f"commit {m.get('commit')}" for m in made)
+                     f"commit {m.get('commit')}" for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
@@ -1171,8 +1169,7 @@ def train_grid(args, command):
 
 def evaluate_checkpoint(args):
     """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
-    device = mechsm.resolve_device(args.device or "auto")
-    model, cfg = mechsm.load(args.checkpoint, device=device)          # cfg.device: this device
+    model, cfg = mechsm.load(args.checkpoint, device=mechsm.resolve_device(args.device or "auto"))
     cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
     path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
@@ -1215,17 +1212,17 @@ def run(argv=None):
 
 def main(argv=None):
     """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
-    def on_sigterm(signum, frame):
-        raise Terminated()
+    def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
+        raise KeyboardInterrupt("SIGTERM")
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return run(argv)
-    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
+    except (ValueError, OSError, BrokenExecutor) as e:   # bad input, ..., a worker process died
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1 if isinstance(e, WorkerLost) else 2
+        return 1 if isinstance(e, BrokenExecutor) else 2
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
-        sigterm = isinstance(e, Terminated)
+        sigterm = e.args == ("SIGTERM",)
         print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
               "in the results files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
@@ -1237,25 +1234,22 @@ def main(argv=None):
 
 # --- Worker processes and signals
 
-def run_jobs(jobs_list, out, wants, jobs):
+def run_jobs(work, out, wants, jobs):
     """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
-    if jobs <= 1 or len(jobs_list) <= 1:
-        yield from (r for kind, payload in jobs_list for r in do_job(kind, payload, out, wants))
+    if jobs <= 1 or len(work) <= 1:
+        yield from (r for kind, payload in work for r in do_job(kind, payload, out, wants))
         return
-    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(work)), initializer=worker_init,
                                initargs=(os.getpid(),), mp_context=get_context("spawn"))
     try:
-        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
+        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in work]
         for future in as_completed(futures):
             yield from future.result()
-    except BrokenExecutor:
+    except BaseException as e:      # a worker died; Ctrl-C, SIGTERM (a KeyboardInterrupt); a crash
         stop_workers(pool)
-        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
-                         f"runs are kept in {out}; rerun to continue") from None
-    except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
-        stop_workers(pool)
+        if isinstance(e, BrokenExecutor):
+            raise BrokenExecutor("a worker process died (killed by a signal, or out of memory); "
+                                 f"finished runs are kept in {out}; rerun to continue") from None
         raise
     pool.shutdown(wait=True)
 
@@ -1287,14 +1281,6 @@ def stop_workers(pool):
         pool.shutdown(wait=False, cancel_futures=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class WorkerLost(RuntimeError):
-    """A sweep worker process died under the sweep (a signal, or the out-of-memory killer)."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
 
 
 # --- Shards, provenance, older records, the README's summary
