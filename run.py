@@ -1275,9 +1275,8 @@ def stop_workers(pool):
             process.terminate()
         for process in processes:
             process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+            process.kill()                       # a process that has ended is not signalled
+            process.join(5)
         pool.shutdown(wait=False, cancel_futures=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -1438,10 +1437,9 @@ def plot_scatter(fig, records):
 def plot_width(fig, rows):
     """Accuracy against width (log2 axis), one line per label: the median over seeds at each width,
     the range shaded."""
-    lines, ax = {}, fig.subplots()
+    lines, out, ax = {}, {}, fig.subplots()
     for row in sorted(rows, key=lambda r: r["d_model"]):
         lines.setdefault(next(iter(widest_rows([row]))), []).append(row)      # its label less width
-    out = {}
     for i, (label, line) in enumerate(lines.items()):
         accs = [spread(row)["acc"] for row in line]
         out[label] = d, med, low, high = (np.array([r["d_model"] for r in line]),
@@ -1787,11 +1785,9 @@ def print_table(title, rows, print_fn):
     fmt = lambda v: (f"{v:.1e}" if 0 < abs(v) < 0.01 else f"{v:,.2f}") if isinstance(v, float) else \
         f"{v:,}" if isinstance(v, int) else str(v)
     cells = [list(rows[0])] + [[fmt(v) for v in row.values()] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
-    print_fn(title)
-    for line in cells:
-        print_fn("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths)))
-    print_fn("")
+    widths = [max(map(len, column)) for column in zip(*cells)]
+    print_fn("\n".join([title, *("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths))
+                                 for line in cells), ""]))
 
 
 if __name__ == "__main__":
