@@ -74,6 +74,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # three {arch: ...} where the arch "*" is the default.
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
+arch_rank = lambda a: ALL_ARCHS.index(a) if a in ALL_ARCHS else len(ALL_ARCHS)   # tables' order
 PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
 LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
 LR7 = LR5 + [1e-2, 3e-2]
@@ -127,14 +128,8 @@ def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
                 seeds={"*": [42]})
 
 
-def each(*names, **fields_):
-    return [dict(arch=a, **fields_) for a in names]
-
-
-def convs(arch, sizes, **fields_):
-    return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
-
-
+each = lambda *names, **fields_: [dict(arch=a, **fields_) for a in names]   # a run family per arch
+convs = lambda arch, sizes: [dict(arch=arch, d_conv=k) for k in sizes]      # ... per conv size
 NOPE_PE = each("attention", pos_emb=False) + each("attention", pos_emb=True)
 # ar-vocab: every arch at 512 and 1,024 keys and values, then attention, Based and Mamba probes
 VOCAB_RUNS = ([dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
@@ -208,8 +203,7 @@ EXPERIMENTS = {e.name: e for e in [
                 "mamba": "d 64: 96.25%; box K .55 V .03 Q .29: held at the key (Sec. 5.2's text: "
                 "retrieval at the query)"},
                quick(QUICK_ATR, each("mamba", "attention", "h3", "hyena", "based", "base_conv",
-                                      "gated_deltanet"),
-                     seeds={"mamba": SEEDS5, "*": SEEDS3}),
+                                      "gated_deltanet"), seeds={"mamba": SEEDS5, "*": SEEDS3}),
                paper(PAPER_ATR, each(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "d 64: 86.25% (d 256: 92.19%); box K .29 V .03 Q .45",
@@ -247,8 +241,7 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment("atr-budget", "probe",
                "the quick ATR grid's step budgets, the first quick grid's against longer", {},
                quick(QUICK_ATR, [dict(arch=a, steps=n) for a, s in ATR_BUDGETS.items() for n in s],
-                     seeds={"*": [0]}),
-               None, probe=True),
+                     seeds={"*": [0]}), None, probe=True),
 ]}
 PRESETS = ("quick", "paper")
 LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout",
@@ -539,9 +532,8 @@ def do_job(kind, payload, out, wants):
         if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
             import traceback
             traceback.print_exc()
-        name = payload[0] if kind == "train" else payload[0].name()
-        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
-              "it)", file=sys.stderr)
+        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
+              "rerun retries it)", file=sys.stderr)
         return []
 
 
@@ -604,8 +596,7 @@ def best_by_lr(records):
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
                      "label": row_label(config_of(best), configs)})
-    order = {a: i for i, a in enumerate(ALL_ARCHS)}
-    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
+    return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
 fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
@@ -1416,12 +1407,11 @@ def plot_scatter(fig, records):
     ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
-    order = lambda a: ALL_ARCHS.index(a) if a in ALL_ARCHS else len(ALL_ARCHS)
-    for a in sorted(set(arch), key=order):              # each arch nudged a little, so that runs
+    for a in sorted(set(arch), key=arch_rank):          # each arch nudged a little, so that runs
         label = a                                        # of one reading stay visible
         for hollow, tri in ((False, False), (False, True), (True, False)):
             m = (np.array(arch) == a) & (low == hollow) & (key == tri)
-            c, dx = colour(a), 0.012 * (order(a) - 3)
+            c, dx = colour(a), 0.012 * (arch_rank(a) - 3)
             ax.scatter(np.clip(x[m] + dx, lo, hi), np.clip(y[m] + dx, lo, hi), s=40, edgecolors=c,
                        marker="^" if tri else "o", facecolors="none" if hollow else c,
                        clip_on=False, label=label if m.any() else None)
@@ -1504,8 +1494,7 @@ def plot_box(fig, records):
     """ATR, as the paper's box plot: a row per site (key, value, query), a box per arch over its
     seeds that can be read, every seed a dot (hollow: too little signal)."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
-    names = {r["config"]["arch"] for r in runs}
-    archs = [a for a in ALL_ARCHS if a in names] + sorted(names - set(ALL_ARCHS))
+    archs = sorted({r["config"]["arch"] for r in runs}, key=lambda a: (arch_rank(a), a))
     of = lambda a, k, low: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"][
         "arch"] == a and bool(r["mechanism"].get("low_signal")) == low], float)
     out = {a: {k: of(a, k, False) for k in ATTRIBS} for a in archs}
