@@ -1090,19 +1090,18 @@ def check_out(out, names):
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
 
 
-def add_records(out, name, records):
-    """Add the records not already there to OUT/<name>.jsonl (never rewritten); all its runs."""
+def report_grid(name, preset, records, out):
+    """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
+    figures, write OUT/<name>.md, print its table and timeline, and the heatmap of the most accurate
+    model with an extra site (else the most accurate)."""
     path = out_path(out, f"{name}.jsonl")
     kept = {run_key(r["config"]): r for r in read_results(path)}
     for record in records:
         if kept.get(run_key(record["config"])) != record:
             append_result(path, record)
-    return latest(read_results(path, warn=False))
-
-
-def print_report(name, preset, records, out):
-    """Write OUT/<name>.md; print its table and timeline, and the heatmap of the most accurate model
-    with an extra site (else the most accurate)."""
+    records = latest(read_results(path, warn=False))
+    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"]) is None:
+        print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
     Path(out_path(out, f"{name}.md")).write_text(text)
     print(text.split("\n", 2)[2].split("\n![")[0])
@@ -1141,16 +1140,12 @@ def train_grid(args, command):
     if not records:
         raise ValueError("no run finished; nothing to report")
     trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    everything = add_records(out, name, records)              # the report: the folder's records
-    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
-        print(FIGURES_HINT, file=sys.stderr)
     if trained:
-        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
-            "command": command, "trained": trained, "jobs": jobs,
-            "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-            "machine": provenance()["machine"],
+        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
+            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
             "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    print_report(name, args.preset or "quick", everything, out)
+    report_grid(name, args.preset or "quick", records, out)
     missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
     print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
         f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
@@ -1432,9 +1427,8 @@ def plot_width(fig, rows):
         lines.setdefault(next(iter(widest_rows([row]))), []).append(row)      # its label less width
     for i, (label, line) in enumerate(lines.items()):
         accs = [spread(row)["acc"] for row in line]
-        out[label] = d, med, low, high = (np.array([r["d_model"] for r in line]),
-                                          *(np.array([f(a) for a in accs], float)
-                                            for f in (statistics.median, min, max)))
+        out[label] = d, med, low, high = (np.array([r["d_model"] for r in line]), *(
+            np.array([f(a) for a in accs], float) for f in (statistics.median, min, max)))
         ax.plot(d, med, "-:"[i % 2], marker="o", color=colour(line[0]["arch"]), label=label)
         ax.fill_between(d, low, high, color=colour(line[0]["arch"]), alpha=0.12, lw=0)
     widths = sorted({r["d_model"] for r in rows})
