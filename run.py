@@ -601,6 +601,11 @@ def best_by_lr(records):
 
 fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
 fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
+# a spread's (below) accuracies, their median and range: '50.0% (0.9-84.4)'; its verdicts, most
+# frequent first: 'direct retrieval 4/5, no signal 1/5'
+fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
+    f" ({100 * s['acc'][0]:.1f}-{100 * s['acc'][-1]:.1f})" if len(s["acc"]) > 1 else " (1 seed)")
+fmt_counts = lambda s: ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
 
 
 def markdown(cells, columns=None):
@@ -640,18 +645,6 @@ def spread(row, **rule):
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
             "verdicts": collections.Counter(verdicts), "readable": len(readable), "median": {
                 k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
-
-
-def fmt_acc(s):
-    """'50.0% (0.9-84.4)': the median accuracy over seeds and its range."""
-    acc = s["acc"]
-    return fmt_pct(statistics.median(acc)) + (f" ({100 * acc[0]:.1f}-{100 * acc[-1]:.1f})"
-                                              if len(acc) > 1 else " (1 seed)")
-
-
-def fmt_counts(s):
-    """'direct retrieval 4/5, no signal 1/5', most frequent first."""
-    return ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
 
 
 def widest_rows(rows):
@@ -1080,16 +1073,6 @@ def default_jobs(device, n_runs):
     return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
-def check_out(out, names):
-    """Before any training: --out unwritable, or a file of it linking out of it, is bad input."""
-    try:
-        for name in names:
-            out_path(out, name)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-
-
 def report_grid(name, preset, records, out):
     """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
     figures, write OUT/<name>.md, print its table and timeline, and the heatmap of the most accurate
@@ -1126,7 +1109,12 @@ def train_grid(args, command):
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
              *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
-    check_out(out, files)
+    try:                       # before any training: --out unwritable, or a file linking out of it
+        for file in files:
+            out_path(out, file)
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
           f"{args.preset or 'quick'} | {len(configs)} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
@@ -1443,9 +1431,8 @@ def plot_width(fig, rows):
 def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
-    n_sites, panels = max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows), []
-    axes = tiles(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1)
-    for ax, (label, row) in zip(axes, rows):
+    height, panels = 0.2 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.1, []
+    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), height), rows):
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
