@@ -671,11 +671,9 @@ def result_table(rows, experiment=None):
         best, s = row["best"], spread(row)
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
              "accuracy: median (range)": fmt_acc(s)}
-        finals = [r["final"] for r in row["runs"]]
-        c.update({key.replace("_acc", " accuracy"): fmt_pct(statistics.median(
-            f.get(key) or 0.0 for f in finals)) for key in ("test_acc", "novel_acc") if key in best["final"]})
-        one_layer = best["config"]["n_layers"] == 1
-        c.update({name: "n/a" if one_layer else fmt_num(s["median"][k])
+        c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
+                  for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
+        c.update({name: "n/a" if best["config"]["n_layers"] == 1 else fmt_num(s["median"][k])
                   for k, (name, _) in ATTRIBS.items()})
         mechs = [r.get("mechanism") or {} for r in row["runs"]]
         for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
@@ -844,12 +842,9 @@ def summary_table(folder="results"):
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
-    lines = []
-    for name, exp in EXPERIMENTS.items():
-        if not exp.probe and records[name]:
-            for i, line in enumerate(summary_rows(name, best_by_lr(records[name]))):
-                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
-                              + (f": {exp.finding}" if i == 0 else ""), **line})
+    lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
+             for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
+             for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
     mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
     extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
@@ -1408,8 +1403,7 @@ def plot_scatter(fig, records):
 
 
 def plot_width(fig, rows):
-    """Accuracy against width (log2 axis), one line per label: the median over seeds at each width,
-    the range shaded."""
+    """Accuracy against width (log2 axis), a line per label: the median over seeds, range shaded."""
     lines, out, ax = {}, {}, fig.subplots()
     for row in sorted(rows, key=lambda r: r["d_model"]):
         lines.setdefault(next(iter(widest_rows([row]))), []).append(row)      # its label less width
