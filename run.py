@@ -264,10 +264,8 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
             raise ValueError(f"{field}: " + (f"set by {by_list[field]}=[...]" if field in by_list
                                              else "not a mechsm.Config field"))
     spec = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
-    runs = spec["runs"]
-    if archs is not None:
-        runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
-                                                          if a not in {r["arch"] for r in runs}]
+    runs = spec["runs"] if archs is None else [r for r in spec["runs"] if r["arch"] in archs] + [
+        dict(arch=a) for a in archs if a not in {r["arch"] for r in spec["runs"]}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
     configs = []
     for family in runs:
@@ -953,9 +951,8 @@ def build_parser():
                formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def a(flag, kind=None, many=False, switch=False, zero=False, **kw):
-        if kind is not None:
-            kw["type"] = typed(kind, many, zero)
-        p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
+        p.add_argument(flag, **kw, **(dict(type=typed(kind, many, zero)) if kind else {}),
+                       **(dict(action="store_true", default=None) if switch else {}))
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
     a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a paper result (default ar)")
@@ -1386,10 +1383,9 @@ def plot_scatter(fig, records):
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
     for a in sorted(set(arch), key=arch_rank):          # each arch nudged a little, so that runs
-        label = a                                        # of one reading stay visible
+        label, c, dx = a, colour(a), 0.012 * (arch_rank(a) - 3)   # of one reading stay visible
         for hollow, tri in ((False, False), (False, True), (True, False)):
             m = (np.array(arch) == a) & (low == hollow) & (key == tri)
-            c, dx = colour(a), 0.012 * (arch_rank(a) - 3)
             ax.scatter(np.clip(x[m] + dx, lo, hi), np.clip(y[m] + dx, lo, hi), s=40, edgecolors=c,
                        marker="^" if tri else "o", facecolors="none" if hollow else c,
                        clip_on=False, label=label if m.any() else None)
@@ -1492,9 +1488,7 @@ def plot_box(fig, records):
 def plot_effective(fig, rows):
     """The best run of each architecture, its effective attention on one document: the query's row
     in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
-    best = {}
-    for row in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0):
-        best[row["arch"]] = row                          # the most accurate row of the arch, last
+    best = {r["arch"]: r for r in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0)}
     rows = [(best[a]["label"], best[a]) for a in dict.fromkeys(r["arch"] for r in rows)
             if best[a]["best"].get("effective")]
     panels = []
