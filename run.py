@@ -551,7 +551,6 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         if not ok:
             raise ValueError(f"{name}: got {value!r}, expected {expected}")
     check_runs(configs)
-    os.makedirs(out, exist_ok=True)
     unique = {}
     for cfg in configs:
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
