@@ -48,7 +48,9 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
+from multiprocessing import get_context
 from pathlib import Path
 
 # Before torch's first allocation: the CPU allocator then backs tensors of 2 MB and more with huge
@@ -72,6 +74,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # three {arch: ...} where the arch "*" is the default.
 
 ALL_ARCHS = list(models.BUILT_IN_ARCHS)
+arch_rank = lambda a: ALL_ARCHS.index(a) if a in ALL_ARCHS else len(ALL_ARCHS)   # tables' order
 PAPER_ARCHS = ALL_ARCHS[:6]                  # the paper's six; DeltaNet came in its later version
 LR5 = [3e-5, 1e-4, 3e-4, 1e-3, 3e-3]
 LR7 = LR5 + [1e-2, 3e-2]
@@ -125,14 +128,8 @@ def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
                 seeds={"*": [42]})
 
 
-def each(*names, **fields_):
-    return [dict(arch=a, **fields_) for a in names]
-
-
-def convs(arch, sizes, **fields_):
-    return [dict(arch=arch, d_conv=k, **fields_) for k in sizes]
-
-
+each = lambda *names, **fields_: [dict(arch=a, **fields_) for a in names]   # a run family per arch
+convs = lambda arch, sizes: [dict(arch=arch, d_conv=k) for k in sizes]      # ... per conv size
 NOPE_PE = each("attention", pos_emb=False) + each("attention", pos_emb=True)
 # ar-vocab: every arch at 512 and 1,024 keys and values, then attention, Based and Mamba probes
 VOCAB_RUNS = ([dict(arch=a, num_keys=v, num_values=v) for v in (512, 1024) for a in ALL_ARCHS]
@@ -206,8 +203,7 @@ EXPERIMENTS = {e.name: e for e in [
                 "mamba": "d 64: 96.25%; box K .55 V .03 Q .29: held at the key (Sec. 5.2's text: "
                 "retrieval at the query)"},
                quick(QUICK_ATR, each("mamba", "attention", "h3", "hyena", "based", "base_conv",
-                                      "gated_deltanet"),
-                     seeds={"mamba": SEEDS5, "*": SEEDS3}),
+                                      "gated_deltanet"), seeds={"mamba": SEEDS5, "*": SEEDS3}),
                paper(PAPER_ATR, each(*PAPER_ARCHS))),
     Experiment("atr-medium", "Sec. 5.2", "ATR with L_max 10: Mamba beats attention",
                {"mamba": "d 64: 86.25% (d 256: 92.19%); box K .29 V .03 Q .45",
@@ -245,8 +241,7 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment("atr-budget", "probe",
                "the quick ATR grid's step budgets, the first quick grid's against longer", {},
                quick(QUICK_ATR, [dict(arch=a, steps=n) for a, s in ATR_BUDGETS.items() for n in s],
-                     seeds={"*": [0]}),
-               None, probe=True),
+                     seeds={"*": [0]}), None, probe=True),
 ]}
 PRESETS = ("quick", "paper")
 LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout",
@@ -257,10 +252,9 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
                        **fields_):
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run)."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"experiment: got {name!r}, expected one of {', '.join(EXPERIMENTS)}")
-    if preset not in PRESETS:
-        raise ValueError(f"preset: got {preset!r}, expected one of {', '.join(PRESETS)}")
+    for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
+        if value not in allowed:
+            raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
     for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
         if values is not None and not (isinstance(values, (list, tuple, range)) and values):
             raise ValueError(f"{param}: got {values!r}, expected a non-empty list (None: the grid's)")
@@ -270,10 +264,8 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
             raise ValueError(f"{field}: " + (f"set by {by_list[field]}=[...]" if field in by_list
                                              else "not a mechsm.Config field"))
     spec = getattr(EXPERIMENTS[name], preset) or EXPERIMENTS[name].quick   # a probe: quick
-    runs = spec["runs"]
-    if archs is not None:
-        runs = [r for r in runs if r["arch"] in archs] + [dict(arch=a) for a in archs
-                                                          if a not in {r["arch"] for r in runs}]
+    runs = spec["runs"] if archs is None else [r for r in spec["runs"] if r["arch"] in archs] + [
+        dict(arch=a) for a in archs if a not in {r["arch"] for r in spec["runs"]}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
     configs = []
     for family in runs:
@@ -323,8 +315,7 @@ def estimate_seconds(configs, jobs=1):
     return total / max(1, min(jobs, len(configs)))
 
 
-def fmt_hours(seconds):
-    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+fmt_hours = lambda s: f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"   # s: seconds
 
 
 def catalogue():
@@ -469,13 +460,11 @@ def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
         cfg.check()
-    vocab = {key: mechsm.probe_task(next(c for c in configs if mechsm.data_key(c) == key))
-             for key in dict.fromkeys(mechsm.data_key(c) for c in configs)}
     built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
-        mechsm.make_data(cfg)                    # documents that do not fit the model: a ValueError
+        vocab = mechsm.make_data(cfg).vocab_size  # documents that do not fit the model: ValueError
         if mechsm.group_key(cfg) not in built:   # a model too large to allocate is bad input
-            mechsm.build(replace(cfg, device="cpu"), vocab[mechsm.data_key(cfg)])
+            mechsm.build(replace(cfg, device="cpu"), vocab)
             built.add(mechsm.group_key(cfg))
 
 
@@ -541,9 +530,8 @@ def do_job(kind, payload, out, wants):
         if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
             import traceback
             traceback.print_exc()
-        name = payload[0] if kind == "train" else payload[0].name()
-        print(f"error: {kind} of {name}: {type(e).__name__}: {e} (not recorded; a rerun retries "
-              "it)", file=sys.stderr)
+        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
+              "rerun retries it)", file=sys.stderr)
         return []
 
 
@@ -563,7 +551,6 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         if not ok:
             raise ValueError(f"{name}: got {value!r}, expected {expected}")
     check_runs(configs)
-    os.makedirs(out, exist_ok=True)
     unique = {}
     for cfg in configs:
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
@@ -577,10 +564,9 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    jobs_list = [("patch", (unique[k], done[k])) for k in patchable]
-    jobs_list += [("train", group) for group in groups]
+    work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
-    for record in run_jobs(jobs_list, out, dict(patch=patch, save=save), jobs):
+    for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
     newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     return [newest[k] for k in unique if k in newest]
@@ -607,16 +593,16 @@ def best_by_lr(records):
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
                      "label": row_label(config_of(best), configs)})
-    order = {a: i for i, a in enumerate(ALL_ARCHS)}
-    return sorted(rows, key=lambda r: (order.get(r["arch"], len(order)), r["arch"], r["d_model"]))
+    return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
-def fmt_pct(x):
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def fmt_num(x):
-    return "-" if x is None else f"{x:.2f}"
+fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
+fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
+# a spread's (below) accuracies, their median and range: '50.0% (0.9-84.4)'; its verdicts, most
+# frequent first: 'direct retrieval 4/5, no signal 1/5'
+fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
+    f" ({100 * s['acc'][0]:.1f}-{100 * s['acc'][-1]:.1f})" if len(s["acc"]) > 1 else " (1 seed)")
+fmt_counts = lambda s: ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
 
 
 def markdown(cells, columns=None):
@@ -654,21 +640,8 @@ def spread(row, **rule):
     readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
     heads = [r["mechanism_table"]["headline"] for r in readable]
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
-            "verdicts": collections.Counter(verdicts), "readable": len(readable),
-            "median": {k: statistics.median(h[k] for h in heads) if heads else None
-                       for k in ATTRIBS}}
-
-
-def fmt_acc(s):
-    """'50.0% (0.9-84.4)': the median accuracy over seeds and its range."""
-    acc = s["acc"]
-    return fmt_pct(statistics.median(acc)) + (f" ({100 * acc[0]:.1f}-{100 * acc[-1]:.1f})"
-                                              if len(acc) > 1 else " (1 seed)")
-
-
-def fmt_counts(s):
-    """'direct retrieval 4/5, no signal 1/5', most frequent first."""
-    return ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
+            "verdicts": collections.Counter(verdicts), "readable": len(readable), "median": {
+                k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
 
 
 def widest_rows(rows):
@@ -695,11 +668,9 @@ def result_table(rows, experiment=None):
         best, s = row["best"], spread(row)
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
              "accuracy: median (range)": fmt_acc(s)}
-        finals = [r["final"] for r in row["runs"]]
-        c.update({key.replace("_acc", " accuracy"): fmt_pct(statistics.median(
-            f.get(key) or 0.0 for f in finals)) for key in ("test_acc", "novel_acc") if key in best["final"]})
-        one_layer = best["config"]["n_layers"] == 1
-        c.update({name: "n/a" if one_layer else fmt_num(s["median"][k])
+        c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
+                  for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
+        c.update({name: "n/a" if best["config"]["n_layers"] == 1 else fmt_num(s["median"][k])
                   for k, (name, _) in ATTRIBS.items()})
         mechs = [r.get("mechanism") or {} for r in row["runs"]]
         for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
@@ -765,10 +736,9 @@ def render(name, preset, records, folder=None):
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
-    made = [json.loads(m) for m in sorted({json.dumps(r.get("provenance"), sort_keys=True)
-                                           for r in records if r.get("provenance")})]
+    made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
     made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
-                     f"commit {m.get('commit')}" for m in made)
+                     f"commit {m.get('commit')}" for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
@@ -869,12 +839,9 @@ def summary_table(folder="results"):
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
-    lines = []
-    for name, exp in EXPERIMENTS.items():
-        if not exp.probe and records[name]:
-            for i, line in enumerate(summary_rows(name, best_by_lr(records[name]))):
-                lines.append({"experiment": f"[{name}]({rel}/{name}.md)"
-                              + (f": {exp.finding}" if i == 0 else ""), **line})
+    lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
+             for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
+             for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
     mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
     extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
@@ -961,19 +928,16 @@ def typed(kind, many=False, zero=False):
                                              f"{'non-negative' if zero else 'positive'} {what}")
         return value
 
-    def span(part):
-        lo, dash, hi = part.strip().partition("-")
-        if not (dash and kind is int and lo):
-            return [one(part)]
-        values = range(one(lo), one(hi) + 1)
-        if not 0 < len(values) <= 10_000:
-            raise argparse.ArgumentTypeError(f"{part.strip()} is " + (
-                f"a range of {len(values):,} values, at most 10,000" if values else "an empty range: "
-                "lo-hi needs lo <= hi"))
-        return values
-
     def comma_list(text):
-        values = [v for part in text.split(",") for v in span(part)]
+        values = []
+        for part in text.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            span = range(one(lo), one(hi) + 1) if dash and kind is int and lo else [one(part)]
+            if not 0 < len(span) <= 10_000:
+                raise argparse.ArgumentTypeError(f"{part.strip()} is " + (
+                    f"a range of {len(span):,} values, at most 10,000" if span else "an empty "
+                    "range: lo-hi needs lo <= hi"))
+            values += span
         if len(set(values)) < len(values):
             raise argparse.ArgumentTypeError(f"a value is repeated in {values}")
         return values
@@ -986,9 +950,8 @@ def build_parser():
                formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def a(flag, kind=None, many=False, switch=False, zero=False, **kw):
-        if kind is not None:
-            kw["type"] = typed(kind, many, zero)
-        p.add_argument(flag, **kw, **(dict(action="store_true", default=None) if switch else {}))
+        p.add_argument(flag, **kw, **(dict(type=typed(kind, many, zero)) if kind else {}),
+                       **(dict(action="store_true", default=None) if switch else {}))
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
     a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a paper result (default ar)")
@@ -1101,29 +1064,18 @@ def default_jobs(device, n_runs):
     return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
 
 
-def check_out(out, names):
-    """Before any training: --out unwritable, or a file of it linking out of it, is bad input."""
-    try:
-        for name in names:
-            out_path(out, name)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-
-
-def add_records(out, name, records):
-    """Add the records not already there to OUT/<name>.jsonl (never rewritten); all its runs."""
+def report_grid(name, preset, records, out):
+    """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
+    figures, write OUT/<name>.md, print its table and timeline, and the heatmap of the most accurate
+    model with an extra site (else the most accurate)."""
     path = out_path(out, f"{name}.jsonl")
     kept = {run_key(r["config"]): r for r in read_results(path)}
     for record in records:
         if kept.get(run_key(record["config"])) != record:
             append_result(path, record)
-    return latest(read_results(path, warn=False))
-
-
-def print_report(name, preset, records, out):
-    """Write OUT/<name>.md; print its table and timeline, and the heatmap of the most accurate model
-    with an extra site (else the most accurate)."""
+    records = latest(read_results(path, warn=False))
+    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"]) is None:
+        print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
     Path(out_path(out, f"{name}.md")).write_text(text)
     print(text.split("\n", 2)[2].split("\n![")[0])
@@ -1148,7 +1100,12 @@ def train_grid(args, command):
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
              *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
-    check_out(out, files)
+    try:                       # before any training: --out unwritable, or a file linking out of it
+        for file in files:
+            out_path(out, file)
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
           f"{args.preset or 'quick'} | {len(configs)} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
@@ -1162,16 +1119,12 @@ def train_grid(args, command):
     if not records:
         raise ValueError("no run finished; nothing to report")
     trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    everything = add_records(out, name, records)              # the report: the folder's records
-    if draw_figures(everything, best_by_lr(everything), name, out, configs[0].task) is None:
-        print(FIGURES_HINT, file=sys.stderr)
     if trained:
-        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({
-            "command": command, "trained": trained, "jobs": jobs,
-            "wall_s": round(time.time() - t0, 1), "date": time.strftime("%Y-%m-%d"),
-            "machine": provenance()["machine"],
+        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
+            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
             "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    print_report(name, args.preset or "quick", everything, out)
+    report_grid(name, args.preset or "quick", records, out)
     missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
     print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
         f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
@@ -1181,8 +1134,7 @@ def train_grid(args, command):
 
 def evaluate_checkpoint(args):
     """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
-    device = mechsm.resolve_device(args.device or "auto")
-    model, cfg = mechsm.load(args.checkpoint, device=device)          # cfg.device: this device
+    model, cfg = mechsm.load(args.checkpoint, device=mechsm.resolve_device(args.device or "auto"))
     cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
     path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
@@ -1225,17 +1177,17 @@ def run(argv=None):
 
 def main(argv=None):
     """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
-    def on_sigterm(signum, frame):
-        raise Terminated()
+    def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
+        raise KeyboardInterrupt("SIGTERM")
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return run(argv)
-    except (ValueError, OSError, WorkerLost) as e:   # bad input, a task that cannot be made, ...
+    except (ValueError, OSError, BrokenExecutor) as e:   # bad input, ..., a worker process died
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1 if isinstance(e, WorkerLost) else 2
+        return 1 if isinstance(e, BrokenExecutor) else 2
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
-        sigterm = isinstance(e, Terminated)
+        sigterm = e.args == ("SIGTERM",)
         print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
               "in the results files; rerun to continue", file=sys.stderr)
         return 143 if sigterm else 130
@@ -1247,25 +1199,22 @@ def main(argv=None):
 
 # --- Worker processes and signals
 
-def run_jobs(jobs_list, out, wants, jobs):
+def run_jobs(work, out, wants, jobs):
     """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
-    if jobs <= 1 or len(jobs_list) <= 1:
-        yield from (r for kind, payload in jobs_list for r in do_job(kind, payload, out, wants))
+    if jobs <= 1 or len(work) <= 1:
+        yield from (r for kind, payload in work for r in do_job(kind, payload, out, wants))
         return
-    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
-    from multiprocessing import get_context
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(jobs_list)), initializer=worker_init,
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(work)), initializer=worker_init,
                                initargs=(os.getpid(),), mp_context=get_context("spawn"))
     try:
-        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in jobs_list]
+        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in work]
         for future in as_completed(futures):
             yield from future.result()
-    except BrokenExecutor:
+    except BaseException as e:      # a worker died; Ctrl-C, SIGTERM (a KeyboardInterrupt); a crash
         stop_workers(pool)
-        raise WorkerLost("a worker process died (killed by a signal, or out of memory); finished "
-                         f"runs are kept in {out}; rerun to continue") from None
-    except BaseException:      # Ctrl-C, SIGTERM (raised as KeyboardInterrupt), a crash
-        stop_workers(pool)
+        if isinstance(e, BrokenExecutor):
+            raise BrokenExecutor("a worker process died (killed by a signal, or out of memory); "
+                                 f"finished runs are kept in {out}; rerun to continue") from None
         raise
     pool.shutdown(wait=True)
 
@@ -1291,20 +1240,11 @@ def stop_workers(pool):
             process.terminate()
         for process in processes:
             process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+            process.kill()                       # a process that has ended is not signalled
+            process.join(5)
         pool.shutdown(wait=False, cancel_futures=True)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class WorkerLost(RuntimeError):
-    """A sweep worker process died under the sweep (a signal, or the out-of-memory killer)."""
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C is: workers stop, finished runs stay kept."""
 
 
 # --- Shards, provenance, older records, the README's summary
@@ -1403,8 +1343,7 @@ def redraw_figures(folder):
         return
     found = 0
     for name in EXPERIMENTS:
-        path = os.path.join(folder, f"{name}.jsonl")
-        records = latest(read_results(path)) if os.path.exists(path) else []
+        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
         if records:
             draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
             found += 1
@@ -1442,12 +1381,10 @@ def plot_scatter(fig, records):
     ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
-    order = lambda a: ALL_ARCHS.index(a) if a in ALL_ARCHS else len(ALL_ARCHS)
-    for a in sorted(set(arch), key=order):              # each arch nudged a little, so that runs
-        label = a                                        # of one reading stay visible
+    for a in sorted(set(arch), key=arch_rank):          # each arch nudged a little, so that runs
+        label, c, dx = a, colour(a), 0.012 * (arch_rank(a) - 3)   # of one reading stay visible
         for hollow, tri in ((False, False), (False, True), (True, False)):
             m = (np.array(arch) == a) & (low == hollow) & (key == tri)
-            c, dx = colour(a), 0.012 * (order(a) - 3)
             ax.scatter(np.clip(x[m] + dx, lo, hi), np.clip(y[m] + dx, lo, hi), s=40, edgecolors=c,
                        marker="^" if tri else "o", facecolors="none" if hollow else c,
                        clip_on=False, label=label if m.any() else None)
@@ -1461,17 +1398,14 @@ def plot_scatter(fig, records):
 
 
 def plot_width(fig, rows):
-    """Accuracy against width (log2 axis), one line per label: the median over seeds at each width,
-    the range shaded."""
-    lines, ax = {}, fig.subplots()
+    """Accuracy against width (log2 axis), a line per label: the median over seeds, range shaded."""
+    lines, out, ax = {}, {}, fig.subplots()
     for row in sorted(rows, key=lambda r: r["d_model"]):
         lines.setdefault(next(iter(widest_rows([row]))), []).append(row)      # its label less width
-    out = {}
     for i, (label, line) in enumerate(lines.items()):
         accs = [spread(row)["acc"] for row in line]
-        out[label] = d, med, low, high = (np.array([r["d_model"] for r in line]),
-                                          *(np.array([f(a) for a in accs], float)
-                                            for f in (statistics.median, min, max)))
+        out[label] = d, med, low, high = (np.array([r["d_model"] for r in line]), *(
+            np.array([f(a) for a in accs], float) for f in (statistics.median, min, max)))
         ax.plot(d, med, "-:"[i % 2], marker="o", color=colour(line[0]["arch"]), label=label)
         ax.fill_between(d, low, high, color=colour(line[0]["arch"]), alpha=0.12, lw=0)
     widths = sorted({r["d_model"] for r in rows})
@@ -1486,9 +1420,8 @@ def plot_width(fig, rows):
 def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
-    n_sites, panels = max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows), []
-    axes = tiles(fig, len(rows), min(2, len(rows)), 0.2 * n_sites + 1.1)
-    for ax, (label, row) in zip(axes, rows):
+    height, panels = 0.2 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.1, []
+    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), height), rows):
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
@@ -1531,8 +1464,7 @@ def plot_box(fig, records):
     """ATR, as the paper's box plot: a row per site (key, value, query), a box per arch over its
     seeds that can be read, every seed a dot (hollow: too little signal)."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
-    names = {r["config"]["arch"] for r in runs}
-    archs = [a for a in ALL_ARCHS if a in names] + sorted(names - set(ALL_ARCHS))
+    archs = sorted({r["config"]["arch"] for r in runs}, key=lambda a: (arch_rank(a), a))
     of = lambda a, k, low: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"][
         "arch"] == a and bool(r["mechanism"].get("low_signal")) == low], float)
     out = {a: {k: of(a, k, False) for k in ATTRIBS} for a in archs}
@@ -1555,9 +1487,7 @@ def plot_box(fig, records):
 def plot_effective(fig, rows):
     """The best run of each architecture, its effective attention on one document: the query's row
     in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
-    best = {}
-    for row in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0):
-        best[row["arch"]] = row                          # the most accurate row of the arch, last
+    best = {r["arch"]: r for r in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0)}
     rows = [(best[a]["label"], best[a]) for a in dict.fromkeys(r["arch"] for r in rows)
             if best[a]["best"].get("effective")]
     panels = []
@@ -1794,19 +1724,17 @@ def ops_per_call(fn):
 
 
 def medians(fns, repeats, device):
-    """Median seconds of each callable over `repeats` interleaved rounds, after a warm-up each."""
+    """Median seconds of each callable over `repeats` interleaved rounds after a warm-up one."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    for fn in fns.values():
-        fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         for name, fn in fns.items():
             sync()
             start = time.perf_counter()
             fn()
             sync()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
 
 
 def print_table(title, rows, print_fn):
@@ -1814,11 +1742,9 @@ def print_table(title, rows, print_fn):
     fmt = lambda v: (f"{v:.1e}" if 0 < abs(v) < 0.01 else f"{v:,.2f}") if isinstance(v, float) else \
         f"{v:,}" if isinstance(v, int) else str(v)
     cells = [list(rows[0])] + [[fmt(v) for v in row.values()] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
-    print_fn(title)
-    for line in cells:
-        print_fn("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths)))
-    print_fn("")
+    widths = [max(map(len, column)) for column in zip(*cells)]
+    print_fn("\n".join([title, *("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths))
+                                 for line in cells), ""]))
 
 
 if __name__ == "__main__":
