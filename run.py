@@ -1552,13 +1552,13 @@ def make_step(model, data, forward=None, lr=1e-3):
 
 
 SIZES = {"full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128,
-                      toeplitz_mib=64, repeats=5, batch=32, steps=10, archs=None, docs=320,
-                      ks=(1, 7, 35), width=64),
+                      toeplitz_mib=64, repeats=5, batch=32, steps=10, archs=None, ks=(1, 7, 35),
+                      width=64),
          "tiny": dict(lengths=(37, 64), b=2, tokens=128, e=8, n=4, d=8, toeplitz_mib=512, repeats=1,
-                      batch=4, steps=2, archs=("attention", "mamba"), docs=8, ks=(1, 35), width=16)}
+                      batch=4, steps=2, archs=("attention", "mamba"), ks=(1, 35), width=16)}
 
 
-def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
+def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4)):
     """Run the parts (one thread on a CPU, as the workers), print their tables, return them."""
     device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
     env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
@@ -1569,7 +1569,7 @@ def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
     torch.set_num_threads(env["threads"])
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            measures = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)
+            measures = (bench_scan, bench_conv, bench_train, bench_ensemble)
             for part in parts:
                 for key, rows, title in measures[part - 1](device, SIZES[size]):
                     print_table(title, rows, print_fn)
@@ -1678,18 +1678,8 @@ def bench_train(device, sizes):
              "fast kernels and readout-only head against kernels='reference' and the full-vocabulary head")]
 
 
-def bench_mechanism(device, sizes):
-    """4: the time of one full interventions.mechanism table per architecture (untrained models)."""
-    data, rows = mechsm.tasks.make_ar(sizes["docs"], seed=1).to(device), []
-    for arch in sizes["archs"] or models.ARCHS:
-        model, result = models.build_model(arch, data.vocab_size, 64, 2, seed=0).to(device).eval(), {}
-        t = medians({"one": lambda: result.update(interventions.mechanism(model, data, n_docs=sizes["docs"]))}, 1, device)
-        rows.append(dict(arch=arch, docs=len(data), cells=sum(len(r["scores"]) for r in result["rows"]), seconds=t["one"]))
-    return [("mechanism", rows, "4. One full interventions.mechanism table (every site x layer x position)")]
-
-
 def bench_ensemble(device, sizes):
-    """5: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
+    """4: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
     data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0).to(device), []
     for arch in sizes["archs"] or models.ARCHS:
         for k in sizes["ks"]:
@@ -1701,7 +1691,7 @@ def bench_ensemble(device, sizes):
             rows.append(dict(arch=arch, k=k, group_steps_s=k / t["group"], separate_steps_s=k / t["separate"],
                              speedup=t["separate"] / t["group"], group_ops=group_ops, separate_ops=separate_ops,
                              ops_ratio=group_ops / separate_ops))
-    return [("ensemble", rows, f"5. K runs (width {sizes['width']}) as one batched model against K models "
+    return [("ensemble", rows, f"4. K runs (width {sizes['width']}) as one batched model against K models "
              "one after another: model-steps/s, and operators dispatched per model-step (torch.profiler), "
              "optimizer included")]
 
