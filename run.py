@@ -986,8 +986,7 @@ def build_parser():
     a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
-    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; "
-      "1 on cuda)")
+    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, 1 on cuda)")
     a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
       "one batched model (default: 1 on a CPU, where it does not pay; a whole cell on cuda)")
     a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: "
@@ -1046,24 +1045,6 @@ def grid_runs(args, name, device):
     return configs, notes
 
 
-WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
-
-
-def default_jobs(device, n_runs):
-    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
-    if device != "cpu":
-        return 1, "one process drives the GPU"
-    cores = os.cpu_count() or 1
-    try:
-        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
-        free_gib = float("inf")
-    fit = max(1, int(free_gib // WORKER_GIB))
-    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
-    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
-    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
-
-
 def report_grid(name, preset, records, out):
     """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
     figures, write OUT/<name>.md, print its table and timeline, and the heatmap of the most accurate
@@ -1096,7 +1077,11 @@ def train_grid(args, command):
     check_runs(configs)                              # bad input: one line, before anything runs
     for note in notes:
         print(note, file=sys.stderr)
-    jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
+    jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
+    if not args.jobs and device == "cpu":                       # one worker per core
+        cores = os.cpu_count() or 1
+        jobs = min(cores, len(configs))
+        why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
              *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
