@@ -709,19 +709,17 @@ def timeline_text(row):
 
 
 def read_command(folder, name):
-    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
-    warning if it cannot be read."""
+    """folder/<name>.command.json (the command that trained its runs), or None; warns if bad."""
     path = os.path.join(folder, f"{name}.command.json")
     if not os.path.exists(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            c = json.load(f)
-        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
-                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
-            return c
+        c = json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, OSError, RecursionError):
-        pass
+        c = None
+    if fits(c, {**dict.fromkeys(("command", "date", "machine", "load"), str), "wall_s": REAL,
+                "trained": int, "jobs": int}):
+        return c
     print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
     return None
 
