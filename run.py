@@ -697,17 +697,6 @@ def runs_table(records):
     return markdown(cells)
 
 
-def timeline_text(row):
-    """The best run's history in one line: at most 6 evaluations (the last kept); an attribution is
-    '-' when missing or attrib_low_signal."""
-    history = row["best"].get("history") or []
-    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
-    attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
-    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
-             f"{attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
-    return f"- {row['label']}: " + "; ".join(steps)
-
-
 def read_command(folder, name):
     """folder/<name>.command.json (the command that trained its runs), or None; warns if bad."""
     path = os.path.join(folder, f"{name}.command.json")
@@ -741,6 +730,14 @@ def render(name, preset, records, folder=None):
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
     c = read_command(folder, name) if folder else None
+    attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
+    timeline = []
+    for row in rows:                  # the best run's history: 6 evaluations at most, the last kept
+        history = row["best"].get("history") or []
+        keep = {round(i * (len(history) - 1) / 5) for i in range(6)}
+        timeline.append(f"- {row['label']}: " + "; ".join(
+            f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
+            f"{attrib(h, 'attrib_query')}" for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, name), "",
         f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
@@ -750,7 +747,7 @@ def render(name, preset, records, folder=None):
         "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
         f"{exp.section}.", "",
         "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
-        "too little signal to read):", *[timeline_text(row) for row in rows], "",
+        "too little signal to read):", *timeline, "",
         f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
         f"summed), made {made}."
         + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
