@@ -1191,7 +1191,19 @@ def run_jobs(work, out, wants, jobs):
         for future in as_completed(futures):
             yield from future.result()
     except BaseException as e:      # a worker died; Ctrl-C, SIGTERM (a KeyboardInterrupt); a crash
-        stop_workers(pool)
+        # SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile
+        processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.join(5)
+                process.kill()                   # a process that has ended is not signalled
+                process.join(5)
+            pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         if isinstance(e, BrokenExecutor):
             raise BrokenExecutor("a worker process died (killed by a signal, or out of memory); "
                                  f"finished runs are kept in {out}; rerun to continue") from None
@@ -1209,22 +1221,6 @@ def worker_init(parent):
             time.sleep(1.0)
         os._exit(1)
     threading.Thread(target=exit_with_parent, daemon=True).start()
-
-
-def stop_workers(pool):
-    """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(5)
-            process.kill()                       # a process that has ended is not signalled
-            process.join(5)
-        pool.shutdown(wait=False, cancel_futures=True)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 # --- Shards, provenance, older records, the README's summary
