@@ -427,9 +427,8 @@ def json_safe(x):
 
 
 def out_path(out, *parts):
-    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
-    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
-    leaves `out`; a file hard-linked to other names)."""
+    """out/parts, its folders made, to be written; a ValueError (one line) where writing it would
+    change a file outside `out` (a symbolic link leaving it; a file hard-linked to other names)."""
     path, real = os.path.join(out, *parts), os.path.realpath(out)
     if os.path.commonpath([real, os.path.realpath(path)]) != real:
         raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
@@ -478,8 +477,7 @@ def make_groups(configs, group_size=None):
 
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
-    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
+    """A record's patching fields: the mechanism table, its summary, the effective attention."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
@@ -620,8 +618,7 @@ UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that giv
 
 
 def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
-    """A record's verdict by interventions.verdict from its stored table, at any cut and gap filter
-    (the sensitivity table); None when not patched, "failed", or "n/a (1 layer)"."""
+    """A record's verdict from its stored table, at any cut and gap filter; None if unpatched."""
     table = record.get("mechanism_table")
     if record["status"] != "ok" or not table:
         return "failed" if record["status"] != "ok" else None
@@ -661,8 +658,7 @@ def paper_text(name, row):
 
 
 def result_table(rows, experiment=None):
-    """Per labelled row of best_by_lr: the distribution over its seeds and (with the experiment's
-    name) the paper's number."""
+    """best_by_lr's rows: each one's seeds' distribution and (given `experiment`) the paper's."""
     cells = []
     for row in rows:
         best, s = row["best"], spread(row)
@@ -756,9 +752,8 @@ def render(name, preset, records, folder=None):
 
 
 def holds(text, s):
-    """Whether a row's seeds bear out the paper's `text` (s: its spread): 'yes' when the paper's
-    reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
-    half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
+    """Whether a row's seeds (s: its spread) bear out `text`: its reading the majority verdict of
+    the readable ones ('unreadable': under half are), 'fails' a median accuracy < 50%; else '-'."""
     for reading in interventions.READINGS.values():
         if reading in text:
             if 2 * s["readable"] < s["n"]:
@@ -829,8 +824,7 @@ def pivot(records, across):
 
 
 def summary_table(folder="results"):
-    """The README's summary: each experiment's rows beside the paper's, the sensitivity of the
-    verdicts, the CPU time of the records, the `ar` timing and the probes."""
+    """The README's summary of the records in `folder`: the table, the notes under it, probes."""
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
@@ -1042,8 +1036,7 @@ def grid_runs(args, name, device):
 
 def report_grid(name, preset, records, out):
     """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
-    figures, write OUT/<name>.md, print its table and timeline, and the heatmap of the most accurate
-    model with an extra site (else the most accurate)."""
+    figures, write OUT/<name>.md, print its table, timeline and a heatmap."""
     path = out_path(out, f"{name}.jsonl")
     kept = {run_key(r["config"]): r for r in read_results(path)}
     for record in records:
@@ -1256,9 +1249,8 @@ def provenance():
 
 
 def add_effective(folder, name, log=print):
-    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
-    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
-    final metrics must equal the record's). Other fields of the record stay as they are."""
+    """Give each row's best run in folder/<name>.jsonl its "effective" maps if it predates them:
+    from its checkpoint, else retrained (deterministic: its final metrics must match the record)."""
     path = out_path(folder, f"{name}.jsonl")
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
