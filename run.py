@@ -304,25 +304,23 @@ CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3":
                    "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
 
 
-def estimate_seconds(configs, jobs=1):
-    """Rough CPU wall time of training `configs` with `jobs` one-thread workers."""
+def estimate_time(configs, jobs=1, shards=1):
+    """Rough CPU wall time (text) of training `configs`, split in `shards`, on `jobs` workers."""
     total = 0.0
     for cfg in (c.resolved() for c in configs):
         tokens = 2 * cfg.num_pairs + 5 if cfg.task == "ar" else min(cfg.max_terminals, 64) + 5
         rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 21 / tokens / max(1.0, cfg.d_model / 64)
                 * 2 / cfg.n_layers * 32 / cfg.batch_size)
         total += cfg.total_steps() / rate
-    return total / max(1, min(jobs, len(configs)))
-
-
-fmt_hours = lambda s: f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"   # s: seconds
+    seconds = total / max(1, min(jobs, len(configs))) / shards
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def catalogue():
     """`--list`: each experiment, its claim, the paper's numbers, each preset's runs and time."""
     lines = []
     for name, exp in EXPERIMENTS.items():
-        times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
+        times = [f"{preset}: {len(configs)} runs, ~{estimate_time(configs, 2)}"
                  for preset in PRESETS for configs in [experiment_configs(name, preset)]]
         numbers = "; ".join(f"{k} {v}" for k, v in exp.paper_numbers.items()) or "no number quoted"
         lines += [f"{name:<19} {exp.section}: {exp.finding}", f"{'':<19} paper: {numbers}",
@@ -1083,7 +1081,7 @@ def train_grid(args, command):
           f"{args.preset or 'quick'} | {len(configs)} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
+    hours = estimate_time(configs, jobs, shard[1])
     expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
     before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
