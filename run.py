@@ -533,9 +533,8 @@ def do_job(kind, payload, out, wants):
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=lambda msg: print(msg, file=sys.stderr, flush=True)):
-    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
-    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved.
-    group_size: train up to that many runs differing only in lr and seed as one batched model."""
+    """Train this shard's runs of `configs` not complete in `out` (patch one with a checkpoint),
+    each record appended as it ends; return the grid's in `out`. group_size: runs per model."""
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
     size = lambda v: isinstance(v, int) and v > 0
     for name, value, ok, expected in [
@@ -628,8 +627,7 @@ def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
 
 
 def spread(row, **rule):
-    """A row's distribution over its seeds (every run counted): n, accuracies, verdicts (a Counter)
-    and the median Attrib@Key/Value/Query of the seeds that can be read (rule: verdict_of's)."""
+    """A row's distribution over its seeds: n, accuracies, verdicts, the readable ones' medians."""
     runs = row["runs"]
     verdicts = [verdict_of(r, **rule) or "-" for r in runs]
     readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
@@ -790,8 +788,7 @@ SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
 
 
 def sensitivity_table(records):
-    """How many verdicts (every patched run of the experiments) and 'holds?' answers change when the
-    verdict's cut moves by 0.1 or the gap filter halves or doubles."""
+    """How many verdicts (every patched run) and 'holds?' answers each SENSITIVITY rule changes."""
     runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
             for r in rs if r.get("mechanism_table")}.values()
     judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
@@ -1475,8 +1472,7 @@ def plot_effective(fig, rows):
 
 
 def draw_figures(records, rows, name, folder, task="ar"):
-    """folder/<name>_<kind>.png of each kind that applies (a probe: its scatter): {kind: data};
-    None without matplotlib."""
+    """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1518,8 +1514,7 @@ def make_step(model, data, forward=None, lr=1e-3):
 
 
 SIZES = {"full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128,
-                      toeplitz_mib=64, repeats=5, batch=32, steps=10, archs=None, ks=(1, 7, 35),
-                      width=64),
+                      toeplitz_mib=64, repeats=5, batch=32, steps=10, ks=(1, 7, 35), width=64),
          "tiny": dict(lengths=(37, 64), b=2, tokens=128, e=8, n=4, d=8, toeplitz_mib=512, repeats=1,
                       batch=4, steps=2, archs=("attention", "mamba"), ks=(1, 35), width=16)}
 
@@ -1631,7 +1626,7 @@ def bench_train(device, sizes):
     rows, n = [], sizes["steps"]
     for shape, pairs in (("quick", 8), ("paper", 16)):
         data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0).to(device)
-        for arch in sizes["archs"] or models.ARCHS:
+        for arch in sizes.get("archs") or models.ARCHS:
             fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
                          for k in ("fast", "reference"))
             full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
@@ -1647,7 +1642,7 @@ def bench_train(device, sizes):
 def bench_ensemble(device, sizes):
     """4: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
     data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0).to(device), []
-    for arch in sizes["archs"] or models.ARCHS:
+    for arch in sizes.get("archs") or models.ARCHS:
         for k in sizes["ks"]:
             members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
             group, alone = make_step(mechsm.Ensemble(members), data), [make_step(m, data) for m in members]
