@@ -304,25 +304,23 @@ CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3":
                    "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
 
 
-def estimate_seconds(configs, jobs=1):
-    """Rough CPU wall time of training `configs` with `jobs` one-thread workers."""
+def estimate_time(configs, jobs=1, shards=1):
+    """Rough CPU wall time (text) of training `configs`, split in `shards`, on `jobs` workers."""
     total = 0.0
     for cfg in (c.resolved() for c in configs):
         tokens = 2 * cfg.num_pairs + 5 if cfg.task == "ar" else min(cfg.max_terminals, 64) + 5
         rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 21 / tokens / max(1.0, cfg.d_model / 64)
                 * 2 / cfg.n_layers * 32 / cfg.batch_size)
         total += cfg.total_steps() / rate
-    return total / max(1, min(jobs, len(configs)))
-
-
-fmt_hours = lambda s: f"{s / 60:.0f} min" if s < 5400 else f"{s / 3600:.1f} h"   # s: seconds
+    seconds = total / max(1, min(jobs, len(configs))) / shards
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def catalogue():
     """`--list`: each experiment, its claim, the paper's numbers, each preset's runs and time."""
     lines = []
     for name, exp in EXPERIMENTS.items():
-        times = [f"{preset}: {len(configs)} runs, ~{fmt_hours(estimate_seconds(configs, 2))}"
+        times = [f"{preset}: {len(configs)} runs, ~{estimate_time(configs, 2)}"
                  for preset in PRESETS for configs in [experiment_configs(name, preset)]]
         numbers = "; ".join(f"{k} {v}" for k, v in exp.paper_numbers.items()) or "no number quoted"
         lines += [f"{name:<19} {exp.section}: {exp.finding}", f"{'':<19} paper: {numbers}",
@@ -427,9 +425,8 @@ def json_safe(x):
 
 
 def out_path(out, *parts):
-    """out/parts, its folders made, to be written: a ValueError (one line) where writing it would
-    change a file outside the folder `out` (a symbolic link, of it or of a folder above it, that
-    leaves `out`; a file hard-linked to other names)."""
+    """out/parts, its folders made, to be written; a ValueError (one line) where writing it would
+    change a file outside `out` (a symbolic link leaving it; a file hard-linked to other names)."""
     path, real = os.path.join(out, *parts), os.path.realpath(out)
     if os.path.commonpath([real, os.path.realpath(path)]) != real:
         raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
@@ -478,8 +475,7 @@ def make_groups(configs, group_size=None):
 
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: interventions.mechanism's table, the numbers tables show and the
-    effective attention of the first evaluation document (the figure <experiment>_effective.png)."""
+    """A record's patching fields: the mechanism table, its summary, the effective attention."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
@@ -537,9 +533,8 @@ def do_job(kind, payload, out, wants):
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=lambda msg: print(msg, file=sys.stderr, flush=True)):
-    """Train the runs of `configs` (this shard's) not complete in `out`, appending each record as it
-    finishes; return the grid's records in `out`. Patch from a checkpoint where one is saved.
-    group_size: train up to that many runs differing only in lr and seed as one batched model."""
+    """Train this shard's runs of `configs` not complete in `out` (patch one with a checkpoint),
+    each record appended as it ends; return the grid's in `out`. group_size: runs per model."""
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
     size = lambda v: isinstance(v, int) and v > 0
     for name, value, ok, expected in [
@@ -620,8 +615,7 @@ UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that giv
 
 
 def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
-    """A record's verdict by interventions.verdict from its stored table, at any cut and gap filter
-    (the sensitivity table); None when not patched, "failed", or "n/a (1 layer)"."""
+    """A record's verdict from its stored table, at any cut and gap filter; None if unpatched."""
     table = record.get("mechanism_table")
     if record["status"] != "ok" or not table:
         return "failed" if record["status"] != "ok" else None
@@ -633,8 +627,7 @@ def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
 
 
 def spread(row, **rule):
-    """A row's distribution over its seeds (every run counted): n, accuracies, verdicts (a Counter)
-    and the median Attrib@Key/Value/Query of the seeds that can be read (rule: verdict_of's)."""
+    """A row's distribution over its seeds: n, accuracies, verdicts, the readable ones' medians."""
     runs = row["runs"]
     verdicts = [verdict_of(r, **rule) or "-" for r in runs]
     readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
@@ -661,8 +654,7 @@ def paper_text(name, row):
 
 
 def result_table(rows, experiment=None):
-    """Per labelled row of best_by_lr: the distribution over its seeds and (with the experiment's
-    name) the paper's number."""
+    """best_by_lr's rows: each one's seeds' distribution and (given `experiment`) the paper's."""
     cells = []
     for row in rows:
         best, s = row["best"], spread(row)
@@ -697,31 +689,18 @@ def runs_table(records):
     return markdown(cells)
 
 
-def timeline_text(row):
-    """The best run's history in one line: at most 6 evaluations (the last kept); an attribution is
-    '-' when missing or attrib_low_signal."""
-    history = row["best"].get("history") or []
-    keep = sorted({round(i * (len(history) - 1) / 5) for i in range(6)}) if history else []
-    attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
-    steps = [f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
-             f"{attrib(h, 'attrib_query')}" for h in (history[i] for i in keep)]
-    return f"- {row['label']}: " + "; ".join(steps)
-
-
 def read_command(folder, name):
-    """folder/<name>.command.json (the command that trained its runs, and how long), or None; one
-    warning if it cannot be read."""
+    """folder/<name>.command.json (the command that trained its runs), or None; warns if bad."""
     path = os.path.join(folder, f"{name}.command.json")
     if not os.path.exists(path):
         return None
     try:
-        with open(path, encoding="utf-8") as f:
-            c = json.load(f)
-        if isinstance(c, dict) and isinstance(c.get("wall_s"), (int, float)) and all(
-                k in c for k in ("command", "trained", "jobs", "date", "machine", "load")):
-            return c
+        c = json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, OSError, RecursionError):
-        pass
+        c = None
+    if fits(c, {**dict.fromkeys(("command", "date", "machine", "load"), str), "wall_s": REAL,
+                "trained": int, "jobs": int}):
+        return c
     print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
     return None
 
@@ -743,6 +722,14 @@ def render(name, preset, records, folder=None):
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
     c = read_command(folder, name) if folder else None
+    attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
+    timeline = []
+    for row in rows:                  # the best run's history: 6 evaluations at most, the last kept
+        history = row["best"].get("history") or []
+        keep = {round(i * (len(history) - 1) / 5) for i in range(6)}
+        timeline.append(f"- {row['label']}: " + "; ".join(
+            f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
+            f"{attrib(h, 'attrib_query')}" for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, name), "",
         f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
@@ -752,7 +739,7 @@ def render(name, preset, records, folder=None):
         "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
         f"{exp.section}.", "",
         "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
-        "too little signal to read):", *[timeline_text(row) for row in rows], "",
+        "too little signal to read):", *timeline, "",
         f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
         f"summed), made {made}."
         + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
@@ -761,9 +748,8 @@ def render(name, preset, records, folder=None):
 
 
 def holds(text, s):
-    """Whether a row's seeds bear out the paper's `text` (s: its spread): 'yes' when the paper's
-    reading is the verdict of a majority of the seeds that can be read, 'unreadable' when fewer than
-    half can; for 'fails', whether the median accuracy is below 50%; '-' for a number alone."""
+    """Whether a row's seeds (s: its spread) bear out `text`: its reading the majority verdict of
+    the readable ones ('unreadable': under half are), 'fails' a median accuracy < 50%; else '-'."""
     for reading in interventions.READINGS.values():
         if reading in text:
             if 2 * s["readable"] < s["n"]:
@@ -802,8 +788,7 @@ SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
 
 
 def sensitivity_table(records):
-    """How many verdicts (every patched run of the experiments) and 'holds?' answers change when the
-    verdict's cut moves by 0.1 or the gap filter halves or doubles."""
+    """How many verdicts (every patched run) and 'holds?' answers each SENSITIVITY rule changes."""
     runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
             for r in rs if r.get("mechanism_table")}.values()
     judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
@@ -834,8 +819,7 @@ def pivot(records, across):
 
 
 def summary_table(folder="results"):
-    """The README's summary: each experiment's rows beside the paper's, the sensitivity of the
-    verdicts, the CPU time of the records, the `ar` timing and the probes."""
+    """The README's summary of the records in `folder`: the table, the notes under it, probes."""
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
@@ -986,8 +970,7 @@ def build_parser():
     a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
     a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
-    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, as memory allows; "
-      "1 on cuda)")
+    a("--jobs", int, help="runs trained in parallel (default: one per CPU core, 1 on cuda)")
     a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
       "one batched model (default: 1 on a CPU, where it does not pay; a whole cell on cuda)")
     a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: "
@@ -1046,28 +1029,9 @@ def grid_runs(args, name, device):
     return configs, notes
 
 
-WORKER_GIB = 1.0   # memory one training worker may take (the quick grids: ~0.5 GiB)
-
-
-def default_jobs(device, n_runs):
-    """(jobs, why): on a CPU one worker per core, as many as memory allows; one on a GPU."""
-    if device != "cpu":
-        return 1, "one process drives the GPU"
-    cores = os.cpu_count() or 1
-    try:
-        free_gib = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except (ValueError, OSError, AttributeError):      # not a POSIX system: trust the cores
-        free_gib = float("inf")
-    fit = max(1, int(free_gib // WORKER_GIB))
-    memory = f", memory for {fit} workers of ~{WORKER_GIB:g} GiB" if fit < cores else ""
-    runs = f", {n_runs} runs" if n_runs < min(cores, fit) else ""
-    return max(1, min(cores, fit, n_runs)), f"{cores} CPU cores{memory}{runs}"
-
-
 def report_grid(name, preset, records, out):
     """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
-    figures, write OUT/<name>.md, print its table and timeline, and the heatmap of the most accurate
-    model with an extra site (else the most accurate)."""
+    figures, write OUT/<name>.md, print its table, timeline and a heatmap."""
     path = out_path(out, f"{name}.jsonl")
     kept = {run_key(r["config"]): r for r in read_results(path)}
     for record in records:
@@ -1096,7 +1060,11 @@ def train_grid(args, command):
     check_runs(configs)                              # bad input: one line, before anything runs
     for note in notes:
         print(note, file=sys.stderr)
-    jobs, why = (args.jobs, "--jobs") if args.jobs else default_jobs(device, len(configs))
+    jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
+    if not args.jobs and device == "cpu":                       # one worker per core
+        cores = os.cpu_count() or 1
+        jobs = min(cores, len(configs))
+        why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
              *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
@@ -1110,7 +1078,7 @@ def train_grid(args, command):
           f"{args.preset or 'quick'} | {len(configs)} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = fmt_hours(estimate_seconds(configs, jobs) / shard[1])
+    hours = estimate_time(configs, jobs, shard[1])
     expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
     before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
@@ -1211,7 +1179,19 @@ def run_jobs(work, out, wants, jobs):
         for future in as_completed(futures):
             yield from future.result()
     except BaseException as e:      # a worker died; Ctrl-C, SIGTERM (a KeyboardInterrupt); a crash
-        stop_workers(pool)
+        # SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile
+        processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.join(5)
+                process.kill()                   # a process that has ended is not signalled
+                process.join(5)
+            pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         if isinstance(e, BrokenExecutor):
             raise BrokenExecutor("a worker process died (killed by a signal, or out of memory); "
                                  f"finished runs are kept in {out}; rerun to continue") from None
@@ -1229,22 +1209,6 @@ def worker_init(parent):
             time.sleep(1.0)
         os._exit(1)
     threading.Thread(target=exit_with_parent, daemon=True).start()
-
-
-def stop_workers(pool):
-    """SIGTERM each worker, wait, SIGKILL any left; SIGINT/SIGTERM are held back meanwhile."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())   # no API before 3.14
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(5)
-            process.kill()                       # a process that has ended is not signalled
-            process.join(5)
-        pool.shutdown(wait=False, cancel_futures=True)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 # --- Shards, provenance, older records, the README's summary
@@ -1280,9 +1244,8 @@ def provenance():
 
 
 def add_effective(folder, name, log=print):
-    """Give the best run of each row of folder/<name>.jsonl its "effective" maps when its record
-    predates them: from its checkpoint, else retrained (training is deterministic; the retrained
-    final metrics must equal the record's). Other fields of the record stay as they are."""
+    """Give each row's best run in folder/<name>.jsonl its "effective" maps if it predates them:
+    from its checkpoint, else retrained (deterministic: its final metrics must match the record)."""
     path = out_path(folder, f"{name}.jsonl")
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
@@ -1509,8 +1472,7 @@ def plot_effective(fig, rows):
 
 
 def draw_figures(records, rows, name, folder, task="ar"):
-    """folder/<name>_<kind>.png of each kind that applies (a probe: its scatter): {kind: data};
-    None without matplotlib."""
+    """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -1552,13 +1514,12 @@ def make_step(model, data, forward=None, lr=1e-3):
 
 
 SIZES = {"full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128,
-                      toeplitz_mib=64, repeats=5, batch=32, steps=10, archs=None, docs=320,
-                      ks=(1, 7, 35), width=64),
+                      toeplitz_mib=64, repeats=5, batch=32, steps=10, ks=(1, 7, 35), width=64),
          "tiny": dict(lengths=(37, 64), b=2, tokens=128, e=8, n=4, d=8, toeplitz_mib=512, repeats=1,
-                      batch=4, steps=2, archs=("attention", "mamba"), docs=8, ks=(1, 35), width=16)}
+                      batch=4, steps=2, archs=("attention", "mamba"), ks=(1, 35), width=16)}
 
 
-def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
+def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4)):
     """Run the parts (one thread on a CPU, as the workers), print their tables, return them."""
     device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
     env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
@@ -1569,7 +1530,7 @@ def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4, 5)):
     torch.set_num_threads(env["threads"])
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            measures = (bench_scan, bench_conv, bench_train, bench_mechanism, bench_ensemble)
+            measures = (bench_scan, bench_conv, bench_train, bench_ensemble)
             for part in parts:
                 for key, rows, title in measures[part - 1](device, SIZES[size]):
                     print_table(title, rows, print_fn)
@@ -1665,7 +1626,7 @@ def bench_train(device, sizes):
     rows, n = [], sizes["steps"]
     for shape, pairs in (("quick", 8), ("paper", 16)):
         data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0).to(device)
-        for arch in sizes["archs"] or models.ARCHS:
+        for arch in sizes.get("archs") or models.ARCHS:
             fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
                          for k in ("fast", "reference"))
             full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
@@ -1678,20 +1639,10 @@ def bench_train(device, sizes):
              "fast kernels and readout-only head against kernels='reference' and the full-vocabulary head")]
 
 
-def bench_mechanism(device, sizes):
-    """4: the time of one full interventions.mechanism table per architecture (untrained models)."""
-    data, rows = mechsm.tasks.make_ar(sizes["docs"], seed=1).to(device), []
-    for arch in sizes["archs"] or models.ARCHS:
-        model, result = models.build_model(arch, data.vocab_size, 64, 2, seed=0).to(device).eval(), {}
-        t = medians({"one": lambda: result.update(interventions.mechanism(model, data, n_docs=sizes["docs"]))}, 1, device)
-        rows.append(dict(arch=arch, docs=len(data), cells=sum(len(r["scores"]) for r in result["rows"]), seconds=t["one"]))
-    return [("mechanism", rows, "4. One full interventions.mechanism table (every site x layer x position)")]
-
-
 def bench_ensemble(device, sizes):
-    """5: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
+    """4: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
     data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0).to(device), []
-    for arch in sizes["archs"] or models.ARCHS:
+    for arch in sizes.get("archs") or models.ARCHS:
         for k in sizes["ks"]:
             members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
             group, alone = make_step(mechsm.Ensemble(members), data), [make_step(m, data) for m in members]
@@ -1701,7 +1652,7 @@ def bench_ensemble(device, sizes):
             rows.append(dict(arch=arch, k=k, group_steps_s=k / t["group"], separate_steps_s=k / t["separate"],
                              speedup=t["separate"] / t["group"], group_ops=group_ops, separate_ops=separate_ops,
                              ops_ratio=group_ops / separate_ops))
-    return [("ensemble", rows, f"5. K runs (width {sizes['width']}) as one batched model against K models "
+    return [("ensemble", rows, f"4. K runs (width {sizes['width']}) as one batched model against K models "
              "one after another: model-steps/s, and operators dispatched per model-step (torch.profiler), "
              "optimizer included")]
 

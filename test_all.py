@@ -1827,14 +1827,11 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
     for row in result["selective_scan"]:
         assert math.isfinite(row["passes"]) and row["passes"] > 0, row
 
-    # Training and patching rows exist for every arch of the tiny run; each has a positive rate.
+    # Training rows exist for every arch of the tiny run; each has a positive rate.
     assert [(row["shape"], row["tokens"], row["arch"]) for row in result["train"]] == \
         [("quick", 21, "attention"), ("quick", 21, "mamba"), ("paper", 37, "attention"), ("paper", 37, "mamba")]
-    assert [row["arch"] for row in result["mechanism"]] == ["attention", "mamba"]
     for row in result["train"]:
         assert row["fast_steps_s"] > 0 and row["reference_steps_s"] > 0 and math.isfinite(row["speedup"])
-    for row in result["mechanism"]:
-        assert math.isfinite(row["seconds"]) and row["seconds"] > 0 and row["cells"] > 0
 
     # Groups: a row per (arch, K); operators per model-step fall as 1/K: at K = 35 at most 1/15 of a
     # separate run's, the optimizer included (a count, not a timing)
