@@ -1243,14 +1243,20 @@ def provenance():
             "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
 
 
+def best_per_arch(rows):
+    """The most accurate row of each architecture (the effective-attention figure's), in order."""
+    best = {r["arch"]: r for r in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0)}
+    return [best[a] for a in dict.fromkeys(r["arch"] for r in rows)]
+
+
 def add_effective(folder, name, log=print):
-    """Give each row's best run in folder/<name>.jsonl its "effective" maps if it predates them:
+    """Give the best run of each arch in folder/<name>.jsonl its "effective" maps if it predates them:
     from its checkpoint, else retrained (deterministic: its final metrics must match the record)."""
     path = out_path(folder, f"{name}.jsonl")
     with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.readlines()
     parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
-    for row in best_by_lr([r for r in parsed if r]):
+    for row in best_per_arch(best_by_lr([r for r in parsed if r])):
         record = row["best"]
         if record.get("effective") or record["status"] != "ok":
             continue
@@ -1450,9 +1456,7 @@ def plot_box(fig, records):
 def plot_effective(fig, rows):
     """The best run of each architecture, its effective attention on one document: the query's row
     in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
-    best = {r["arch"]: r for r in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0)}
-    rows = [(best[a]["label"], best[a]) for a in dict.fromkeys(r["arch"] for r in rows)
-            if best[a]["best"].get("effective")]
+    rows = [(r["label"], r) for r in best_per_arch(rows) if r["best"].get("effective")]
     panels = []
     for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
         eff = row["best"]["effective"]
