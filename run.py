@@ -1250,7 +1250,7 @@ def best_per_arch(rows):
 
 
 def add_effective(folder, name, log=print):
-    """Give the best run of each arch in folder/<name>.jsonl its "effective" maps if it predates them:
+    """Give each arch's best run in folder/<name>.jsonl its "effective" maps if it predates them:
     from its checkpoint, else retrained (deterministic: its final metrics must match the record)."""
     path = out_path(folder, f"{name}.jsonl")
     with open(path, encoding="utf-8", errors="replace") as f:
