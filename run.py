@@ -841,8 +841,8 @@ def summary_table(folder="results"):
                   for r in unique)
     out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
                "patching (the records' wall times summed; every run on one thread), made by `python "
-               "run.py --experiment NAME --replicates --out results` for each experiment, split into "
-               "processes with `--shard I/N --jobs 1`.")
+               "run.py --experiment NAME --replicates --no-save` in shards (README: how the numbers "
+               "were made).")
     first = [r for r in records["ar"] if r["config"]["seed"] == 0]
     minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
     out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
