@@ -1487,7 +1487,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
              "width": (plot_width, rows, several),
              "box": (plot_box, records, task == "atr" and patched_runs(records, with_signal=True)),
              "effective": (plot_effective, rows,
-                           task in ("ar", "atr") and any(r["best"].get("effective") for r in rows))}
+                           any(r["best"].get("effective") for r in best_per_arch(rows)))}
     out = {}
     for kind, (draw, data, wanted) in kinds.items():
         if wanted and (kind == "scatter" or not getattr(EXPERIMENTS.get(name), "probe", False)):

@@ -2789,6 +2789,10 @@ def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path)
     fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "atr", tmp_path / "c", task="atr")
     for name in os.listdir(tmp_path / "b"):
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
+    rows = fig_rows(records)                     # maps only on a run the figure does not show
+    less = min((r for r in rows if r["arch"] == "hyena"), key=lambda r: r["best"]["final"]["acc"])
+    less["best"] = {**less["best"], "effective": {"query": [[1.0]], "value": [1.0], "positions": {}}}
+    assert "effective" not in fs.draw_figures(records, rows, "ar", tmp_path / "d", task="ar")
 
 
 def test_draw_figures_without_matplotlib_returns_none_and_writes_nothing(monkeypatch, tmp_path):
