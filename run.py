@@ -201,7 +201,7 @@ EXPERIMENTS = {e.name: e for e in [
                 "V .93 Q 0: induction", "h3": "d 64: 90.00%; box K .44 V .02 Q .52: direct retrieval",
                 "hyena": "d 64: 85.31%; box K .48 V .08 Q .50: direct retrieval (Q .495)",
                 "mamba": "d 64: 96.25%; box K .55 V .03 Q .29: held at the key (Sec. 5.2's text: "
-                "retrieval at the query)", **LATER},
+                "retrieval at the query)", "gated_deltanet": LATER["gated_deltanet"]},
                quick(QUICK_ATR, each("mamba", "attention", "h3", "hyena", "based", "base_conv",
                                       "gated_deltanet"), seeds={"mamba": SEEDS5, "*": SEEDS3}),
                paper(PAPER_ATR, each(*PAPER_ARCHS))),
