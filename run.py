@@ -791,16 +791,15 @@ def sensitivity_table(records):
     """How many verdicts (every patched run) and 'holds?' answers each SENSITIVITY rule changes."""
     runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
             for r in rs if r.get("mechanism_table")}.values()
-    judged = [(text, row) for name, rs in records.items() if not EXPERIMENTS[name].probe
-              for row in best_by_lr(rs) for text in [paper_text(name, row)]
-              if text and holds(text, spread(row)) in ("yes", "no", "unreadable")]
-    base = [verdict_of(r) for r in runs], [holds(t, spread(row)) for t, row in judged]
-    cells = []
+    judged = [(text, row, answer) for name, rs in records.items() if not EXPERIMENTS[name].probe
+              for row in best_by_lr(rs) for text in [paper_text(name, row)] if text
+              for answer in [holds(text, spread(row))] if answer != "-"]    # a judged reading
+    verdicts, cells = [verdict_of(r) for r in runs], []
     for label, rule in SENSITIVITY:
-        moved = collections.Counter((a, b) for a, b in zip(base[0], (verdict_of(r, **rule) for r in runs))
+        moved = collections.Counter((a, b) for a, b in zip(verdicts, (verdict_of(r, **rule) for r in runs))
                                     if a != b)
-        flips = sum(a != holds(t, spread(row, **rule)) for a, (t, row) in zip(base[1], judged))
-        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(base[0])}",
+        flips = sum(a != holds(t, spread(row, **rule)) for t, row, a in judged)
+        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(verdicts)}",
                       "how": ", ".join(f"{a} -> {b} {k}" for (a, b), k in moved.most_common()) or "-",
                       "'holds?' answers that change": f"{flips}/{len(judged)}"})
     return ("Sensitivity of the verdicts (every patched run of the experiments; "
@@ -837,14 +836,14 @@ def summary_table(folder="results"):
                    "be read: " + "; ".join(extras) + ".")
     out.append("\n" + sensitivity_table(records))
     unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
-    seconds = sum((r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
-                  for r in unique)
+    cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
+    seconds = sum(map(cost, unique))                # training and patching, one thread each
     out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
                "patching (the records' wall times summed; every run on one thread), made by `python "
                "run.py --experiment NAME --replicates --no-save` in shards (README: how the numbers "
                "were made).")
     first = [r for r in records["ar"] if r["config"]["seed"] == 0]
-    minutes = sum(r["wall_s"] + r["mechanism_table"]["seconds"] for r in first) / 60
+    minutes = sum(map(cost, first)) / 60
     out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
                f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
                f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
