@@ -196,7 +196,13 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
     return {"score": score if math.isfinite(score) else None,
             "p_clean": clean, "p_corrupt": corrupted, "p_patched": patched, "gap": gap,
             "per_doc": (p_patched.double() - p_corrupt.double()).tolist(),  # Δ per document
-            "low_signal": not gap > threshold}                 # NaN probabilities: no signal
+            "low_signal": no_signal(gap, threshold)}
+
+
+def no_signal(gap, threshold):
+    """Whether a gap P̄_clean − P̄_corrupt is too small to attribute: at or below the threshold, or
+    not a number (NaN probabilities; None in a JSON record)."""
+    return not (isinstance(gap, (int, float)) and gap > threshold)
 
 
 def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):

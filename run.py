@@ -621,8 +621,8 @@ def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
         return "failed" if record["status"] != "ok" else None
     if not table.get("headline"):
         return "n/a (1 layer)"                       # no layer-1 block input to read
-    threshold, gap = table["threshold"] * gap_scale, table.get("gap")
-    low = not (isinstance(gap, (int, float)) and gap > threshold)      # NaN: no signal
+    threshold = table["threshold"] * gap_scale
+    low = interventions.no_signal(table.get("gap"), threshold)
     return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
 
 
@@ -806,17 +806,6 @@ def sensitivity_table(records):
             f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
 
 
-def pivot(records, across):
-    """A probe's runs: a line per (arch, lr, seed, other fields), a column per value of `across`."""
-    configs, cells = [config_of(r) for r in records], {}
-    for r, cfg in zip(records, configs):
-        label = row_label(cfg, configs, [f for f in LABEL_FIELDS if f not in (across, "num_values")])
-        cells.setdefault(label, {"run": label})[f"{across} {getattr(cfg, across)}"] = \
-            f"{fmt_pct(r['final'].get('acc'))} {verdict_of(r) or '-'}"
-    columns = ["run"] + [f"{across} {v}" for v in sorted({getattr(c, across) for c in configs})]
-    return markdown(sorted(cells.values(), key=lambda c: c["run"]), columns)
-
-
 def summary_table(folder="results"):
     """The README's summary of the records in `folder`: the table, the notes under it, probes."""
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
@@ -852,10 +841,9 @@ def summary_table(folder="results"):
     if c:
         out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
                    f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
-    for name, across in (("ar-vocab", "num_keys"), ("atr-budget", "steps")):
-        if records[name]:
-            out.append(f"\nProbe [{name}]({rel}/{name}.md) ({EXPERIMENTS[name].finding}): "
-                       "accuracy, verdict\n\n" + pivot(records[name], across))
+    probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
+    out.append("\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
+               + "; ".join(probes) + ".")
     return "\n".join(out)
 
 

@@ -1273,6 +1273,20 @@ def test_verdict_rule():
     assert iv.verdict(kvq(0.65, 0.0, 0.5), False, cut=0.6)[0] == "held at the key"
 
 
+def test_no_signal_is_one_rule_for_a_live_attribution_and_a_stored_record():
+    """The gap filter: at or below the threshold, or no number (NaN live, None in JSON), is no
+    signal; attribution() and a record's re-read verdict (run.verdict_of) use the same rule."""
+    assert [iv.no_signal(g, 0.1) for g in (0.1, 0.1000001, float("nan"), None, -1.0)] == \
+        [True, False, True, True, True]
+    ones = torch.ones(4, dtype=torch.float64)
+    for gap in (0.1, 0.3):
+        a = iv.attribution(ones * 0.5, ones * (0.5 - gap), ones * 0.5, threshold=0.1)
+        record = {"status": "ok", "mechanism_table": {"threshold": 0.1, "gap": a["gap"],
+                  "headline": {"key": 0.0, "value": 1.0, "query": 0.0}}}
+        assert a["low_signal"] == iv.no_signal(a["gap"], 0.1)
+        assert (run_cli.verdict_of(record) == "no signal") == a["low_signal"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Interchange interventions
 # ---------------------------------------------------------------------------------------------
