@@ -767,11 +767,12 @@ def summary_rows(name, rows):
         lines = {}
         for row in sorted(rows, key=lambda r: r["d_model"]):
             line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
-            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(spread(row)['acc']))}")
+            s = spread(row)
+            (verdict, k), = s["verdicts"].most_common(1)
+            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(s['acc']))} "
+                                 f"({verdict} {k}/{s['n']})")
         return [{"row": label, "paper": paper_text(name, line["row"]) or "no number quoted",
-                 "holds?": "-",
-                 "ours": " · ".join(line["cells"]) + f" (median of {spread(line['row'])['n']})"}
-                for label, line in lines.items()]
+                 "holds?": "-", "ours": " · ".join(line["cells"])} for label, line in lines.items()]
     out = []
     for row in [row for row in rows if paper_text(name, row)] or rows:
         s, final, text = spread(row), row["best"]["final"], paper_text(name, row)
