@@ -833,11 +833,8 @@ def summary_table(folder="results"):
                "run.py --experiment NAME --replicates --no-save` in shards (README: how the numbers "
                "were made).")
     first = [r for r in records["ar"] if r["config"]["seed"] == 0]
-    minutes = sum(map(cost, first)) / 60
-    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar`: their records' "
-               f"training and patching times sum to {minutes:.0f} minutes of one thread each, "
-               f"~{minutes / 2:.0f} minutes with its 2 jobs on 2 cores (times measured beside other "
-               "jobs, so an upper bound).")
+    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar` (`--replicates`: "
+               "every seed, as results/ holds).")
     c = read_command(folder, "ar")
     if c:
         out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
