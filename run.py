@@ -278,6 +278,250 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     return configs
 
 
+# ===== One run: train, patch, record
+
+def patched(model, cfg, dataset):
+    """A record's patching fields: the mechanism table, its summary, the effective attention."""
+    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
+    head = table.get("headline") or table.get("mixer_out") or {}
+    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
+               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
+               **table.get("extra", {})}
+    return json_safe({"mechanism": summary, "mechanism_table": table,
+                      "effective": interventions.effective_record(model, dataset)})
+
+
+def do_job(kind, payload, out, wants):
+    """Train a group of configs, or patch a recorded run from its checkpoint: the records. A part of
+    a finished run that fails (a full disk: torch's RuntimeError) costs that part only."""
+    def without(cfg, what, e):
+        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
+              file=sys.stderr)
+
+    try:
+        if kind == "patch":
+            cfg, record = payload
+            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
+                                       device=mechsm.resolve_device(cfg.device))
+            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
+                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
+            pairs = [(dict(record), model)]
+        else:
+            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
+        for record, model in pairs:
+            cfg, ok = config_of(record), record["status"] == "ok"
+            if ok and wants["patch"]:
+                try:
+                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+                except Exception as e:
+                    if kind == "patch":          # nothing new to record
+                        raise
+                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
+            if ok and wants["save"] and not record.get("checkpoint"):
+                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
+                try:
+                    mechsm.save(model, cfg, out_path(out, path))
+                    record["checkpoint"] = path
+                except Exception as e:
+                    without(cfg, "checkpoint not saved", e)
+            record.setdefault("checkpoint", None)
+            record.setdefault("provenance", provenance())
+        return [json_safe(record) for record, _ in pairs]
+    except Exception as e:
+        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
+            import traceback
+            traceback.print_exc()
+        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
+              "rerun retries it)", file=sys.stderr)
+        return []
+
+
+# ===== The report
+# The best run per row (the paper reports the best learning rate) beside the paper's numbers.
+
+def best_by_lr(records):
+    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
+    failed run never wins): arch, d_model, best_lr, runs (the seeds of best_lr), best, label."""
+    groups, configs = {}, [config_of(r) for r in records]
+    for r in latest(records):
+        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
+        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
+    score = lambda r: r["final"].get("acc") or 0.0
+    rows = []
+    for per_lr in groups.values():
+        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
+        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
+        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
+        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
+            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
+        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
+                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
+                     "label": row_label(config_of(best), configs)})
+    return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
+
+
+fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
+fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
+# a spread's (below) accuracies, their median and range: '50.0% (0.9-84.4)'; its verdicts, most
+# frequent first: 'direct retrieval 4/5, no signal 1/5'
+fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
+    f" ({100 * s['acc'][0]:.1f}-{100 * s['acc'][-1]:.1f})" if len(s["acc"]) > 1 else " (1 seed)")
+fmt_counts = lambda s: ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
+
+
+def markdown(cells, columns=None):
+    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
+    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
+    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
+    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+                     + [f"| {row} |" for row in rows])
+
+
+# a record's attrib_key / _value / _query: their names in the tables and colours in the figures
+ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
+           "query": ("Attrib@Query", "tab:blue")}
+UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
+
+
+def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
+    """A record's verdict from its stored table, at any cut and gap filter; None if unpatched."""
+    table = record.get("mechanism_table")
+    if record["status"] != "ok" or not table:
+        return "failed" if record["status"] != "ok" else None
+    if not table.get("headline"):
+        return "n/a (1 layer)"                       # no layer-1 block input to read
+    threshold = table["threshold"] * gap_scale
+    low = interventions.no_signal(table.get("gap"), threshold)
+    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
+
+
+def spread(row, **rule):
+    """A row's distribution over its seeds: n, accuracies, verdicts, the readable ones' medians."""
+    runs = row["runs"]
+    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
+    readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
+    heads = [r["mechanism_table"]["headline"] for r in readable]
+    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
+            "verdicts": collections.Counter(verdicts), "readable": len(readable), "median": {
+                k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
+
+
+def widest_rows(rows):
+    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
+    keep = {}
+    for row in rows:
+        d = row["d_model"]
+        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
+        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
+    return keep
+
+
+def paper_text(name, row):
+    """The paper's text for a row of experiment `name` (by its label, else its arch), or None."""
+    numbers = EXPERIMENTS[name].paper_numbers
+    return numbers.get(row["label"], numbers.get(row["arch"]))
+
+
+def result_table(rows, experiment=None):
+    """best_by_lr's rows: each one's seeds' distribution and (given `experiment`) the paper's."""
+    cells = []
+    for row in rows:
+        best, s = row["best"], spread(row)
+        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
+             "accuracy: median (range)": fmt_acc(s)}
+        c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
+                  for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
+        c.update({name: "n/a" if best["config"]["n_layers"] == 1 else fmt_num(s["median"][k])
+                  for k, (name, _) in ATTRIBS.items()})
+        mechs = [r.get("mechanism") or {} for r in row["runs"]]
+        for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
+            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
+        c["verdicts"] = fmt_counts(s)
+        if experiment is not None:
+            c["paper"] = paper_text(experiment, row) or "-"
+        cells.append(c)
+    return markdown(cells)
+
+
+# ===== One experiment's report and the grid's story
+
+def report_grid(name, preset, records, out):
+    """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
+    figures, write OUT/<name>.md, print its table, timeline and a heatmap."""
+    path = out_path(out, f"{name}.jsonl")
+    kept = {run_key(r["config"]): r for r in read_results(path)}
+    for record in records:
+        if kept.get(run_key(record["config"])) != record:
+            append_result(path, record)
+    records = latest(read_results(path, warn=False))
+    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"]) is None:
+        print(FIGURES_HINT, file=sys.stderr)
+    rows, text = render(name, preset, records, out)
+    Path(out_path(out, f"{name}.md")).write_text(text)
+    print(text.split("\n", 2)[2].split("\n![")[0])
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+
+
+def train_grid(args, command):
+    """Train the grid that `args` asks for into --out, then report it; `command` is recorded in
+    OUT/<experiment>.command.json. Exit status 1 when runs of the grid are missing (crashed)."""
+    t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
+    device = mechsm.resolve_device(args.device or "auto")
+    configs, notes = grid_runs(args, name, device)
+    check_runs(configs)                              # bad input: one line, before anything runs
+    for note in notes:
+        print(note, file=sys.stderr)
+    jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
+    if not args.jobs and device == "cpu":                       # one worker per core
+        cores = os.cpu_count() or 1
+        jobs = min(cores, len(configs))
+        why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
+    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
+    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
+             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
+    try:                       # before any training: --out unwritable, or a file linking out of it
+        for file in files:
+            out_path(out, file)
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
+          f"{args.preset or 'quick'} | {len(configs)} runs"
+          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
+    hours = estimate_time(configs, jobs, shard[1])
+    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
+    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
+                    save=not args.no_save, group_size=group_size)
+    if not records:
+        raise ValueError("no run finished; nothing to report")
+    trained = sum(before.get(run_key(r["config"])) != r for r in records)
+    if trained:
+        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
+            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
+            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+    report_grid(name, args.preset or "quick", records, out)
+    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
+    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
+        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
+    return 1 if missing and shard[1] == 1 else 0
+
+
+# ===== Below: machinery a learner can skip (workers, shards, README, figures, benchmark) =====
+
+
+# --- The grid's helpers
+
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
     words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
@@ -474,63 +718,6 @@ def make_groups(configs, group_size=None):
             for i in range(0, len(cell), group_size or len(cell))]
 
 
-def patched(model, cfg, dataset):
-    """A record's patching fields: the mechanism table, its summary, the effective attention."""
-    table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
-    head = table.get("headline") or table.get("mixer_out") or {}
-    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
-               **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
-               **table.get("extra", {})}
-    return json_safe({"mechanism": summary, "mechanism_table": table,
-                      "effective": interventions.effective_record(model, dataset)})
-
-
-def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint: the records. A part of
-    a finished run that fails (a full disk: torch's RuntimeError) costs that part only."""
-    def without(cfg, what, e):
-        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
-        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
-              file=sys.stderr)
-
-    try:
-        if kind == "patch":
-            cfg, record = payload
-            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
-                                       device=mechsm.resolve_device(cfg.device))
-            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
-                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
-            pairs = [(dict(record), model)]
-        else:
-            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
-        for record, model in pairs:
-            cfg, ok = config_of(record), record["status"] == "ok"
-            if ok and wants["patch"]:
-                try:
-                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
-                except Exception as e:
-                    if kind == "patch":          # nothing new to record
-                        raise
-                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
-            if ok and wants["save"] and not record.get("checkpoint"):
-                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
-                try:
-                    mechsm.save(model, cfg, out_path(out, path))
-                    record["checkpoint"] = path
-                except Exception as e:
-                    without(cfg, "checkpoint not saved", e)
-            record.setdefault("checkpoint", None)
-            record.setdefault("provenance", provenance())
-        return [json_safe(record) for record, _ in pairs]
-    except Exception as e:
-        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
-            import traceback
-            traceback.print_exc()
-        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
-              "rerun retries it)", file=sys.stderr)
-        return []
-
-
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
           log=lambda msg: print(msg, file=sys.stderr, flush=True)):
     """Train this shard's runs of `configs` not complete in `out` (patch one with a checkpoint),
@@ -565,113 +752,6 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         append_result(results, record)
     newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     return [newest[k] for k in unique if k in newest]
-
-
-# ===== The report
-# The best run per row (the paper reports the best learning rate) beside the paper's numbers.
-
-def best_by_lr(records):
-    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
-    failed run never wins): arch, d_model, best_lr, runs (the seeds of best_lr), best, label."""
-    groups, configs = {}, [config_of(r) for r in records]
-    for r in latest(records):
-        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
-        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
-    score = lambda r: r["final"].get("acc") or 0.0
-    rows = []
-    for per_lr in groups.values():
-        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
-        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
-        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
-            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
-        rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
-                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
-                     "label": row_label(config_of(best), configs)})
-    return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
-
-
-fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
-fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
-# a spread's (below) accuracies, their median and range: '50.0% (0.9-84.4)'; its verdicts, most
-# frequent first: 'direct retrieval 4/5, no signal 1/5'
-fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
-    f" ({100 * s['acc'][0]:.1f}-{100 * s['acc'][-1]:.1f})" if len(s["acc"]) > 1 else " (1 seed)")
-fmt_counts = lambda s: ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
-
-
-def markdown(cells, columns=None):
-    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
-    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
-    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
-    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
-                     + [f"| {row} |" for row in rows])
-
-
-# a record's attrib_key / _value / _query: their names in the tables and colours in the figures
-ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
-           "query": ("Attrib@Query", "tab:blue")}
-UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
-
-
-def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
-    """A record's verdict from its stored table, at any cut and gap filter; None if unpatched."""
-    table = record.get("mechanism_table")
-    if record["status"] != "ok" or not table:
-        return "failed" if record["status"] != "ok" else None
-    if not table.get("headline"):
-        return "n/a (1 layer)"                       # no layer-1 block input to read
-    threshold = table["threshold"] * gap_scale
-    low = interventions.no_signal(table.get("gap"), threshold)
-    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
-
-
-def spread(row, **rule):
-    """A row's distribution over its seeds: n, accuracies, verdicts, the readable ones' medians."""
-    runs = row["runs"]
-    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
-    readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
-    heads = [r["mechanism_table"]["headline"] for r in readable]
-    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
-            "verdicts": collections.Counter(verdicts), "readable": len(readable), "median": {
-                k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
-
-
-def widest_rows(rows):
-    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
-    keep = {}
-    for row in rows:
-        d = row["d_model"]
-        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
-        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
-    return keep
-
-
-def paper_text(name, row):
-    """The paper's text for a row of experiment `name` (by its label, else its arch), or None."""
-    numbers = EXPERIMENTS[name].paper_numbers
-    return numbers.get(row["label"], numbers.get(row["arch"]))
-
-
-def result_table(rows, experiment=None):
-    """best_by_lr's rows: each one's seeds' distribution and (given `experiment`) the paper's."""
-    cells = []
-    for row in rows:
-        best, s = row["best"], spread(row)
-        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
-             "accuracy: median (range)": fmt_acc(s)}
-        c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
-                  for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
-        c.update({name: "n/a" if best["config"]["n_layers"] == 1 else fmt_num(s["median"][k])
-                  for k, (name, _) in ATTRIBS.items()})
-        mechs = [r.get("mechanism") or {} for r in row["runs"]]
-        for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
-            c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
-        c["verdicts"] = fmt_counts(s)
-        if experiment is not None:
-            c["paper"] = paper_text(experiment, row) or "-"
-        cells.append(c)
-    return markdown(cells)
 
 
 def runs_table(records):
@@ -1014,77 +1094,6 @@ def grid_runs(args, name, device):
     return configs, notes
 
 
-def report_grid(name, preset, records, out):
-    """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
-    figures, write OUT/<name>.md, print its table, timeline and a heatmap."""
-    path = out_path(out, f"{name}.jsonl")
-    kept = {run_key(r["config"]): r for r in read_results(path)}
-    for record in records:
-        if kept.get(run_key(record["config"])) != record:
-            append_result(path, record)
-    records = latest(read_results(path, warn=False))
-    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"]) is None:
-        print(FIGURES_HINT, file=sys.stderr)
-    rows, text = render(name, preset, records, out)
-    Path(out_path(out, f"{name}.md")).write_text(text)
-    print(text.split("\n", 2)[2].split("\n![")[0])
-    tables = [row for row in rows if row["best"].get("mechanism_table")]
-    if tables:
-        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                            row["best"]["final"].get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
-              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
-
-
-def train_grid(args, command):
-    """Train the grid that `args` asks for into --out, then report it; `command` is recorded in
-    OUT/<experiment>.command.json. Exit status 1 when runs of the grid are missing (crashed)."""
-    t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
-    device = mechsm.resolve_device(args.device or "auto")
-    configs, notes = grid_runs(args, name, device)
-    check_runs(configs)                              # bad input: one line, before anything runs
-    for note in notes:
-        print(note, file=sys.stderr)
-    jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
-    if not args.jobs and device == "cpu":                       # one worker per core
-        cores = os.cpu_count() or 1
-        jobs = min(cores, len(configs))
-        why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
-    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
-             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
-    try:                       # before any training: --out unwritable, or a file linking out of it
-        for file in files:
-            out_path(out, file)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
-          f"{args.preset or 'quick'} | {len(configs)} runs"
-          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
-          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = estimate_time(configs, jobs, shard[1])
-    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
-    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
-    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
-                    save=not args.no_save, group_size=group_size)
-    if not records:
-        raise ValueError("no run finished; nothing to report")
-    trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    if trained:
-        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
-            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
-            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    report_grid(name, args.preset or "quick", records, out)
-    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
-        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
-        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
-    return 1 if missing and shard[1] == 1 else 0
-
-
 def evaluate_checkpoint(args):
     """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     model, cfg = mechsm.load(args.checkpoint, device=mechsm.resolve_device(args.device or "auto"))
@@ -1147,8 +1156,6 @@ def main(argv=None):
     finally:
         signal.signal(signal.SIGTERM, previous)
 
-
-# ===== Below: machinery a learner can skip (workers, shards, README, figures, benchmark) =====
 
 # --- Worker processes and signals
 
