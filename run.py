@@ -97,6 +97,28 @@ QUICK_AR = dict(task="ar", num_keys=QUICK_VOCAB, num_values=QUICK_VOCAB, num_pai
 QUICK_STEPS = {"attention": 32_000, "mamba": 8000, "based": 8000, "h3": 4000}   # others: 6,000
 QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1e-3],
              "hyena": [3e-3], "mamba": [1e-2], "deltanet": [1e-3], "gated_deltanet": [1e-3]}
+# Each cell (a grid row at one width) has its own rate, chosen as the paper chooses: seed 0 trains at
+# the grid's rate x 3^k, k = -1, 0, 1 (2 significant digits), one step more when the best sits at an
+# end; the cell's rate is seed 0's best accuracy (ties: the rate nearest the grid's), its other seeds
+# train there (README, difference 18). Listed: the cells whose choice is not the grid's rate; a test
+# recomputes every choice from results/.
+CHOSEN_LRS = {}
+LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
+             "atr-medium", "ar")   # the grids whose cells choose, in the order they were trained
+rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
+
+
+def chosen_lr(lr, seed0):
+    """A cell's rate from {lr: its seed-0 record} and the grid's rate `lr`; None while undecided."""
+    if any(rung(lr, k) not in seed0 for k in (-1, 0, 1)):
+        return None
+    tried = [k for k in (-2, -1, 0, 1, 2) if rung(lr, k) in seed0]
+    score = lambda k: (seed0[rung(lr, k)]["status"] == "ok", seed0[rung(lr, k)]["final"].get("acc")
+                       or 0.0, -abs(k))
+    best = max(tried, key=score)
+    return None if abs(best) == 1 and 2 * best not in tried else rung(lr, best)
+
+
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
 # 64 terminals (README, difference 14). Step budgets per arch from the probes `atr-budget`.
 QUICK_ATR = dict(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, d_model=64, n_layers=2,
@@ -249,9 +271,10 @@ LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdou
 
 
 def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
-                       **fields_):
+                       chosen_lrs=True, **fields_):
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
-    run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run)."""
+    run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run). The
+    quick grids train each cell at its CHOSEN_LRS rate (chosen_lrs=False: the grid's rate)."""
     for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
         if value not in allowed:
             raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
@@ -267,15 +290,23 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     runs = spec["runs"] if archs is None else [r for r in spec["runs"] if r["arch"] in archs] + [
         dict(arch=a) for a in archs if a not in {r["arch"] for r in spec["runs"]}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
+    chosen = CHOSEN_LRS.get(name, {}) if preset == "quick" and chosen_lrs and not lrs else {}
     configs = []
     for family in runs:
         arch, steps = family["arch"], pick(spec.get("steps", {}), family["arch"])
         base = {**spec["config"], **({"steps": steps} if steps else {}), **family, **fields_}
         family_lrs = lrs or ([family["lr"]] if "lr" in family else pick(spec["lrs"], arch, [1e-3]))
-        configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
-                    for width in widths or spec["widths"] for lr in family_lrs
-                    for seed in seeds or pick(spec["seeds"], arch)]
+        for width in widths or spec["widths"]:
+            cell_lrs = [chosen.get(cell_name(family, width), lr) for lr in family_lrs]
+            configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
+                        for lr in cell_lrs for seed in seeds or pick(spec["seeds"], arch)]
     return configs
+
+
+def cell_name(family, width):
+    """A grid cell's name in CHOSEN_LRS: 'mamba (d_conv 2, d 64)'."""
+    words = [describe(k, v) for k, v in family.items() if k not in ("arch", "num_values")]
+    return f"{family['arch']} ({', '.join(filter(None, words + [f'd {width}']))})"
 
 
 # ===== One run: train, patch, record
@@ -341,22 +372,24 @@ def do_job(kind, payload, out, wants):
 # The best run per row (the paper reports the best learning rate) beside the paper's numbers.
 
 def best_by_lr(records):
-    """A row per group of runs differing only in lr and seed, for the lr of best mean accuracy (a
-    failed run never wins): arch, d_model, best_lr, runs (the seeds of best_lr), best, label."""
+    """A row per group of runs differing only in lr and seed (a cell), at the lr whose first seed is
+    the most accurate (as chosen_lr; a failed run never wins; ties: the lr with the most seeds, then
+    the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr:
+    the first seed's record})."""
     groups, configs = {}, [config_of(r) for r in records]
     for r in latest(records):
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
-    score = lambda r: r["final"].get("acc") or 0.0
+    score = lambda r: (r["status"] == "ok", r["final"].get("acc") or 0.0)
     rows = []
     for per_lr in groups.values():
-        means = {lr: sum(map(score, runs)) / len(runs) for lr, runs in per_lr.items()}
-        failed = {lr: sum(r["status"] != "ok" for r in runs) for lr, runs in per_lr.items()}
-        best_lr = max(means, key=lambda lr: (-failed[lr], means[lr], -lr))   # ties: the smaller lr
-        best = max((r for rs in per_lr.values() for r in rs), key=lambda r: (
-            r["status"] == "ok", score(r), -r["config"]["lr"], -r["config"]["seed"]))
+        seed = min(r["config"]["seed"] for runs in per_lr.values() for r in runs)
+        first = {lr: r for lr, runs in sorted(per_lr.items()) for r in runs if r["config"]["seed"] == seed}
+        best_lr = max(per_lr, key=lambda lr: (score(first[lr]) if lr in first else (False, -1.0),
+                                               len(per_lr[lr]), -lr))
+        best = max(per_lr[best_lr], key=lambda r: (score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
-                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best,
+                     "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
                      "label": row_label(config_of(best), configs)})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
@@ -428,8 +461,11 @@ def result_table(rows, experiment=None):
     cells = []
     for row in rows:
         best, s = row["best"], spread(row)
-        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "seeds": s["n"],
-             "accuracy: median (range)": fmt_acc(s)}
+        tried = row.get("first") or {best["config"]["lr"]: best}     # {lr: its first seed's record}
+        c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "lr": " · ".join(
+            (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_pct(r['final'].get('acc'))}"
+            * (len(tried) > 1) for lr, r in tried.items()),
+             "seeds": s["n"], "accuracy: median (range)": fmt_acc(s)}
         c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
                   for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
         c.update({name: "n/a" if best["config"]["n_layers"] == 1 else fmt_num(s["median"][k])
@@ -794,7 +830,6 @@ def render(name, preset, records, folder=None):
     exp, rows = EXPERIMENTS[name], best_by_lr(records)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
-    chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
     made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
     made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
                      f"commit {m.get('commit')}" for _, m in sorted(made.items()))
@@ -812,7 +847,9 @@ def render(name, preset, records, folder=None):
             f"{attrib(h, 'attrib_query')}" for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, name), "",
-        f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
+        "Each row counts every seed of its learning rate (lr: where several were tried, seed 0's "
+        "accuracy at each and, in bold, the rate chosen: seed 0's best; README, difference 18). "
+        f"Accuracy: the final models on "
         f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
         "over the seeds that can be read, of the restoration of the clean answer probability when "
         "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "

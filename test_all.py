@@ -2127,6 +2127,42 @@ def test_best_lr_never_picks_a_failed_run():
     assert row["best_lr"] == 1e-2
 
 
+def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
+    """chosen_lr: undecided (None) while a rung of x3^-1, x1, x3 is missing or the best sits at an end
+    not yet extended; ties go to the rung nearest the grid's rate; a failed run never wins."""
+    rec = lambda lr, acc, status="ok": fake_record(tiny(lr=lr, seed=0), acc=acc, status=status)
+    at = lambda *pairs: {lr: rec(lr, acc) for lr, acc in pairs}
+    assert [run_cli.rung(5e-4, k) for k in (-2, -1, 0, 1, 2)] == [5.6e-05, 1.7e-4, 5e-4, 1.5e-3, 4.5e-3]
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5), (1e-3, 0.5))) is None            # a rung missing
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5), (1e-3, 0.5), (3e-3, 0.5))) == 1e-3  # a tie: the grid's
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.2), (1e-3, 0.5), (3e-3, 0.4))) == 1e-3
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) is None  # extend down
+    assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.95), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) == 1.1e-4
+    assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.6), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) == 3.3e-4
+    seed0 = {**at((3.3e-4, 0.2), (1e-3, 0.5)), 3e-3: rec(3e-3, 0.99, status="failed")}
+    assert run_cli.chosen_lr(1e-3, seed0) == 1e-3
+    row, = run_cli.best_by_lr([*seed0.values(), fake_record(tiny(lr=1e-3, seed=1), acc=0.1)])
+    assert row["best_lr"] == 1e-3 and len(row["runs"]) == 2 and sorted(row["first"]) == [3.3e-4, 1e-3, 3e-3]
+
+
+def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose():
+    """Every cell of the grids that choose: the catalogue's rate is chosen_lr of its seed-0 records in
+    results/ (the grid's rate while undecided), and its table row reports that rate's seeds."""
+    cell = lambda c: run_cli.run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
+    for name in run_cli.LR_CHOICE:
+        records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
+        rows = {cell(row["best"]["config"]): row for row in run_cli.best_by_lr(records)}
+        grid = run_cli.experiment_configs(name, seeds=[0], chosen_lrs=False)
+        for base, cfg in zip(grid, run_cli.experiment_configs(name, seeds=[0])):
+            key = cell(asdict(base.resolved()))
+            seed0 = {r["config"]["lr"]: r for r in records
+                     if cell(r["config"]) == key and r["config"]["seed"] == 0}
+            choice = run_cli.chosen_lr(base.lr, seed0)
+            assert cfg.lr == (choice or base.lr), (name, base.name())
+            if choice is not None and len(rows[key]["runs"]) > 1:
+                assert rows[key]["best_lr"] == choice, (name, base.name())
+
+
 def test_checkpoint_writes_nothing_of_the_sweep_refuses_flags_and_checks_its_vocabulary(tmp_path, capsys):
     """--checkpoint on a sweep's own checkpoint leaves every file of the sweep as it was (its outputs go
     to OUT/checkpoint_eval/...), refuses flags it cannot honour, honours --eval-size, and refuses a
