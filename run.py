@@ -1,38 +1,36 @@
-"""run.py: the driver. Train the architectures of one experiment of the paper, patch them, report.
+"""run.py: train the architectures of one experiment of the paper, patch them, report.
 
 Replicates "Mechanistic evaluation of Transformers and state space models" (Arora et al. 2025,
 arXiv 2505.15105): accuracy alone does not tell how a model retrieves; interchange interventions
-do (attention/based: induction through the value token; mamba: direct retrieval at the query).
-One run's recipe is mechsm.py's (paper Sec. 4, App. C), the patching interventions.py's (Sec. 3-4).
-This file holds what serves many runs: the experiments, the sweep (resume, shards, worker
-processes), the report (tables, results/*.md, figures) and the benchmark.
+do (attention, Based: induction through the value token; Mamba: direct retrieval at the query).
 
-CPU examples:
-  python run.py                                    # the quick `ar` experiment: 7 archs, a job/core
+What `python run.py` does, in the order of this file's first half:
+  1. EXPERIMENTS: the experiment's grid, each cell (a row at one width) at its chosen learning
+     rate (CHOSEN_LRS), seed 0 (--replicates: every seed, as results/ holds);
+  2. one_run: each run trained (mechsm.py, paper Sec. 4), patched (interventions.py, Sec. 3), saved;
+  3. the report: a row per cell, every seed counted, beside the paper's numbers;
+  4. main: flags -> the grid -> sweep (one_run per run not yet in --out) -> report_grid.
+Below the line `# ===== Below` is the engine (command line, records on disk, the sweep's workers
+and shards, the README summary, figures, the benchmark): nothing above needs it to be read.
+
+  python run.py                                    # the quick `ar` experiment, a job per core
   python run.py --experiment atr-medium            # one result of the paper; --list shows them all
   python run.py --arch attention,mamba --d-model 32,64 --lr 1e-3,3e-3 --seeds 0-2
-  python run.py --shard 0/4                        # every 4th run of the grid (SLURM: automatic)
+  python run.py --shard 0/4                        # every 4th run of the grid
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
-  python run.py --figures results/                 # redraw the figures of a results folder
+  python run.py --report results; --figures results   # re-render a results folder from its records
+  python run.py --device cuda --preset paper       # the paper's grid on a GPU, a cell batched
   OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references
-GPU examples:
-  python run.py --device cuda                      # quick preset, one job on the GPU
-  python run.py --preset paper --device cuda       # the paper's grid, a cell's lrs and seeds as
-                                                   # one batched model (--group-size K: smaller)
 
-Shape letters (the README's glossary; the benchmark's sizes): b batch, l sequence length, d d_model,
-e Mamba's inner width, n SSM state size, r runs trained as one batched model.
-
-Outputs under --out (default out/): results.jsonl (results.shard<I>of<N>.jsonl for a shard), a JSON
-line per finished run (config, metrics, history, the patching table); reruns skip what is there,
-reading all results*.jsonl of --out. <experiment>.jsonl (its records, added to, never rewritten),
-<experiment>.md (the table, the timeline, the paper's numbers), <experiment>_*.png (figures, with
-matplotlib), ckpt/ (checkpoints); nothing through a link that leaves --out. Bad input prints one line
-"error: ..." (exit 2); Ctrl-C (130) and SIGTERM (143) stop the workers, keeping every finished run.
+Shape letters: b batch, l sequence length, d d_model, e Mamba's inner width, n SSM state size,
+r runs trained as one batched model. Outputs under --out (default out/): results.jsonl (a JSON line
+per run; reruns skip what is there), <experiment>.jsonl (added to, never rewritten), .md, _*.png,
+ckpt/. Bad input: one line "error: ..." (exit 2); Ctrl-C (130), SIGTERM (143) keep finished runs.
 """
 
 import argparse
 import collections
+import contextlib
 import difflib
 import glob
 import hashlib
@@ -48,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing import get_context
@@ -322,50 +321,31 @@ def patched(model, cfg, dataset):
                       "effective": interventions.effective_record(model, dataset)})
 
 
-def do_job(kind, payload, out, wants):
-    """Train a group of configs, or patch a recorded run from its checkpoint: the records. A part of
-    a finished run that fails (a full disk: torch's RuntimeError) costs that part only."""
-    def without(cfg, what, e):
-        why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
-        print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it",
-              file=sys.stderr)
+def one_run(cfg, out, patch=True, save=True):
+    """One run: train `cfg` (mechsm.train, paper Sec. 4), patch the trained model (Sec. 3) and save
+    it under OUT/ckpt/: its record, one JSON line of OUT/results.jsonl."""
+    record, model = mechsm.train(cfg)
+    return finish(record, model, out, patch, save)
 
-    try:
-        if kind == "patch":
-            cfg, record = payload
-            model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
-                                       device=mechsm.resolve_device(cfg.device))
-            if run_key(asdict(saved.resolved())) != run_key(record["config"]):
-                raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
-            pairs = [(dict(record), model)]
-        else:
-            pairs = [mechsm.train(payload[0])] if len(payload) == 1 else mechsm.train_group(payload)
-        for record, model in pairs:
-            cfg, ok = config_of(record), record["status"] == "ok"
-            if ok and wants["patch"]:
-                try:
-                    record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
-                except Exception as e:
-                    if kind == "patch":          # nothing new to record
-                        raise
-                    without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
-            if ok and wants["save"] and not record.get("checkpoint"):
-                path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
-                try:
-                    mechsm.save(model, cfg, out_path(out, path))
-                    record["checkpoint"] = path
-                except Exception as e:
-                    without(cfg, "checkpoint not saved", e)
-            record.setdefault("checkpoint", None)
-            record.setdefault("provenance", provenance())
-        return [json_safe(record) for record, _ in pairs]
-    except Exception as e:
-        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
-            import traceback
-            traceback.print_exc()
-        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
-              "rerun retries it)", file=sys.stderr)
-        return []
+
+def finish(record, model, out, patch=True, save=True):
+    """A trained run's record, patched and saved; a part that fails (a full disk) costs that part."""
+    cfg, ok = config_of(record), record["status"] == "ok"
+    if ok and patch and not record.get("mechanism_table"):
+        try:
+            record.update(patched(model, cfg, mechsm.make_data(cfg).eval))
+        except Exception as e:
+            recorded_without(cfg, "not patched (a rerun patches it from its checkpoint)", e)
+    if ok and save and not record.get("checkpoint"):
+        path = os.path.join("ckpt", cfg.name() + ".pt")      # unique per run
+        try:
+            mechsm.save(model, cfg, out_path(out, path))
+            record["checkpoint"] = path
+        except Exception as e:
+            recorded_without(cfg, "checkpoint not saved", e)
+    record.setdefault("checkpoint", None)
+    record.setdefault("provenance", provenance())
+    return json_safe(record)
 
 
 # ===== The report
@@ -403,14 +383,6 @@ fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
 fmt_counts = lambda s: ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
 
 
-def markdown(cells, columns=None):
-    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
-    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
-    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
-    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
-                     + [f"| {row} |" for row in rows])
-
-
 # a record's attrib_key / _value / _query: their names in the tables and colours in the figures
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
@@ -438,16 +410,6 @@ def spread(row, **rule):
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
             "verdicts": collections.Counter(verdicts), "readable": len(readable), "median": {
                 k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
-
-
-def widest_rows(rows):
-    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
-    keep = {}
-    for row in rows:
-        d = row["d_model"]
-        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
-        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
-    return keep
 
 
 def paper_text(name, row):
@@ -480,7 +442,7 @@ def result_table(rows, experiment=None):
     return markdown(cells)
 
 
-# ===== One experiment's report and the grid's story
+# ===== main: the story of `python run.py`
 
 def report_grid(name, preset, records, out):
     """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
@@ -496,61 +458,36 @@ def report_grid(name, preset, records, out):
     rows, text = render(name, preset, records, out)
     Path(out_path(out, f"{name}.md")).write_text(text)
     print(text.split("\n", 2)[2].split("\n![")[0])
-    tables = [row for row in rows if row["best"].get("mechanism_table")]
-    if tables:
-        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                            row["best"]["final"].get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
-              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+    print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
 
 
-def train_grid(args, command):
-    """Train the grid that `args` asks for into --out, then report it; `command` is recorded in
-    OUT/<experiment>.command.json. Exit status 1 when runs of the grid are missing (crashed)."""
-    t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
-    device = mechsm.resolve_device(args.device or "auto")
-    configs, notes = grid_runs(args, name, device)
-    check_runs(configs)                              # bad input: one line, before anything runs
-    for note in notes:
-        print(note, file=sys.stderr)
-    jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
-    if not args.jobs and device == "cpu":                       # one worker per core
-        cores = os.cpu_count() or 1
-        jobs = min(cores, len(configs))
-        why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
-    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
-             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
-    try:                       # before any training: --out unwritable, or a file linking out of it
-        for file in files:
-            out_path(out, file)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
-          f"{args.preset or 'quick'} | {len(configs)} runs"
-          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
-          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = estimate_time(configs, jobs, shard[1])
-    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
-    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
-    before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-    records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
-                    save=not args.no_save, group_size=group_size)
-    if not records:
-        raise ValueError("no run finished; nothing to report")
-    trained = sum(before.get(run_key(r["config"])) != r for r in records)
-    if trained:
-        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
-            "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
-            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
-    report_grid(name, args.preset or "quick", records, out)
-    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
-    print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
-        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
-        + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
-    return 1 if missing and shard[1] == 1 else 0
+def main(argv=None):
+    """`python run.py [flags]`: train an experiment's grid, patch each run, report it beside the
+    paper. Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
+    with exit_status() as status:          # bad input: one line; Ctrl-C, SIGTERM: finished runs kept
+        args = build_parser().parse_args(argv)
+        if other_command(args):                  # bench, --list, --figures, --report, --checkpoint
+            return 0
+        t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
+        device = mechsm.resolve_device(args.device or "auto")
+        configs, notes = grid_runs(args, name, device)    # the catalogue's grid, narrowed by flags
+        check_runs(configs)                               # bad input: one line, before any training
+        jobs, shard, group_size = sweep_plan(args, name, configs, device, notes)   # printed
+        before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+        records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
+                        save=not args.no_save, group_size=group_size)   # one_run per run not in out
+        if not records:
+            raise ValueError("no run finished; nothing to report")
+        trained = sum(before.get(run_key(r["config"])) != r for r in records)
+        if trained:                                       # OUT/<name>.command.json: how to redo it
+            record_command(argv, out, name, trained, jobs, time.time() - t0)
+        report_grid(name, args.preset or "quick", records, out)
+        missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
+        print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
+            f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+            + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
+        return 1 if missing and shard[1] == 1 else 0
+    return status.code
 
 
 # ===== Below: machinery a learner can skip (workers, shards, README, figures, benchmark) =====
@@ -608,7 +545,35 @@ def catalogue():
     return "\n".join(lines)
 
 
-# ===== Records: a JSON line per run
+def print_heatmap(rows):
+    """Print the patching heatmap of the most accurate run with an extra site, else the most accurate."""
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+
+
+def markdown(cells, columns=None):
+    """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
+    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
+    rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
+    return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
+                     + [f"| {row} |" for row in rows])
+
+
+def widest_rows(rows):
+    """{label less its width ('attention (d 16, NoPE)' -> 'attention (NoPE)'): its widest row}."""
+    keep = {}
+    for row in rows:
+        d = row["d_model"]
+        label = row.get("label", row["arch"]).replace(f"d {d}, ", "").replace(f" (d {d})", "")
+        keep[label] = max(keep.get(label, row), row, key=lambda r: r["d_model"])
+    return keep
+
+
+# --- Records: a JSON line per run
 
 # Where a run happens does not change what it is: a rerun differing only in these finds it done.
 KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
@@ -731,7 +696,7 @@ def append_result(path, record):
         os.fsync(f.fileno())
 
 
-# ===== The sweep
+# --- The sweep
 
 def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
@@ -752,6 +717,36 @@ def make_groups(configs, group_size=None):
         cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
     return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
             for i in range(0, len(cell), group_size or len(cell))]
+
+
+def do_job(kind, payload, out, wants):
+    """A worker's job: train a group of configs (one_run, or mechsm.train_group for several), or
+    patch a recorded run from its checkpoint: the records; none if it fails (a rerun retries it)."""
+    try:
+        if kind == "train":
+            return ([one_run(payload[0], out, **wants)] if len(payload) == 1 else
+                    [finish(record, model, out, **wants) for record, model in mechsm.train_group(payload)])
+        cfg, record = payload
+        model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
+                                   device=mechsm.resolve_device(cfg.device))
+        if run_key(asdict(saved.resolved())) != run_key(record["config"]):
+            raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
+        record = finish(dict(record), model, out, **wants)
+        if not record.get("mechanism_table"):
+            raise ValueError("not patched (the warning above says why)")
+        return [record]
+    except Exception as e:
+        if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
+            import traceback
+            traceback.print_exc()
+        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
+              "rerun retries it)", file=sys.stderr)
+        return []
+
+
+def recorded_without(cfg, what, e):
+    why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
+    print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it", file=sys.stderr)
 
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
@@ -962,7 +957,7 @@ def summary_table(folder="results"):
     return "\n".join(out)
 
 
-# ===== The command line
+# --- The command line
 
 class Parser(argparse.ArgumentParser):
     """argparse that raises ValueError, refuses an unknown or repeated option, and reads the token
@@ -1151,14 +1146,13 @@ def evaluate_checkpoint(args):
     print(f"\nresult in {path}", file=sys.stderr)
 
 
-def run(argv=None):
-    """The command line: bench, --list, --figures, --report, --checkpoint, or train a grid."""
-    args = build_parser().parse_args(argv)
+def other_command(args):
+    """Run the command `args` names if it is not training (bench, --list, --figures, --report,
+    --checkpoint): True; False for training."""
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
     if command == "train":
-        return train_grid(args, shlex.join(["python", "run.py",
-                                            *(sys.argv[1:] if argv is None else argv)]))
+        return False
     flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
     if args.given - COMMAND_OPTIONS[command]:
         raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
@@ -1171,25 +1165,68 @@ def run(argv=None):
     {"bench": lambda: bench(args.device or "auto"), "list": lambda: print(catalogue()),
      "checkpoint": lambda: evaluate_checkpoint(args), "figures": lambda: redraw_figures(folder),
      "report": lambda: report_folder(folder)}[command]()
-    return 0
+    return True
 
 
-def main(argv=None):
-    """Exit status: 0 ok, 1 a run crashed or a worker died, 2 bad input, 130 Ctrl-C, 143 SIGTERM."""
-    def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
-        raise KeyboardInterrupt("SIGTERM")
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+def sweep_plan(args, name, configs, device, notes):
+    """(jobs, shard, group_size) of a training command, printed with the grid's size; --out checked
+    writable (and free of links out of it) before any training."""
+    for note in notes:
+        print(note, file=sys.stderr)
+    jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
+    if not args.jobs and device == "cpu":                       # one worker per core
+        cores = os.cpu_count() or 1
+        jobs = min(cores, len(configs))
+        why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
+    shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
+    out = args.out or "out"
+    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
+             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
+    try:                       # before any training: --out unwritable, or a file linking out of it
+        for file in files:
+            out_path(out, file)
+        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    except OSError as e:
+        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
+          f"{args.preset or 'quick'} | {len(configs)} runs"
+          + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
+          + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
+    hours = estimate_time(configs, jobs, shard[1])
+    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
+    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    return jobs, shard, group_size
+
+
+def record_command(argv, out, name, trained, jobs, seconds):
+    """OUT/<name>.command.json: the command line that trained `trained` runs, and how long it took."""
+    command = shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)])
+    Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
+        "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1),
+        "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
+        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+
+
+def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
+    raise KeyboardInterrupt("SIGTERM")
+
+
+@contextlib.contextmanager
+def exit_status():
+    """main's frame: its `status.code` for bad input (2, one line), a dead worker (1), Ctrl-C (130)
+    and SIGTERM (143), which stops the workers as Ctrl-C does."""
+    status, previous = types.SimpleNamespace(code=None), signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        return run(argv)
+        yield status
     except (ValueError, OSError, BrokenExecutor) as e:   # bad input, ..., a worker process died
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 1 if isinstance(e, BrokenExecutor) else 2
+        status.code = 1 if isinstance(e, BrokenExecutor) else 2
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
         sigterm = e.args == ("SIGTERM",)
         print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
               "in the results files; rerun to continue", file=sys.stderr)
-        return 143 if sigterm else 130
+        status.code = 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
 
