@@ -101,21 +101,24 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # end; the cell's rate is seed 0's best accuracy (ties: the rate nearest the grid's), its other seeds
 # train there (README, difference 18). Listed: the cells whose choice is not the grid's rate; a test
 # recomputes every choice from results/.
-CHOSEN_LRS = {}
+CHOSEN_LRS = {"ar-widths": {"attention (d 16)": 0.0015}}
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
              "atr-medium", "ar")   # the grids whose cells choose, in the order they were trained
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 
 
 def chosen_lr(lr, seed0):
-    """A cell's rate from {lr: its seed-0 record} and the grid's rate `lr`; None while undecided."""
-    if any(rung(lr, k) not in seed0 for k in (-1, 0, 1)):
-        return None
+    """(a cell's rate or None while undecided, the rates seed 0 must train next) from {lr: its seed-0
+    record} and the grid's rate `lr`."""
+    missing = [rung(lr, k) for k in (-1, 0, 1) if rung(lr, k) not in seed0]
+    if missing:
+        return None, missing
     tried = [k for k in (-2, -1, 0, 1, 2) if rung(lr, k) in seed0]
     score = lambda k: (seed0[rung(lr, k)]["status"] == "ok", seed0[rung(lr, k)]["final"].get("acc")
                        or 0.0, -abs(k))
     best = max(tried, key=score)
-    return None if abs(best) == 1 and 2 * best not in tried else rung(lr, best)
+    return (None, [rung(lr, 2 * best)]) if abs(best) == 1 and 2 * best not in tried else (
+        rung(lr, best), [])
 
 
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
@@ -474,8 +477,11 @@ def main(argv=None):
         check_runs(configs)                               # bad input: one line, before any training
         jobs, shard, group_size = sweep_plan(args, name, configs, device, notes)   # printed
         before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
-        records = sweep(configs, out, jobs=jobs, shard=shard, patch=not args.no_interventions,
-                        save=not args.no_save, group_size=group_size)   # one_run per run not in out
+        options = dict(jobs=jobs, shard=shard, patch=not args.no_interventions,
+                       save=not args.no_save, group_size=group_size)
+        if args.choose_lr:              # in rounds: each cell's rates at seed 0, then its seeds
+            configs = choose_lrs(configs, out, **options)
+        records = sweep(configs, out, **options)          # one_run per run not yet in out
         if not records:
             raise ValueError("no run finished; nothing to report")
         trained = sum(before.get(run_key(r["config"])) != r for r in records)
@@ -717,6 +723,31 @@ def make_groups(configs, group_size=None):
         cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
     return [cell[i:i + (group_size or len(cell))] for cell in cells.values()
             for i in range(0, len(cell), group_size or len(cell))]
+
+
+def choose_lrs(configs, out, **options):
+    """--choose-lr: sweep, round by round, what each cell's choice needs next (chosen_lr on the
+    records in `out`) until a round adds nothing (done, or other shards' share): every round's runs."""
+    rounds = []
+    while (todo := choice_round(configs, out)) not in rounds:
+        rounds.append(todo)
+        sweep(todo, out, **options)
+    return list({run_key(asdict(c.resolved())): c for runs in rounds for c in runs}.values())
+
+
+def choice_round(configs, out):
+    """The runs the cells of `configs` (at the grid's rates) need next: seed 0 at the rates still to
+    try, or the cell's every seed at its chosen rate."""
+    done, cells, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, {}, []
+    for cfg in configs:
+        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
+    for cell in cells.values():
+        at = lambda lr, seed=0: replace(cell[0], lr=lr, seed=seed)
+        seed0 = {rung(cell[0].lr, k): done[key] for k in (-2, -1, 0, 1, 2)
+                 if (key := run_key(asdict(at(rung(cell[0].lr, k)).resolved()))) in done}
+        lr, untried = chosen_lr(cell[0].lr, seed0)
+        todo += [at(r) for r in untried] if lr is None else [replace(c, lr=lr) for c in cell]
+    return todo
 
 
 def do_job(kind, payload, out, wants):
@@ -1045,6 +1076,9 @@ def build_parser():
     a("--seeds", int, True, zero=True, help="model seed(s): 42, or 0,1,2, or 0-4")
     a("--replicates", switch=True, help="quick grids: every seed of each row, as results/ holds "
       "(default: seed 0 only, a first run)")
+    a("--choose-lr", switch=True, help="quick grids: choose each cell's rate as results/ did "
+      "(seed 0 at the grid's rate x 3^k, k = -1, 0, 1, a step more past a best end), then train "
+      "every seed there")
     # model, task, training: each sets the Config field of its name (--layers: n_layers)
     for flag, text in [
             ("--layers", "number of blocks (paper: 2)"), ("--heads", "attention heads (paper: 1)"),
@@ -1099,6 +1133,9 @@ def grid_runs(args, name, device):
     for a, b, both in [("--task", "--experiment", args.task and args.experiment),
                        ("--epochs", "--steps", args.epochs and args.steps),
                        ("--replicates", "--seeds", args.replicates and args.seeds),
+                       ("--choose-lr", "--lr", args.choose_lr and args.lr),
+                       ("--choose-lr", "--seeds", args.choose_lr and args.seeds),
+                       ("--choose-lr", "--preset paper", args.choose_lr and args.preset == "paper"),
                        ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
         if both:
             raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
@@ -1107,8 +1144,9 @@ def grid_runs(args, name, device):
         given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
     configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
                                  archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
-                                 seeds=args.seeds or (None if args.replicates or args.preset
-                                                      == "paper" else [0]), device=device)
+                                 seeds=args.seeds or (None if args.replicates or args.choose_lr
+                                                      or args.preset == "paper" else [0]),
+                                 chosen_lrs=not args.choose_lr, device=device)
     if args.epochs is not None and args.steps is None:
         given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []

@@ -2104,6 +2104,24 @@ def test_shards_started_at_once_train_each_run_once_and_give_the_single_process_
     assert run_cli.shard_of(None) == (0, 1)
 
 
+def test_choose_lr_trains_seed_0_at_each_rung_then_every_seed_at_the_choice_and_a_rerun_nothing(tmp_path, capsys):
+    """--choose-lr, in rounds: seed 0 at the grid's rate x 3^-1, 1, 3 (a step more past a best end),
+    then the cell's every seed at chosen_lr of those records; a rerun trains nothing."""
+    argv = ["--arch", "attention", "--d-model", "16", *TINY_TASK, "--steps", "20", "--no-save", "--jobs", "1",
+            "--out", str(tmp_path), "--choose-lr"]
+    assert run_cli.main(argv) == 0
+    records = run_cli.latest(run_cli.read_results(str(tmp_path)))
+    seed0 = {r["config"]["lr"]: r for r in records if r["config"]["seed"] == 0}
+    lr, untried = run_cli.chosen_lr(5e-4, seed0)                   # attention's grid rate
+    assert untried == [] and {1.7e-4, 5e-4, 1.5e-3} <= set(seed0) and len(seed0) <= 4
+    assert sorted(r["config"]["seed"] for r in records if r["config"]["lr"] == lr) == [0, 1, 2]
+    assert len(records) == len(seed0) + 2
+    capsys.readouterr()
+    assert run_cli.main(argv) == 0 and "already in" in capsys.readouterr().err
+    assert len(run_cli.latest(run_cli.read_results(str(tmp_path)))) == len(records)
+    assert run_cli.main(argv + ["--lr", "1e-3"]) == 2                # the rule decides the rates
+
+
 def test_slurm_array_variables_pick_the_shard(monkeypatch):
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
     monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "5")
@@ -2133,14 +2151,15 @@ def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
     rec = lambda lr, acc, status="ok": fake_record(tiny(lr=lr, seed=0), acc=acc, status=status)
     at = lambda *pairs: {lr: rec(lr, acc) for lr, acc in pairs}
     assert [run_cli.rung(5e-4, k) for k in (-2, -1, 0, 1, 2)] == [5.6e-05, 1.7e-4, 5e-4, 1.5e-3, 4.5e-3]
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5), (1e-3, 0.5))) is None            # a rung missing
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5), (1e-3, 0.5), (3e-3, 0.5))) == 1e-3  # a tie: the grid's
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.2), (1e-3, 0.5), (3e-3, 0.4))) == 1e-3
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) is None  # extend down
-    assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.95), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) == 1.1e-4
-    assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.6), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) == 3.3e-4
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5))) == (None, [1e-3, 3e-3])    # rungs missing
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5), (1e-3, 0.5), (3e-3, 0.5))) == (1e-3, [])  # a tie
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.2), (1e-3, 0.5), (3e-3, 0.4))) == (1e-3, [])
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) == (None, [1.1e-4])
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.4), (1e-3, 0.5), (3e-3, 0.6))) == (None, [9e-3])
+    assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.95), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4)))[0] == 1.1e-4
+    assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.6), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4)))[0] == 3.3e-4
     seed0 = {**at((3.3e-4, 0.2), (1e-3, 0.5)), 3e-3: rec(3e-3, 0.99, status="failed")}
-    assert run_cli.chosen_lr(1e-3, seed0) == 1e-3
+    assert run_cli.chosen_lr(1e-3, seed0) == (1e-3, [])
     row, = run_cli.best_by_lr([*seed0.values(), fake_record(tiny(lr=1e-3, seed=1), acc=0.1)])
     assert row["best_lr"] == 1e-3 and len(row["runs"]) == 2 and sorted(row["first"]) == [3.3e-4, 1e-3, 3e-3]
 
@@ -2157,7 +2176,7 @@ def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose
             key = cell(asdict(base.resolved()))
             seed0 = {r["config"]["lr"]: r for r in records
                      if cell(r["config"]) == key and r["config"]["seed"] == 0}
-            choice = run_cli.chosen_lr(base.lr, seed0)
+            choice = run_cli.chosen_lr(base.lr, seed0)[0]
             assert cfg.lr == (choice or base.lr), (name, base.name())
             if choice is not None and len(rows[key]["runs"]) > 1:
                 assert rows[key]["best_lr"] == choice, (name, base.name())
