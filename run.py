@@ -950,15 +950,19 @@ def sensitivity_table(records):
             f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
 
 
-def summary_table(folder="results"):
-    """The README's summary of the records in `folder`: the table, the notes under it, probes."""
-    rel = os.path.relpath(folder, HERE)                           # links relative to the README
+def summary_table(folder="results", names=None, rel=None):
+    """The summary of the records in `folder`: the table, the notes under it, probes (names: those
+    experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
+    rel = os.path.relpath(folder, HERE) if rel is None else rel
     records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
                for name in EXPERIMENTS}
     lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
+             and name in (names or EXPERIMENTS)
              for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
     out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
+    if names:
+        return out[0]
     mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
     extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
                                            if verdict_of(r) not in UNREADABLE) or "none")
@@ -1382,16 +1386,26 @@ def add_effective(folder, name, log=print):
 README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")
+HEADLINE = ("ar-widths", "atr")   # the README's rows: the paper's main figure and ATR
 
 
 def readme_with_summary(text, folder="results"):
-    """The README text with its summary block rendered anew from the records in `folder`."""
+    """The README text with its summary block (the HEADLINE rows) rendered anew from `folder`."""
     start, end = text.index(SUMMARY[0]) + len(SUMMARY[0]), text.index(SUMMARY[1])
-    return text[:start] + "\n" + summary_table(folder) + "\n" + text[end:]
+    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + "\n\nEvery experiment, the "
+            "sensitivity of the verdicts and the probes: [results/README.md](results/README.md).\n"
+            + text[end:])
+
+
+def results_readme(folder="results"):
+    """results/README.md: the whole summary, beside the records it is rendered from."""
+    return ("# Every experiment beside the paper\n\n`python run.py --report results` writes this "
+            "file from results/*.jsonl; how to read it: the README's \"What we find\".\n\n"
+            + summary_table(folder, rel=".") + "\n")
 
 
 def report_folder(folder):
-    """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the README too)."""
+    """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the READMEs too)."""
     written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
     for name in written:
         records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
@@ -1399,7 +1413,8 @@ def report_folder(folder):
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
     if readme:
         Path(README).write_text(readme_with_summary(Path(README).read_text(), folder))
-    print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" * readme))
+        Path(out_path(folder, "README.md")).write_text(results_readme(folder))
+    print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
 
 
 # --- Figures: the paper's plots, from the records alone

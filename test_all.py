@@ -2946,6 +2946,7 @@ def test_results_and_the_readme_summary_are_rendered_from_the_committed_records(
         assert run_cli.render(name, "quick", records, folder)[1] == committed, f"results/{name}.md"
     readme = open(os.path.join(HERE, "README.md")).read()
     assert run_cli.readme_with_summary(readme, folder) == readme, "README.md's summary table"
+    assert run_cli.results_readme(folder) == open(os.path.join(folder, "README.md")).read()
 
 
 
