@@ -78,10 +78,6 @@ class Dataset:
         return replace(self, tokens=self.tokens[idx, :width], answers=self.answers[idx], meta=meta,
                        lengths=lengths, positions={k: v[idx] for k, v in self.positions.items()})
 
-    def to(self, device):
-        new = {k: getattr(self, k).to(device) for k in ("tokens", "answers", "lengths")}
-        return replace(self, **new, positions={k: v.to(device) for k, v in self.positions.items()})
-
     def token_name(self, tok):
         if tok in (PAD, BOS, EOS):
             return ("<pad>", "<bos>", "<eos>")[tok]
