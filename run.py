@@ -269,7 +269,7 @@ EXPERIMENTS = {e.name: e for e in [
 ]}
 PRESETS = ("quick", "paper")
 LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout",
-                "freeze_features", "num_keys", "steps", "lr", "seed")
+                "freeze_features", "num_keys", "steps")
 
 
 def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
@@ -510,7 +510,7 @@ def describe(name, value):
     return words.get(name, f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
 
 
-def row_label(cfg, configs, fields_=LABEL_FIELDS[:-2]):
+def row_label(cfg, configs, fields_=LABEL_FIELDS):
     """cfg's arch and each of `fields_` varying among its arch's `configs`: 'mamba (d_conv 0)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
@@ -816,21 +816,6 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     return [newest[k] for k in unique if k in newest]
 
 
-def runs_table(records):
-    """A probe's table: one line per run, labelled by every field that varies (lr and seed too)."""
-    configs, cells = [config_of(r) for r in records], []
-    by = lambda p: (p[1].num_keys, p[1].arch, p[1].steps, p[1].lr, p[1].seed)
-    for r, cfg in sorted(zip(records, configs), key=by):
-        mech = r.get("mechanism") or {}
-        attribs = {name: fmt_num(mech.get(f"attrib_{k}")) for k, (name, _) in ATTRIBS.items()}
-        cells.append({"run": row_label(cfg, configs, LABEL_FIELDS),
-                      "accuracy": fmt_pct(r["final"].get("acc")), **attribs,
-                      **{k: fmt_num(v) for k, v in mech.items() if "@" in k},
-                      "verdict": verdict_of(r) or "-",
-                      "minutes": f"{(r.get('wall_s') or 0) / 60:.1f}"})
-    return markdown(cells)
-
-
 def read_command(folder, name):
     """folder/<name>.command.json (the command that trained its runs), or None; warns if bad."""
     path = os.path.join(folder, f"{name}.command.json")
@@ -872,7 +857,7 @@ def render(name, preset, records, folder=None):
             f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
             f"{attrib(h, 'attrib_query')}" for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
-        runs_table(records) if exp.probe else result_table(rows, name), "",
+        result_table(rows, None if exp.probe else name), "",
         "Each row counts every seed of its learning rate (lr: where several were tried, seed 0's "
         "accuracy at each and, in bold, the rate chosen: seed 0's best; README, difference 18). "
         f"Accuracy: the final models on "
