@@ -1638,7 +1638,7 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
     header = ("| architecture | parameters | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
-              "Attrib@Query | verdicts | paper |")
+              "Attrib@Query | verdicts | training | paper |")
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
     assert "Timeline" in stdout and "- attention: 0: " in stdout            # one timeline line per model
     table = (out / "ar.md").read_text()
