@@ -386,10 +386,13 @@ def effective_attention(model, tokens):
     return [M.abs().mean(1) for M, _ in maps]                                 # layers x (b, l, l)
 
 
-def effective_record(model, dataset, doc=0, roles=("key", "value", "next_key", "query")):
+def effective_record(model, dataset, doc=None, roles=("key", "value", "next_key", "divider", "query")):
     """JSON-safe maps of one document for a run's record: {"positions": {role: t}, "query": [layer i's
-    row at the query, positions 0..query], "value": [layer 0's row at the value, 0..value]}."""
+    row at the query, positions 0..query], "value": [layer 0's row at the value, 0..value]}; doc None:
+    the first whose queried pair is neither the first nor the last, so each role has its own token."""
     check_dataset(model, dataset)
+    p = dataset.positions
+    doc = int(((p["key"] > 1) & (p["next_key"] < p["divider"])).int().argmax()) if doc is None else doc
     tokens = dataset.tokens[doc:doc + 1].to(next(model.parameters()).device)
     maps = effective_attention(model, tokens)                                 # layers x (1, l, l)
     at = {role: int(dataset.positions[role][doc]) for role in roles}

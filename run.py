@@ -86,6 +86,7 @@ QUICK_VOCAB = 1024
 # notebooks/figs/: ar_32.pdf, pos_embed.pdf, ar_32_layers_with_3.pdf, mamba_ar_32.pdf, based_ar_32.pdf,
 # atr.pdf, atr_gen.pdf; "box": the medians of atr_box.pdf). The PDFs are vector drawings, so these
 # are the plotted values (accuracies on 320 documents; the paper's AR: README, difference 19).
+WIDTHS = (16, 32, 64, 128, 256)   # the paper's widths d, of WIDTHS_PAPER's numbers
 WIDTHS_PAPER = {"attention": "6.56 / 100 / 100 / 100 / 100%", "base_conv": "0 / 0.94 / 3.75 / "
                 "6.56 / 9.69%", "based": "24.38 / 93.12 / 99.06 / 98.75 / 99.06%", "h3": "0.94 / "
                 "0.62 / 1.88 / 2.50 / 1.56%", "hyena": "0.62 / 0.94 / 2.81 / 13.75 / 29.69%",
@@ -147,7 +148,7 @@ def quick(config, runs, widths=(64,), seeds=None, steps=None, **extra):
                 seeds=seeds or {"*": SEEDS3}, steps=steps)
 
 
-def paper(config, runs, widths=(16, 32, 64, 128, 256), lrs=LR5, **extra):
+def paper(config, runs, widths=WIDTHS, lrs=LR5, **extra):
     return dict(config={**config, **extra}, runs=runs, widths=list(widths), lrs={"*": lrs},
                 seeds={"*": [42]})
 
@@ -379,17 +380,21 @@ def best_by_lr(records):
 
 fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
 fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
-# a spread's (below) accuracies, their median and range: '50.0% (0.9-84.4)'; its verdicts, most
-# frequent first: 'direct retrieval 4/5, no signal 1/5'
+# a spread's (below) accuracies: '50.0% (0.9-84.4)'; verdicts, most frequent first, with where the
+# no-signal runs lean: 'induction 4/5, no signal 1/5, leans query 1/5'; diagnoses: 'learned 5/5'
 fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
     f" ({100 * s['acc'][0]:.1f}-{100 * s['acc'][-1]:.1f})" if len(s["acc"]) > 1 else " (1 seed)")
-fmt_counts = lambda s: ", ".join(f"{v} {k}/{s['n']}" for v, k in s["verdicts"].most_common())
+tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in counts.most_common())
+fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
+                                               tally(s["leans"], s["n"], "leans "))))
+fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
 
 
 # a record's attrib_key / _value / _query: their names in the tables and colours in the figures
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
 UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
+lean = lambda record: max(ATTRIBS, key=record["mechanism_table"]["headline"].get)   # its largest
 
 
 def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
@@ -404,14 +409,44 @@ def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
     return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
 
 
+def copy_guess(cfg):
+    """The accuracy of guessing any value of the context: 1/pairs on AR; on ATR the mean over the
+    evaluation documents (the training set not made) of 1 / the sentence's distinct terminals."""
+    if cfg.task == "ar":
+        return 1 / cfg.num_pairs
+    data = mechsm.make_documents(mechsm.data_key(replace(cfg, train_size=4))).eval     # cached
+    return statistics.mean(1 / len(set(doc[1:end].tolist())) for doc, end in zip(data.tokens,
+                                                                                 data.positions["divider"]))
+
+
+def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, plateau=1.5, rise=0.05):
+    """What a run's training did, read from its history: the first of the rule under the README's
+    summary that holds, its thresholds these keywords (None: no history)."""
+    history, final = record.get("history") or [], record["final"]
+    losses = [h["train_loss"] for h in history if h.get("train_loss") is not None]
+    if record["status"] != "ok" or not losses:
+        return None
+    at = lambda part: [h for h in history if h["step"] <= part * history[-1]["step"]][-1]
+    if final["train_loss"] >= (1 - start_margin) * losses[0]:
+        return "never left the start"
+    if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(2 / 3)["loss"]:
+        return "memorised"                               # before the copy plateau it explains
+    if final["acc"] < plateau * copy_guess(config_of(record)):
+        return "copy plateau"
+    return "still learning" if final["acc"] - at(3 / 4)["acc"] >= rise else "learned"
+
+
 def spread(row, **rule):
-    """A row's distribution over its seeds: n, accuracies, verdicts, the readable ones' medians."""
+    """A row's distribution over its seeds: n, accuracies, verdicts, where the runs with no signal
+    lean (the site of the largest attribution), diagnoses, the readable ones' medians."""
     runs = row["runs"]
     verdicts = [verdict_of(r, **rule) or "-" for r in runs]
     readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
     heads = [r["mechanism_table"]["headline"] for r in readable]
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
-            "verdicts": collections.Counter(verdicts), "readable": len(readable), "median": {
+            "verdicts": collections.Counter(verdicts), "readable": len(readable),
+            "leans": collections.Counter(lean(r) for r, v in zip(runs, verdicts) if v == "no signal"),
+            "diagnoses": collections.Counter(filter(None, map(diagnose, runs))), "median": {
                 k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
 
 
@@ -438,7 +473,7 @@ def result_table(rows, experiment=None):
         mechs = [r.get("mechanism") or {} for r in row["runs"]]
         for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
             c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
-        c["verdicts"] = fmt_counts(s)
+        c["verdicts"], c["training"] = fmt_counts(s), fmt_training(s)
         if experiment is not None:
             c["paper"] = paper_text(experiment, row) or "-"
         cells.append(c)
@@ -456,7 +491,7 @@ def report_grid(name, preset, records, out):
         if kept.get(run_key(record["config"])) != record:
             append_result(path, record)
     records = latest(read_results(path, warn=False))
-    if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"]) is None:
+    if draw_figures(records, best_by_lr(records), name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
     Path(out_path(out, f"{name}.md")).write_text(text)
@@ -833,7 +868,6 @@ def read_command(folder, name):
 
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
-FIGURE_KINDS = ("scatter", "timeline", "heatmaps", "width", "box", "effective")   # <experiment>_<kind>.png
 
 
 def render(name, preset, records, folder=None):
@@ -845,7 +879,7 @@ def render(name, preset, records, folder=None):
     made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
                      f"commit {m.get('commit')}" for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
-    kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
+    kinds = [k for k in FIGURE_KINDS
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
     c = read_command(folder, name) if folder else None
     attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
@@ -864,7 +898,9 @@ def render(name, preset, records, folder=None):
         f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
         "over the seeds that can be read, of the restoration of the clean answer probability when "
         "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
-        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. Paper: "
+        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule; leans: where "
+        "those with no signal point. Training: what each seed's training did, by the rule under the "
+        "README's summary. Paper: "
         f"{exp.section}.", "",
         "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
         "too little signal to read):", *timeline, "",
@@ -888,6 +924,11 @@ def holds(text, s):
     return "-"
 
 
+PAPER = ("paper (accuracy: the best of its 5-7 learning rates at that width; box: its box plot's "
+         "medians, pooled over widths and learning rates)")               # which statistic is which
+OURS = "ours (median (range) over seeds at one width and learning rate; the best seed; box: medians)"
+
+
 def summary_rows(name, rows):
     """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
     none); an experiment over widths: one row per label, its median accuracy at each width."""
@@ -896,18 +937,20 @@ def summary_rows(name, rows):
         for row in sorted(rows, key=lambda r: r["d_model"]):
             line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
             s = spread(row)
-            (verdict, k), = s["verdicts"].most_common(1)
-            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(s['acc']))} "
-                                 f"({verdict} {k}/{s['n']})")
-        return [{"row": label, "paper": paper_text(name, line["row"]) or "no number quoted",
-                 "holds?": "-", "ours": " · ".join(line["cells"])} for label, line in lines.items()]
+            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(s['acc']))}, "
+                                 f"best {fmt_pct(s['acc'][-1])} ({fmt_counts(s)}; {fmt_training(s)})")
+        return [{"row": label, PAPER: paper_text(name, line["row"]) or "no number quoted",
+                 "holds?": "-", OURS: " · ".join(line["cells"])} for label, line in lines.items()]
     out = []
     for row in [row for row in rows if paper_text(name, row)] or rows:
-        s, final, text = spread(row), row["best"]["final"], paper_text(name, row)
+        s, final, text = spread(row), row["best"]["final"], paper_text(name, row) or ""
         test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
         split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        out.append({"row": row["label"], "paper": text or "no number quoted",
-                    "ours": f"{split}; {fmt_counts(s)}", "holds?": holds(text or "", s)})
+        box = " ".join(f"{k[0].upper()} {fmt_num(s['median'][k])}" for k in ("key", "value", "query"))
+        box = f"; box {box} ({s['readable']} seeds read)" * ("box" in text)
+        out.append({"row": row["label"], PAPER: text or "no number quoted", "holds?": holds(text, s),
+                    OURS: f"{split}, best seed {fmt_pct(s['acc'][-1])}{box}; {fmt_counts(s)}; "
+                          f"{fmt_training(s)}"})
     return out
 
 
@@ -945,7 +988,7 @@ def summary_table(folder="results", names=None, rel=None):
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
              and name in (names or EXPERIMENTS)
              for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
-    out = [markdown(lines, ["experiment", "row", "paper", "ours", "holds?"])]
+    out = [markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"])]
     if names:
         return out[0]
     mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
@@ -1404,7 +1447,7 @@ def report_folder(folder):
 
 # --- Figures: the paper's plots, from the records alone
 
-FRAME = (-0.25, 1.25)   # the attribution axes (points beyond are drawn on the edge)
+FRAME = (-0.25, 1.25)   # the attribution axes (the scatter marks a point beyond on its edge)
 
 
 def redraw_figures(folder):
@@ -1418,7 +1461,7 @@ def redraw_figures(folder):
     for name in EXPERIMENTS:
         records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
         if records:
-            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
+            draw_figures(records, best_by_lr(records), name, folder)
             found += 1
     print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
 
@@ -1443,49 +1486,58 @@ def tiles(fig, n, cols, height):
 
 def plot_scatter(fig, records):
     """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed, and the
-    verdict's regions (the paper's Fig. 3); a run held at the key is a triangle."""
+    verdict's regions (the paper's Fig. 3); a run held at the key is a triangle, one outside FRAME
+    a cross on its edge."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
     low = np.array([bool(m.get("low_signal")) for m in mech], bool)
     key = np.array([verdict_of(r) == interventions.READINGS["key"] for r in runs], bool)
     (lo, hi), cut, ax = FRAME, interventions.CUT, fig.subplots()
+    outside = (x < lo) | (x > hi) | (y < lo) | (y > hi)
     ax.fill_between([cut, hi], [lo, lo], [cut, cut], color="tab:green", alpha=0.12, lw=0)
     ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
-    for a in sorted(set(arch), key=arch_rank):          # each arch nudged a little, so that runs
-        label, c, dx = a, colour(a), 0.012 * (arch_rank(a) - 3)   # of one reading stay visible
+    for a in sorted(set(arch), key=arch_rank):
+        label, c = a, colour(a)
         for hollow, tri in ((False, False), (False, True), (True, False)):
-            m = (np.array(arch) == a) & (low == hollow) & (key == tri)
-            ax.scatter(np.clip(x[m] + dx, lo, hi), np.clip(y[m] + dx, lo, hi), s=40, edgecolors=c,
-                       marker="^" if tri else "o", facecolors="none" if hollow else c,
-                       clip_on=False, label=label if m.any() else None)
+            m = (np.array(arch) == a) & (low == hollow) & (key == tri) & ~outside
+            ax.scatter(x[m], y[m], s=40, edgecolors=c, marker="^" if tri else "o",
+                       facecolors="none" if hollow else c, label=label if m.any() else None)
             label = None if m.any() else label
     ax.scatter([], [], s=40, facecolors="none", edgecolors="grey", label="too little signal")
     ax.scatter([], [], s=40, marker="^", color="grey", label="held at the key")
+    ax.scatter(np.clip(x[outside], lo, hi), np.clip(y[outside], lo, hi), s=50, marker="x", clip_on=False,
+               color=[colour(a) for a, o in zip(arch, outside) if o] or "grey",
+               label=f"beyond, on the edge ({outside.sum()})")
     ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
            title="Attribution at the value and at the query, every run")
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
-    return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key}
+    return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside}
 
 
 def plot_width(fig, rows):
-    """Accuracy against width (log2 axis), a line per label: the median over seeds, range shaded."""
-    lines, out, ax = {}, {}, fig.subplots()
+    """Accuracy against width (log2 axis), a line per label: the median over seeds, range shaded;
+    dashed in its colour, the paper's (WIDTHS_PAPER) where the label is a plain arch."""
+    lines, out, ax, ar = {}, {}, fig.subplots(), rows[0]["best"]["config"]["task"] == "ar"
     for row in sorted(rows, key=lambda r: r["d_model"]):
         lines.setdefault(next(iter(widest_rows([row]))), []).append(row)      # its label less width
-    for i, (label, line) in enumerate(lines.items()):
-        accs = [spread(row)["acc"] for row in line]
+    for label, line in lines.items():
+        accs, c = [spread(row)["acc"] for row in line], colour(line[0]["arch"])
         out[label] = d, med, low, high = (np.array([r["d_model"] for r in line]), *(
             np.array([f(a) for a in accs], float) for f in (statistics.median, min, max)))
-        ax.plot(d, med, "-:"[i % 2], marker="o", color=colour(line[0]["arch"]), label=label)
-        ax.fill_between(d, low, high, color=colour(line[0]["arch"]), alpha=0.12, lw=0)
-    widths = sorted({r["d_model"] for r in rows})
+        ax.plot(d, med, marker="o", color=c, label=label)
+        ax.fill_between(d, low, high, color=c, alpha=0.12, lw=0)
+        if ar and label in WIDTHS_PAPER:
+            out[label + " (paper)"] = WIDTHS, [float(v) / 100 for v in WIDTHS_PAPER[label][:-1].split(" / ")]
+            ax.plot(*out[label + " (paper)"], "--", marker=".", color=c)
+    widths = sorted({r["d_model"] for r in rows} | set(WIDTHS * (len(out) > len(lines))))
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.set(ylim=(-0.02, 1.02), xlabel="model width (d_model)", ylabel="accuracy",
-           title="Accuracy against width: median over seeds, range shaded")
+           title="Accuracy against width: median over seeds, range shaded" + ";\ndashed: the paper's "
+           "(the best of its learning rates; 4,096 keys, 16 pairs)" * (len(out) > len(lines)))
     ax.legend(fontsize=8)
     return out
 
@@ -1534,15 +1586,17 @@ def plot_timeline(fig, rows):
 
 
 def plot_box(fig, records):
-    """ATR, as the paper's box plot: a row per site (key, value, query), a box per arch over its
-    seeds that can be read, every seed a dot (hollow: too little signal)."""
+    """ATR, as the paper's box plot: a row per site in its order (key, query, value), a box per arch
+    over its seeds that can be read, every seed a dot (hollow: too little signal), the cut a line."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     archs = sorted({r["config"]["arch"] for r in runs}, key=lambda a: (arch_rank(a), a))
     of = lambda a, k, low: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"][
         "arch"] == a and bool(r["mechanism"].get("low_signal")) == low], float)
     out = {a: {k: of(a, k, False) for k in ATTRIBS} for a in archs}
     fig.set_size_inches(8.0, 6.5)
-    for ax, (k, (name, c)) in zip(fig.subplots(3, 1, sharex=True), ATTRIBS.items()):
+    for ax, k in zip(fig.subplots(3, 1, sharex=True), ("key", "query", "value")):
+        (name, c), cut = ATTRIBS[k], interventions.CUT
+        ax.axhline(cut, color="grey", ls="--", lw=0.8)
         ax.boxplot([out[a][k] for a in archs], positions=range(len(archs)), widths=0.6,
                    patch_artist=True, boxprops={"facecolor": c, "alpha": 0.5},
                    medianprops={"color": "k"}, showfliers=False)
@@ -1553,13 +1607,14 @@ def plot_box(fig, records):
                            facecolors="none" if low else c, zorder=3)
         ax.set(ylabel=name, ylim=FRAME)
     ax.set_xticks(range(len(archs)), archs)
-    fig.suptitle("ATR: attribution at the key, value and query, every seed")
+    fig.suptitle(f"ATR: attribution at the key, query and value, every seed (dashed: the cut, {cut})")
     return out
 
 
 def plot_effective(fig, rows):
     """The best run of each architecture, its effective attention on one document: the query's row
-    in each layer and the value's row in layer 0, each scaled to its maximum, the roles on the x axis."""
+    in each layer and the value's row in layer 0, each scaled to its maximum, its named positions on
+    the x axis."""
     rows = [(r["label"], r) for r in best_per_arch(rows) if r["best"].get("effective")]
     panels = []
     for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
@@ -1570,34 +1625,46 @@ def plot_effective(fig, rows):
             cells[i, :len(line)] = np.array(line) / max(max(line), 1e-30)
         names = [f"L{i} @query" for i in range(len(eff["query"]))] + ["L0 @value"]
         ax.imshow(cells, cmap="viridis", vmin=0, vmax=1, aspect="auto")
-        at = eff["positions"]
-        ax.set_xticks(list(at.values()), [r.replace("_", " ") for r in at], fontsize=6, rotation=90)
+        at = {**eff["positions"], "divider": eff["positions"]["query"] - 1}   # older records: none
+        columns = {t: role.replace("_", " ") for role, t in at.items()}   # the last pair's next key
+        ax.set_xticks(list(columns), list(columns.values()), fontsize=6, rotation=90)
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.set_title(f"{label} (d {row['d_model']})", fontsize=9)
-        panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells})
+        panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells,
+                       "columns": columns})
     fig.suptitle("Where the query reads: effective attention, each row / its max (one document)")
     return panels
 
 
-def draw_figures(records, rows, name, folder, task="ar"):
-    """folder/<name>_<kind>.png of each kind that applies: {kind: data}; None without matplotlib."""
+# The one table of figure kinds, <experiment>_<kind>.png: its drawing, and the data it draws from an
+# experiment's (records, rows), none where it does not apply. It names train_grid's and render's files.
+FIGURE_KINDS = {
+    "scatter": (plot_scatter, lambda records, rows: patched_runs(records)),
+    "timeline": (plot_timeline, lambda records, rows: rows),
+    "heatmaps": (plot_heatmaps, lambda records, rows: any(r["best"].get("mechanism_table")
+                                                          for r in rows) and rows),
+    "width": (plot_width, lambda records, rows: len(widest_rows(rows)) < len(rows) and rows),
+    "box": (plot_box, lambda records, rows: records[0]["config"]["task"] == "atr"
+            and patched_runs(records, with_signal=True) and records),
+    "effective": (plot_effective, lambda records, rows: any(r["best"].get("effective")
+                                                            for r in best_per_arch(rows)) and rows)}
+
+
+def draw_figures(records, rows, name, folder):
+    """folder/<name>_<kind>.png of each kind that applies (a probe: its scatter only): {kind: data};
+    None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    several = any(len({r["d_model"] for r in rows if r["arch"] == row["arch"]}) > 1 for row in rows)
-    kinds = {"scatter": (plot_scatter, records, patched_runs(records)), "timeline": (plot_timeline, rows, rows),
-             "heatmaps": (plot_heatmaps, rows, any(r["best"].get("mechanism_table") for r in rows)),
-             "width": (plot_width, rows, several),
-             "box": (plot_box, records, task == "atr" and patched_runs(records, with_signal=True)),
-             "effective": (plot_effective, rows,
-                           any(r["best"].get("effective") for r in best_per_arch(rows)))}
-    out = {}
-    for kind, (draw, data, wanted) in kinds.items():
-        if wanted and (kind == "scatter" or not getattr(EXPERIMENTS.get(name), "probe", False)):
-            fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
-            out[kind] = draw(fig, data)
-            fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
+    out, probe = {}, getattr(EXPERIMENTS.get(name), "probe", False)
+    records = [r for row in rows for r in row["runs"]]          # each cell's seeds at its chosen lr
+    for kind, (draw, of) in FIGURE_KINDS.items():
+        if not (data := (kind == "scatter" or not probe) and of(records, rows)):
+            continue
+        fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
+        out[kind] = draw(fig, data)
+        fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
     return out
 
 

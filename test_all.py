@@ -1113,11 +1113,15 @@ def test_effective_attention_is_causal_finite_and_attention_s_pattern(arch):
 def test_effective_record_is_one_documents_rows_json_safe(data):
     model = patching_model("gated_deltanet", data.vocab_size)
     eff = iv.effective_record(model, data, doc=2)
-    at = {r: int(data.positions[r][2]) for r in ("key", "value", "next_key", "query")}
+    at = {r: int(data.positions[r][2]) for r in ("key", "value", "next_key", "divider", "query")}
     maps = iv.effective_attention(model, data.tokens[2:3])
     assert eff["positions"] == at and json.loads(json.dumps(eff)) == eff
     assert eff["query"] == [m[0, at["query"], :at["query"] + 1].tolist() for m in maps]
     assert eff["value"] == maps[0][0, at["value"], :at["value"] + 1].tolist()
+    p = data.positions                           # by default: the first document that queries a pair
+    middle = [i for i in range(len(data.tokens)) if p["key"][i] > 1 and p["next_key"][i] < p["divider"][i]]
+    at = iv.effective_record(model, data)["positions"]      # neither first nor last: each role its own
+    assert middle and at == {r: int(p[r][middle[0]]) for r in at} and len(set(at.values())) == 5
 
 
 def test_float32_default_h3_runs():
@@ -1631,8 +1635,8 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
             "--out", str(out)]
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
-    header = ("| architecture | parameters | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
-              "Attrib@Query | verdicts | paper |")
+    header = ("| architecture | parameters | lr | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
+              "Attrib@Query | verdicts | training | paper |")
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
     assert "Timeline" in stdout and "- attention: 0: " in stdout            # one timeline line per model
     table = (out / "ar.md").read_text()
@@ -2023,7 +2027,7 @@ def test_records_carry_the_full_patching_table_and_a_checkpoint_relative_to_out(
     record, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path / "a", patch=True, save=True)
     assert record["mechanism_table"]["rows"] and "conv@next_key" in record["mechanism"]
     assert len(record["effective"]["query"]) == 2 and set(record["effective"]["positions"]) == {
-        "key", "value", "next_key", "query"}                    # the effective-attention figure's maps
+        "key", "value", "next_key", "divider", "query"}         # the effective-attention figure's maps
     assert not os.path.isabs(record["checkpoint"]) and (tmp_path / "a" / record["checkpoint"]).is_file()
     assert set(record["provenance"]) == {"date", "machine", "torch", "commit"}
     os.rename(tmp_path / "a", tmp_path / "moved")
@@ -2787,8 +2791,11 @@ def figure():
 
 def test_scatter_plots_every_run_with_a_mechanism(figure):
     records = RECORDS + [{**fig_record("h3"), "mechanism": None}]       # not patched: no point
-    data = fs.plot_scatter(figure(), records)
+    fig = figure()
+    data = fs.plot_scatter(fig, records)
     assert data["arch"] == [r["config"]["arch"] for r in RECORDS]
+    np.testing.assert_array_equal(data["outside"], [False, False, False, True, False])   # value 2.0
+    assert "beyond, on the edge (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     np.testing.assert_array_equal(data["value"], [r["mechanism"]["attrib_value"] for r in RECORDS])
     np.testing.assert_array_equal(data["query"], [r["mechanism"]["attrib_query"] for r in RECORDS])
     np.testing.assert_array_equal(data["low_signal"], [False, True, False, False, False])
@@ -2826,10 +2833,15 @@ def test_width_lines_are_each_widths_median_and_range_over_seeds(figure):
     np.testing.assert_array_equal(median, [0.2, 1.0, 2.0])    # final acc = d_model / 64 here
     np.testing.assert_array_equal(low, [0.1, 1.0, 2.0])
     np.testing.assert_array_equal(high, [0.9, 1.0, 2.0])
+    widths, paper = fs.plot_width(figure(), rows)["mamba (paper)"]      # WIDTHS_PAPER, dashed
+    assert widths == (16, 32, 64, 128, 256) and paper == pytest.approx([0.1, 0.7688, 0.8062, 0.8969, 0.9125])
 
 
 def test_box_groups_the_runs_with_signal_by_arch(figure):
-    data = fs.plot_box(figure(), RECORDS)
+    fig = figure()
+    data = fs.plot_box(fig, RECORDS)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["Attrib@Key", "Attrib@Query", "Attrib@Value"]
+    assert all([0.5, 0.5] in [list(line.get_ydata()) for line in ax.lines] for ax in fig.axes)  # the cut
     assert list(data) == ["attention", "hyena", "mamba"]       # fixed order; mamba's low run out
     np.testing.assert_array_equal(data["attention"]["value"], [0.9, 2.0])
     np.testing.assert_array_equal(data["mamba"]["query"], [0.95])
@@ -2842,24 +2854,26 @@ def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
     panels = fs.plot_effective(figure(), fig_rows(records))
     assert [p["label"] for p in panels] == ["mamba"]
     assert panels[0]["rows"] == ["L0 @query", "L1 @query", "L0 @value"]
+    assert panels[0]["columns"] == {1: "key", 2: "value", 3: "divider", 4: "query"}   # no next key
     np.testing.assert_allclose(panels[0]["cells"], [[0.25, 0.5, 1, 0.25, 0.5], [0, 0.5, 1, 0, 0.5],
                                                        [1, 0.5, 0.5, np.nan, np.nan]])
 
 
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
     records = RECORDS + [fig_record("hyena", d_model=32)]
-    out = fs.draw_figures(records, fig_rows(records), "ar", tmp_path / "a", task="ar")
+    out = fs.draw_figures(records, fig_rows(records), "ar", tmp_path / "a")
     assert sorted(out) == ["heatmaps", "scatter", "timeline", "width"]          # hyena: 2 widths
     assert sorted(os.listdir(tmp_path / "a")) == [f"ar_{k}.png" for k in sorted(out)]
-    out = fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "atr", tmp_path / "b", task="atr")
+    atr = [{**r, "config": {**r["config"], "task": "atr"}} for r in RECORDS[:3]]
+    out = fs.draw_figures(atr, fig_rows(atr), "atr", tmp_path / "b")
     assert sorted(out) == ["box", "heatmaps", "scatter", "timeline"]             # one width each
-    fs.draw_figures(RECORDS[:3], fig_rows(RECORDS[:3]), "atr", tmp_path / "c", task="atr")
+    fs.draw_figures(atr, fig_rows(atr), "atr", tmp_path / "c")
     for name in os.listdir(tmp_path / "b"):
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
     rows = fig_rows(records)                     # maps only on a run the figure does not show
     less = min((r for r in rows if r["arch"] == "hyena"), key=lambda r: r["best"]["final"]["acc"])
     less["best"] = {**less["best"], "effective": {"query": [[1.0]], "value": [1.0], "positions": {}}}
-    assert "effective" not in fs.draw_figures(records, rows, "ar", tmp_path / "d", task="ar")
+    assert "effective" not in fs.draw_figures(records, rows, "ar", tmp_path / "d")
 
 
 def test_draw_figures_without_matplotlib_returns_none_and_writes_nothing(monkeypatch, tmp_path):
@@ -2922,6 +2936,89 @@ def test_sensitivity_table_counts_the_verdicts_a_moved_cut_or_filter_changes():
     assert "| 1/4 | direct retrieval -> mixed 1 |" in rows["cut 0.6"]
     assert "| 1/4 | no signal -> induction 1 |" in rows["gap filter halved"]
     assert "| 1/4 | mixed -> no signal 1 |" in rows["gap filter doubled"]
+
+
+def diag_record(train=(10.0, 5.0), loss=(6.0, 6.0, 6.0), acc=(0.5, 0.5), task="ar", status="ok"):
+    """A record with a made-up history of 13 evaluations (steps 0-12): the first training loss at
+    step 1, the final at 12; the evaluation loss at 8 (two thirds) and 12, accuracy at 9 (three
+    quarters) and 12; 8 pairs, so the copy guess is 1/8."""
+    history = [{"step": s, "acc": 0.0, "loss": loss[0], "train_loss": None if s == 0 else 8.0}
+               for s in range(13)]
+    history[1]["train_loss"], history[8]["loss"], history[9]["acc"] = train[0], loss[1], acc[0]
+    history[12].update(train_loss=train[1], loss=loss[2], acc=acc[1])
+    return {"status": status, "config": {"arch": "mamba", "task": task, "num_pairs": 8},
+            "history": history, "final": {k: history[12][k] for k in ("acc", "loss", "train_loss")}}
+
+
+@pytest.mark.parametrize("case, record", [
+    ("never left the start", diag_record(train=(10.0, 9.31))),      # start_margin 0.07: 9.3
+    ("learned", diag_record(train=(10.0, 9.29), loss=(9.29, 9.29, 9.29))),
+    ("memorised", diag_record(train=(10.0, 3.99), loss=(6.0, 5.9, 6.0))),   # memorised_gap 2 nats
+    ("learned", diag_record(train=(10.0, 4.01), loss=(6.0, 5.9, 6.0))),
+    ("learned", diag_record(train=(10.0, 3.0), loss=(6.0, 6.0, 6.0))),      # the loss did not rise
+    ("copy plateau", diag_record(acc=(0.187, 0.187))),              # plateau 1.5 x 1/8 = 0.1875
+    ("learned", diag_record(acc=(0.188, 0.188))),
+    ("still learning", diag_record(acc=(0.449, 0.5))),              # rise 0.05 over the last quarter
+    ("learned", diag_record(acc=(0.451, 0.5))),
+    ("memorised", diag_record(train=(10.0, 1.0), loss=(6.0, 5.9, 6.0), acc=(0.1, 0.125))),
+    (None, diag_record(status="failed")), (None, {**diag_record(), "history": None})])
+def test_diagnose_names_each_case_on_each_side_of_its_threshold(case, record):
+    """diagnose's rule on made-up histories, each threshold's two sides; memorised comes before the
+    copy plateau that it explains (the attention runs at d 128 in results/ar-widths)."""
+    assert run_cli.diagnose(record) == case
+
+
+def test_copy_guess_is_1_over_pairs_on_ar_and_on_atr_the_mean_over_documents_of_1_over_terminals():
+    ar = mechsm.Config(task="ar", num_pairs=8)
+    cfg = mechsm.Config(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, eval_size=64,
+                        train_size=4)
+    data = mechsm.make_data(cfg).eval
+    sentences = [doc[1:end].tolist() for doc, end in zip(data.tokens, data.positions["divider"])]
+    assert all(a in s for a, s in zip(data.answers.tolist(), sentences))   # a guess can be right
+    assert run_cli.copy_guess(ar) == 1 / 8
+    assert run_cli.copy_guess(cfg) == pytest.approx(np.mean([1 / len(set(s)) for s in sentences]))
+
+
+def markdown_rows(text):
+    """The rows of the first markdown table in `text`, as {column: cell}."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    split = lambda line: [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+    return [dict(zip(split(lines[0]), split(line))) for line in lines[1:]]
+
+
+def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
+    """Every row of results/*.md and of the README's summary counts its runs' diagnoses, verdicts and
+    (no signal) leanings as the records give them, counted here on their own; the issue's cases."""
+    folder, tally = os.path.join(HERE, "results"), lambda c, n, pre="": {f"{pre}{k} {v}/{n}" for k, v in c.items()}
+    for name in [n for n, e in run_cli.EXPERIMENTS.items() if not e.probe]:
+        rows = run_cli.best_by_lr(run_cli.read_results(os.path.join(folder, f"{name}.jsonl")))
+        for row, cells in zip(rows, markdown_rows(open(os.path.join(folder, f"{name}.md")).read())):
+            runs, n = row["runs"], len(row["runs"])
+            diagnoses = collections.Counter(run_cli.diagnose(r) for r in runs)
+            verdicts = [run_cli.verdict_of(r) for r in runs]
+            head = lambda r: r["mechanism_table"]["headline"]
+            leans = collections.Counter(max(("key", "value", "query"), key=lambda k: head(r)[k])
+                                        for r, v in zip(runs, verdicts) if v == "no signal")
+            assert cells["architecture"] == row["label"]
+            assert set(cells["training"].split(", ")) == tally(diagnoses, n)
+            assert set(cells["verdicts"].split(", ")) == tally(collections.Counter(verdicts), n) | tally(
+                leans, n, "leans ")
+            summary = run_cli.summary_rows(name, [row])[0][run_cli.OURS]
+            assert all(t in summary for t in tally(diagnoses, n) | tally(leans, n, "leans "))
+    widths = {c["architecture"]: c for c in markdown_rows(open(os.path.join(folder, "ar-widths.md")).read())}
+    assert widths["attention (d 128)"]["training"] == "memorised 3/3"
+    assert "never left the start 2/3" in widths["mamba (d 128)"]["training"]
+    medium = {c["architecture"]: c for c in markdown_rows(open(os.path.join(folder, "atr-medium.md")).read())}
+    assert medium["attention"]["verdicts"] == "no signal 3/3, leans query 3/3"
+
+
+def test_every_figure_drawn_for_an_experiment_is_linked_from_its_markdown():
+    folder = os.path.join(HERE, "results")
+    for name in run_cli.EXPERIMENTS:
+        text = open(os.path.join(folder, f"{name}.md")).read()
+        drawn = {f for f in os.listdir(folder) if f.startswith(name + "_") and f.endswith(".png")
+                 and f[len(name) + 1:-4] in run_cli.FIGURE_KINDS}
+        assert set(re.findall(r"\]\((\S+\.png)\)", text)) == drawn, name
 
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
