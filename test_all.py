@@ -1670,9 +1670,11 @@ def float64_models(monkeypatch):
     monkeypatch.setattr(mechsm, "build", lambda cfg, vocab_size: build(cfg, vocab_size).double())
 
 
-def _assert_same_run(lone, member, loss_tol, weight_tol, weight_rtol=0.0):
+def _assert_same_run(lone, member, loss_tol, weight_tol):
     """A group member's (record, model) is the lone run's: same record keys (plus "group"), status,
-    error and steps; the same history steps, keys and losses within loss_tol; weights within weight_tol."""
+    error and steps; the same history steps and keys; losses within loss_tol and weights within weight_tol
+    of their size (each tensor's largest, at least 1): a run at lr 1e200 has weights ~1e200, and
+    another CPU's vector kernels (AVX-512 against AVX2) round them ~1e-12 relative apart."""
     (r1, m1), (r2, m2) = lone, member
     assert set(r2) == set(r1) | {"group"}
     assert [r1[k] for k in ("status", "error", "steps_done", "total_steps", "n_params")] == \
@@ -1682,9 +1684,11 @@ def _assert_same_run(lone, member, loss_tol, weight_tol, weight_rtol=0.0):
         assert h1.keys() == h2.keys() and h1["lr"] == h2["lr"]
         for key in ("train_loss", "loss"):
             assert (h1[key] is None) == (h2[key] is None)
-            assert h1[key] is None or abs(h1[key] - h2[key]) <= loss_tol, (h1["step"], key, h1[key], h2[key])
+            assert h1[key] is None or abs(h1[key] - h2[key]) <= loss_tol * max(1.0, abs(h1[key])), (
+                h1["step"], key, h1[key], h2[key])
     for (name, w1), w2 in zip(m1.state_dict().items(), m2.state_dict().values()):
-        torch.testing.assert_close(w2, w1, rtol=weight_rtol, atol=weight_tol, msg=name)
+        size = max(1.0, w1.abs().max().item())
+        torch.testing.assert_close(w2, w1, rtol=0, atol=weight_tol * size, msg=name)
 
 
 @pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
@@ -1753,7 +1757,7 @@ def test_nan_member_fails_and_the_others_finish_as_alone(float64_models):
     failed = group[1][0]
     assert "loss is" in failed["error"] and failed["steps_done"] < failed["total_steps"] and failed["history"]
     for cfg, member in zip(cfgs, group):   # the failed one too: same error, step and weights as alone
-        _assert_same_run(mechsm.train(cfg, log=quiet), member, 1e-9, 1e-8, weight_rtol=1e-12)
+        _assert_same_run(mechsm.train(cfg, log=quiet), member, 1e-9, 1e-8)
 
 
 @pytest.mark.parametrize("form", ["cpu", "gpu"])
