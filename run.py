@@ -796,8 +796,9 @@ def render(name, preset, records, folder=None):
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
     made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
-    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
-                     f"commit {m.get('commit')}" for _, m in sorted(made.items()))
+    made = "; ".join(f"{m.get('date')} on {m.get('machine')}" + (f" ({m.get('cpu')}, torch's "
+                     f"{m['cpu_capability']} kernels)" if "cpu_capability" in m else "") + f" with torch "
+                     f"{m.get('torch')} at commit {m.get('commit')}" for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
@@ -1225,14 +1226,19 @@ def results_name(shard):
 
 
 def provenance():
-    """Where and with what a record was made: date, machine, torch, the code's git commit."""
+    """Where and with what a record was made: date, machine, its CPU and the vector kernels torch
+    picked for it (one run's numbers depend on them: README), torch, the code's git commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=HERE, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
+    info = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""
+    cpu = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
     return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "cpu": (cpu or [platform.processor()])[0] or None,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def best_per_arch(rows):

@@ -2031,7 +2031,10 @@ def test_records_carry_the_full_patching_table_and_a_checkpoint_relative_to_out(
     assert len(record["effective"]["query"]) == 2 and set(record["effective"]["positions"]) == {
         "key", "value", "next_key", "query"}                    # the effective-attention figure's maps
     assert not os.path.isabs(record["checkpoint"]) and (tmp_path / "a" / record["checkpoint"]).is_file()
-    assert set(record["provenance"]) == {"date", "machine", "torch", "commit"}
+    assert set(record["provenance"]) == {"date", "machine", "cpu", "cpu_capability", "torch", "commit"}
+    assert record["provenance"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    made = run_cli.render("ar", "quick", [record])[1].split("made ")[1]   # the .md says which CPU made it
+    assert f"({record['provenance']['cpu']}, torch's {torch.backends.cpu.get_cpu_capability()} kernels)" in made
     os.rename(tmp_path / "a", tmp_path / "moved")
     again, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path / "moved", patch=True, save=True)
     assert again == record                                      # found complete in the moved folder
