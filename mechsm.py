@@ -25,6 +25,7 @@ Using it from Python:
 """
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -448,7 +449,7 @@ def _rebuild(blob, device, fail):
 
 
 def save(model, cfg, path):
-    """torch.save {format, config, build_args, state_dict} to path atomically (temp + os.replace);
+    """torch.save {format, config, build_args, state_dict} to path whole (write_whole);
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
@@ -457,13 +458,28 @@ def save(model, cfg, path):
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     checked = _rebuild(blob, "cpu", lambda why: ValueError(f"cfg does not fit the model: {why}"))[1]
     blob["config"] = asdict(replace(checked, device=cfg.device))        # resolved: "auto" explicit
+    torch.save(blob, buffer := io.BytesIO())
+    return write_whole(path, buffer.getvalue())
+
+
+def write_whole(path, data):
+    """Write data (bytes or str) to path whole: a temporary file beside it, synced, then os.replace,
+    so that a kill or a full disk leaves the old file and no temporary one; unchanged: no write."""
+    data = data.encode() if isinstance(data, str) else data
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        torch.save(blob, tmp)
+        with open(tmp, "xb") as f:            # "x": a new file, never one that a link points to
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:                    # a failed write (a full disk) leaves no temporary file behind
-        if os.path.exists(tmp):
+    finally:
+        if os.path.lexists(tmp):
             os.remove(tmp)
     return path
 

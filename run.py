@@ -36,6 +36,7 @@ import collections
 import difflib
 import glob
 import hashlib
+import io
 import json
 import math
 import os
@@ -458,7 +459,7 @@ def report_grid(name, preset, records, out):
     if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"]) is None:
         print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
-    Path(out_path(out, f"{name}.md")).write_text(text)
+    mechsm.write_whole(out_path(out, f"{name}.md"), text)
     print(text.split("\n", 2)[2].split("\n![")[0])
     tables = [row for row in rows if row["best"].get("mechanism_table")]
     if tables:
@@ -505,7 +506,7 @@ def train_grid(args, command):
         raise ValueError("no run finished; nothing to report")
     trained = sum(before.get(run_key(r["config"])) != r for r in records)
     if trained:
-        Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
+        mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps({"command": command,
             "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
             "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
@@ -891,7 +892,7 @@ def sensitivity_table(records):
 def summary_table(folder="results"):
     """The README's summary of the records in `folder`: the table, the notes under it, probes."""
     rel = os.path.relpath(folder, HERE)                           # links relative to the README
-    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+    records = {name: latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False))
                for name in EXPERIMENTS}
     lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
@@ -1096,18 +1097,20 @@ def grid_runs(args, name, device):
 
 
 def evaluate_checkpoint(args):
-    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
+    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/,
+    a result file per setting (result_eval<eval_size>[_unpatched].json): none replaces another."""
     model, cfg = mechsm.load(args.checkpoint, device=mechsm.resolve_device(args.device or "auto"))
     cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
-        os.path.basename(args.checkpoint))[0] + "-" + digest, "result.json")
+    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(os.path.basename(
+        args.checkpoint))[0] + "-" + digest, f"result_eval{cfg.eval_size}"
+        + "_unpatched" * bool(args.no_interventions) + ".json")
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    Path(path).write_text(json.dumps(json_safe(record), indent=1))
+    mechsm.write_whole(path, json.dumps(json_safe(record), indent=1))
     print(result_table([dict(label=cfg.arch, best=record, runs=[record])]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
@@ -1249,12 +1252,10 @@ def best_per_arch(rows):
 
 def add_effective(folder, name, log=print):
     """Give each arch's best run in folder/<name>.jsonl its "effective" maps if it predates them:
-    from its checkpoint, else retrained (deterministic: its final metrics must match the record)."""
+    from its checkpoint, else retrained (deterministic: its final metrics must match the record).
+    The record with its maps is appended (the file is never rewritten; readers take the latest)."""
     path = out_path(folder, f"{name}.jsonl")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
-    for row in best_per_arch(best_by_lr([r for r in parsed if r])):
+    for row in best_per_arch(best_by_lr(read_results(path))):
         record = row["best"]
         if record.get("effective") or record["status"] != "ok":
             continue
@@ -1267,10 +1268,8 @@ def add_effective(folder, name, log=print):
             if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
                 raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
                                  "record's; maps not added")
-        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
-        changed.add(id(record))
-    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
-                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
+        append_result(path, {**record, "effective": interventions.effective_record(
+            model, mechsm.make_data(cfg).eval)})
 
 
 README = os.path.join(HERE, "README.md")
@@ -1289,10 +1288,10 @@ def report_folder(folder):
     written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
     for name in written:
         records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
-        Path(out_path(folder, f"{name}.md")).write_text(render(name, "quick", records, folder)[1])
+        mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, "quick", records, folder)[1])
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
     if readme:
-        Path(README).write_text(readme_with_summary(Path(README).read_text(), folder))
+        mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder))
     print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" * readme))
 
 
@@ -1491,7 +1490,8 @@ def draw_figures(records, rows, name, folder, task="ar"):
         if wanted and (kind == "scatter" or not getattr(EXPERIMENTS.get(name), "probe", False)):
             fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
-            fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
+            fig.savefig(png := io.BytesIO(), format="png", dpi=100, metadata={"Software": None})
+            mechsm.write_whole(out_path(folder, f"{name}_{kind}.png"), png.getvalue())
     return out
 
 

@@ -2007,16 +2007,20 @@ def test_sweep_in_parallel_workers_reproduces_the_in_process_run(tmp_path):
 
 def test_add_effective_gives_an_older_record_its_maps_by_checkpoint_or_by_retraining(tmp_path):
     """A record made before the maps existed gets them from its checkpoint, or, with the checkpoint
-    gone, by retraining bit for bit: the same maps as the run's own patching gave."""
+    gone, by retraining bit for bit: the same maps as the run's own patching gave. The record with its
+    maps is appended: every line already in the file stays byte for byte, and a second call adds nothing."""
     record, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path, patch=True, save=True)
     for gone in (False, True):
         old = {k: v for k, v in record.items() if k != "effective"}
         if gone:
             os.remove(tmp_path / record["checkpoint"])
-        (tmp_path / "ar.jsonl").write_text(json.dumps(old) + "\n")
+        (tmp_path / "ar.jsonl").write_text(before := json.dumps(old) + "\n")
         run_cli.add_effective(str(tmp_path), "ar", log=quiet)
-        again, = run_cli.read_results(str(tmp_path / "ar.jsonl"))
-        assert again == {**old, "effective": record["effective"]}
+        after = (tmp_path / "ar.jsonl").read_text()
+        run_cli.add_effective(str(tmp_path), "ar", log=quiet)
+        assert after.startswith(before) and (tmp_path / "ar.jsonl").read_text() == after
+        first, again = run_cli.read_results(str(tmp_path / "ar.jsonl"))
+        assert first == old and again == {**old, "effective": record["effective"]}
     old["final"] = {**old["final"], "acc": old["final"]["acc"] + 0.5}          # not this run's record
     (tmp_path / "ar.jsonl").write_text(json.dumps(old) + "\n")
     with pytest.raises(ValueError, match="differ"):
@@ -2143,14 +2147,16 @@ def test_checkpoint_writes_nothing_of_the_sweep_refuses_flags_and_checks_its_voc
     assert "heatmap of attention" in capsys.readouterr().out
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     ckpt, = (out / "ckpt").glob("*.pt")
-    assert run_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--eval-size", "16"]) == 0
+    for eval_size in ("16", "8"):                # another setting: a result of its own, the first one kept
+        assert run_cli.main(["--checkpoint", str(ckpt), "--out", str(out), "--eval-size", eval_size]) == 0
     capsys.readouterr()
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert all(after[p] == content for p, content in before.items())          # nothing of the sweep touched
     added = [p.relative_to(out).parts for p in set(after) - set(before)]
-    assert added and all(parts[0] == "checkpoint_eval" for parts in added)
-    result = json.loads(next(p for p in after if p.name == "result.json").read_text())
-    assert result["config"]["eval_size"] == 16 and result["mechanism"]["verdict"]
+    assert len(added) == 2 and all(parts[0] == "checkpoint_eval" for parts in added)
+    for eval_size in (16, 8):
+        result = json.loads(next(p for p in after if p.name == f"result_eval{eval_size}.json").read_text())
+        assert result["config"]["eval_size"] == eval_size and result["mechanism"]["verdict"]
     for flags, needle in [(["--task", "atr"], "--task"), (["--arch", "mamba"], "--arch"), (["--steps", "5"], "--steps"),
                           (["--jobs", "2"], "--jobs"), (["--lrr", "1"], "unknown option --lrr")]:
         assert run_cli.main(["--checkpoint", str(ckpt), "--out", str(out)] + flags) == 2, flags
@@ -2317,6 +2323,24 @@ def test_nothing_is_written_through_a_link_out_of_the_folder(tmp_path, capsys):
     assert run_cli.main(["--report", str(out)]) == 2 and one_error_line(capsys.readouterr().err, "hard-linked")
     assert notes.read_text() == "mine" and not list(elsewhere.iterdir())
     assert not (out / "results.jsonl").exists()                 # refused before anything was trained
+
+
+def test_files_are_replaced_whole_and_never_rewritten_unchanged(tmp_path, capsys, monkeypatch):
+    """A report that a full disk stops mid-write leaves the old file whole and no temporary file (it
+    exits 2 in one line); an unchanged report is not written again (its time stays as it was)."""
+    (tmp_path / "ar.jsonl").write_text(open(os.path.join(HERE, "results", "ar.jsonl")).read())
+    (tmp_path / "ar.md").write_text("old")
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full_disk)
+        assert run_cli.main(["--report", str(tmp_path)]) == 2
+    assert one_error_line(capsys.readouterr().err, "No space left")
+    assert (tmp_path / "ar.md").read_text() == "old" and sorted(os.listdir(tmp_path)) == ["ar.jsonl", "ar.md"]
+    assert run_cli.main(["--report", str(tmp_path)]) == 0 and (tmp_path / "ar.md").read_text().startswith("# ar:")
+    os.utime(tmp_path / "ar.md", ns=(0, 0))
+    assert run_cli.main(["--report", str(tmp_path)]) == 0 and os.stat(tmp_path / "ar.md").st_mtime_ns == 0
 
 
 def test_a_folder_s_records_are_added_to_never_replaced(tmp_path, capsys):
