@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -442,8 +443,10 @@ def _rebuild(blob, device, fail):
             if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
                 raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
                                  f"{k}={b!r}")
-        model.load_state_dict(blob.get("state_dict"))       # strict: the same keys and shapes
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in blob["state_dict"].values()):
+            model.double()                                  # a float64 model comes back float64
+        model.load_state_dict(blob["state_dict"])           # strict: the same keys and shapes
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise fail(" ".join(str(e).split())[:300]) from None
     return model, cfg.resolved()
 
@@ -463,13 +466,10 @@ def save(model, cfg, path):
 
 
 def write_whole(path, data):
-    """Write data (bytes or str) to path whole: a temporary file beside it, synced, then os.replace,
-    so that a kill or a full disk leaves the old file and no temporary one; unchanged: no write."""
-    data = data.encode() if isinstance(data, str) else data
-    if os.path.isfile(path):
-        with open(path, "rb") as f:
-            if f.read() == data:
-                return path
+    """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a kill
+    or a full disk leaves the old file and no temporary one; bytes it already holds: no write."""
+    if os.path.isfile(path) and Path(path).read_bytes() == data:
+        return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:

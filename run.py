@@ -36,7 +36,6 @@ import collections
 import difflib
 import glob
 import hashlib
-import io
 import json
 import math
 import os
@@ -459,7 +458,7 @@ def report_grid(name, preset, records, out):
     if draw_figures(records, best_by_lr(records), name, out, records[0]["config"]["task"]) is None:
         print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
-    mechsm.write_whole(out_path(out, f"{name}.md"), text)
+    mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
     print(text.split("\n", 2)[2].split("\n![")[0])
     tables = [row for row in rows if row["best"].get("mechanism_table")]
     if tables:
@@ -475,13 +474,14 @@ def train_grid(args, command):
     t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
     device = mechsm.resolve_device(args.device or "auto")
     configs, notes = grid_runs(args, name, device)
+    runs = len({run_key(asdict(c.resolved())) for c in configs})     # flags can make two alike
     check_runs(configs)                              # bad input: one line, before anything runs
     for note in notes:
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
     if not args.jobs and device == "cpu":                       # one worker per core
         cores = os.cpu_count() or 1
-        jobs = min(cores, len(configs))
+        jobs = min(cores, runs)
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
@@ -493,7 +493,7 @@ def train_grid(args, command):
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
-          f"{args.preset or 'quick'} | {len(configs)} runs"
+          f"{args.preset or 'quick'} | {runs} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     hours = estimate_time(configs, jobs, shard[1])
@@ -509,9 +509,9 @@ def train_grid(args, command):
         mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps({"command": command,
             "trained": trained, "jobs": jobs, "wall_s": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
-            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+            "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
     report_grid(name, args.preset or "quick", records, out)
-    missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
+    missing = runs - len(records)
     print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
         f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
         + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
@@ -575,19 +575,18 @@ def catalogue():
 
 # ===== Records: a JSON line per run
 
-# Where a run happens does not change what it is: a rerun differing only in these finds it done.
-KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
+DEFAULTS = {f.name: f.default for f in fields(mechsm.Config) if f.name != "device"}
 
 
 def run_key(config):
-    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
+    """The identity of a run, old or new: canonical JSON of its (resolved) config less the device (where
+    it ran is not what it is), a field Config lacks dropped (read_results names it), one missing at its default."""
+    return json.dumps({k: config.get(k, v) for k, v in DEFAULTS.items()}, sort_keys=True)
 
 
 def config_of(record):
     """The Config of a record (fields that Config no longer has are dropped)."""
-    known = {f.name for f in fields(mechsm.Config)}
-    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
+    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in DEFAULTS or k == "device"})
 
 
 def fits(value, spec):
@@ -601,7 +600,7 @@ def fits(value, spec):
 
 
 # What the readers of a record use (tables, timeline, figures, heatmap), of their types.
-NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and v - v == 0
 REAL = lambda v: v is not None and NUM(v)
 NUMS = lambda d: isinstance(d, dict) and all(map(NUM, d.values()))
 MAYBE = lambda spec: lambda v: v is None or fits(v, spec)
@@ -640,18 +639,19 @@ def parse_record(line):
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
-    records = []
+    """The run records of one results file, or of every results*.jsonl in the folder `out` (warn: say what is skipped)."""
+    records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
     pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
     for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
-                record = parse_record(line)
-                if record:
+                if record := parse_record(line):
                     records.append(record)
-                elif warn and line.strip():
-                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
-                          "skipped", file=sys.stderr)
+                    unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
+                elif line.strip():
+                    say(f"{path}:{i}: not a run record (torn, corrupt or hand-edited); skipped")
+    if unknown:
+        say(f"{out}: config fields this code lacks, ignored (the runs without them): {', '.join(sorted(unknown))}")
     return records
 
 
@@ -727,6 +727,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     size = lambda v: isinstance(v, int) and v > 0
     for name, value, ok, expected in [
             ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("out", out, isinstance(out, (str, os.PathLike)) and os.fspath(out), "a folder's path"),
             ("jobs", jobs, size(jobs), "a positive integer"),
             ("group_size", group_size, group_size is None or size(group_size),
              "a positive integer (None: a whole cell)"),
@@ -746,6 +747,8 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
+        log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
@@ -797,9 +800,8 @@ def render(name, preset, records, folder=None):
         raise ValueError(f"{name}: no run finished; nothing to report")
     chosen = ", ".join(f"{row['label']} {row['best']['config']['lr']:g}" for row in rows)
     made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
-    made = "; ".join(f"{m.get('date')} on {m.get('machine')}" + (f" ({m.get('cpu')}, torch's "
-                     f"{m['cpu_capability']} kernels)" if "cpu_capability" in m else "") + f" with torch "
-                     f"{m.get('torch')} at commit {m.get('commit')}" for _, m in sorted(made.items()))
+    made = "; ".join(f"{m.get('date')} on " + ", ".join(str(m[k]) for k in ("machine", "cpu", "cpu_capability") if
+                     m.get(k)) + f" with torch {m.get('torch')} at commit {m.get('commit')}" for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = [k for k in ("scatter", "timeline", "heatmaps", "width", "box")
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
@@ -807,11 +809,11 @@ def render(name, preset, records, folder=None):
     attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
     timeline = []
     for row in rows:                  # the best run's history: 6 evaluations at most, the last kept
-        history = row["best"].get("history") or []
+        history, one = row["best"].get("history") or [], row["best"]["config"]["n_layers"] == 1
         keep = {round(i * (len(history) - 1) / 5) for i in range(6)}
-        timeline.append(f"- {row['label']}: " + "; ".join(
-            f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
-            f"{attrib(h, 'attrib_query')}" for i, h in enumerate(history) if i in keep))
+        timeline.append(f"- {row['label']}: " + "; ".join(         # 1 layer: no layer-1 input
+            f"{h['step']}: {fmt_pct(h.get('acc'))} " + ("n/a" if one else f"{attrib(h, 'attrib_value')}/"
+            f"{attrib(h, 'attrib_query')}") for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         runs_table(records) if exp.probe else result_table(rows, name), "",
         f"Each row counts every seed of its learning rate ({chosen}). Accuracy: the final models on "
@@ -1097,20 +1099,18 @@ def grid_runs(args, name, device):
 
 
 def evaluate_checkpoint(args):
-    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/,
-    a result file per setting (result_eval<eval_size>[_unpatched].json): none replaces another."""
+    """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     model, cfg = mechsm.load(args.checkpoint, device=mechsm.resolve_device(args.device or "auto"))
     cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(os.path.basename(
-        args.checkpoint))[0] + "-" + digest, f"result_eval{cfg.eval_size}"
-        + "_unpatched" * bool(args.no_interventions) + ".json")
+    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(os.path.basename(args.checkpoint))[0]
+                    + "-" + digest, f"result_eval{cfg.eval_size}{'_unpatched' * bool(args.no_interventions)}.json")
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    mechsm.write_whole(path, json.dumps(json_safe(record), indent=1))
+    mechsm.write_whole(path, json.dumps(json_safe(record), indent=1).encode())
     print(result_table([dict(label=cfg.arch, best=record, runs=[record])]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
@@ -1223,14 +1223,11 @@ def shard_of(text):
     return int(i), int(n)
 
 
-def results_name(shard):
-    """The results file that shard (I, N) appends to."""
-    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
+results_name = lambda shard: "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
 
 
 def provenance():
-    """Where and with what a record was made: date, machine, its CPU and the vector kernels torch
-    picked for it (one run's numbers depend on them: README), torch, the code's git commit."""
+    """Where and with what a record was made: date, machine, CPU and torch's kernels for it, commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=HERE, timeout=10).stdout.strip()
@@ -1240,8 +1237,7 @@ def provenance():
     cpu = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
     return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "cpu": (cpu or [platform.processor()])[0] or None,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu": (cpu or [platform.processor()])[0] or None, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def best_per_arch(rows):
@@ -1251,9 +1247,8 @@ def best_per_arch(rows):
 
 
 def add_effective(folder, name, log=print):
-    """Give each arch's best run in folder/<name>.jsonl its "effective" maps if it predates them:
-    from its checkpoint, else retrained (deterministic: its final metrics must match the record).
-    The record with its maps is appended (the file is never rewritten; readers take the latest)."""
+    """Append to folder/<name>.jsonl each arch's best run with its "effective" maps if it predates
+    them: from its checkpoint, else retrained (deterministic: its final metrics must match)."""
     path = out_path(folder, f"{name}.jsonl")
     for row in best_per_arch(best_by_lr(read_results(path))):
         record = row["best"]
@@ -1268,8 +1263,7 @@ def add_effective(folder, name, log=print):
             if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
                 raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
                                  "record's; maps not added")
-        append_result(path, {**record, "effective": interventions.effective_record(
-            model, mechsm.make_data(cfg).eval)})
+        append_result(path, {**record, "effective": interventions.effective_record(model, mechsm.make_data(cfg).eval)})
 
 
 README = os.path.join(HERE, "README.md")
@@ -1288,10 +1282,12 @@ def report_folder(folder):
     written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
     for name in written:
         records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
-        mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, "quick", records, folder)[1])
+        preset = max(PRESETS, key=lambda p: len({run_key(r["config"]) for r in records} & {  # the
+            run_key(asdict(c.resolved())) for c in experiment_configs(name, p)}))     # records' grid
+        mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, preset, records, folder)[1].encode())
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
     if readme:
-        mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder))
+        mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
     print(f"{len(written)} reports written to {folder}/" + (" and the README's summary" * readme))
 
 
@@ -1490,8 +1486,7 @@ def draw_figures(records, rows, name, folder, task="ar"):
         if wanted and (kind == "scatter" or not getattr(EXPERIMENTS.get(name), "probe", False)):
             fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
             out[kind] = draw(fig, data)
-            fig.savefig(png := io.BytesIO(), format="png", dpi=100, metadata={"Software": None})
-            mechsm.write_whole(out_path(folder, f"{name}_{kind}.png"), png.getvalue())
+            fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
     return out
 
 

@@ -2038,7 +2038,7 @@ def test_records_carry_the_full_patching_table_and_a_checkpoint_relative_to_out(
     assert set(record["provenance"]) == {"date", "machine", "cpu", "cpu_capability", "torch", "commit"}
     assert record["provenance"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     made = run_cli.render("ar", "quick", [record])[1].split("made ")[1]   # the .md says which CPU made it
-    assert f"({record['provenance']['cpu']}, torch's {torch.backends.cpu.get_cpu_capability()} kernels)" in made
+    assert f", {record['provenance']['cpu']}, {torch.backends.cpu.get_cpu_capability()} with torch" in made
     os.rename(tmp_path / "a", tmp_path / "moved")
     again, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path / "moved", patch=True, save=True)
     assert again == record                                      # found complete in the moved folder
@@ -2358,6 +2358,48 @@ def test_a_folder_s_records_are_added_to_never_replaced(tmp_path, capsys):
     assert f"Records: {committed.count(chr(10)) + 1} runs" in table and "| attention (d 64," in table
     assert run_cli.main(argv) == 0                               # a rerun: nothing new, nothing lost
     assert (out / "ar.jsonl").read_text() == text
+
+
+def test_one_identity_per_run_for_records_of_other_commits(tmp_path, capsys, monkeypatch):
+    """A record of another commit (its config with a field this code lacks, without one it has) is the
+    run this code makes: not trained again, one row, the unknown field named in one warning. A record
+    whose accuracy is not finite is no finished run (a warning); a run trained again because it has no
+    checkpoint says why; a sweep into "" is refused naming `out`."""
+    cfgs = [tiny(seed=s, timeline_docs=0) for s in (0, 1)]
+    other = fake_record(cfgs[0])
+    other["config"]["old_knob"] = 3                          # a field this code lacks
+    del other["config"]["gap_filter"]                        # a field this code has, at its default
+    (tmp_path / "results.jsonl").write_text(json.dumps(other) + "\n" + json.dumps(
+        fake_record(cfgs[1], acc=float("inf"))) + "\n")    # json writes Infinity
+    trained, real_train, logs = [], mechsm.train, []
+    monkeypatch.setattr(mechsm, "train", lambda cfg, **k: trained.append(cfg.seed) or real_train(cfg, **k))
+    records = run_cli.sweep(cfgs, str(tmp_path), patch=False, save=False, log=logs.append)
+    err = capsys.readouterr().err
+    assert trained == [1] and err.count("old_knob") == 1 and "results.jsonl:2: not a run record" in err
+    assert [r["config"]["seed"] for r in records] == [0, 1] and len(run_cli.best_by_lr(records)) == 1
+    run_cli.sweep(cfgs[:1], str(tmp_path), patch=False, save=True, log=logs.append)
+    assert trained == [1, 0] and "no checkpoint in" in logs[-1] and "trained again" in logs[-1]
+    with pytest.raises(ValueError, match="^out: got ''"):
+        run_cli.sweep(cfgs, "", log=quiet)
+
+
+def test_what_a_record_says_is_what_it_is(tmp_path):
+    """A float64 model saved and loaded is float64; --report names the preset whose grid the records are
+    (a paper-preset folder: 'preset paper'); a 1-layer row's timeline shows no layer-0 numbers under the
+    Attrib@Value/@Query heading."""
+    model = mechsm.build(tiny(), mechsm.probe_task(tiny())).double()
+    loaded, _ = mechsm.load(mechsm.save(model, tiny(), str(tmp_path / "f64.pt")))
+    assert all(p.dtype == torch.float64 for p in loaded.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    history = [{"step": 0, "acc": 0.5, "attrib_value": 0.25, "attrib_query": 0.75}]
+    records = [fake_record(c, history=history) for c in run_cli.experiment_configs("ar-layers", "paper")[:2]]
+    assert records[0]["config"]["n_layers"] == 1
+    (tmp_path / "ar-layers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert run_cli.main(["--report", str(tmp_path)]) == 0
+    text = (tmp_path / "ar-layers.md").read_text()
+    assert text.splitlines()[0].endswith("preset paper")
+    timeline = [line for line in text.splitlines() if line.startswith("- attention")]
+    assert timeline == ["- attention: 0: 50.0% n/a"], timeline
 
 
 def test_empty_ranges_and_empty_lists_are_refused_naming_the_argument(tmp_path, capsys):
