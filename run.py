@@ -641,8 +641,11 @@ def parse_record(line):
 def read_results(out, warn=True):
     """The run records of one results file, or of every results*.jsonl in the folder `out` (warn: say what is skipped)."""
     records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
-    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
+    folder, pattern = (out, os.path.join(out, "results*.jsonl")) if os.path.isdir(out) else (os.path.dirname(out), out)
     for path in sorted(glob.glob(pattern)):
+        if why := outside(folder, path):
+            say(f"{why}; not read")
+            continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 if record := parse_record(line):
@@ -669,13 +672,18 @@ def json_safe(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def outside(folder, path):
+    """Why path, in `folder`, is not the folder's (a link leaving it), else '': every read's and write's."""
+    real, target = os.path.realpath(folder), os.path.realpath(path)
+    return f"{path} links to {target}, outside {folder}" * (os.path.commonpath([real, target]) != real)
+
+
 def out_path(out, *parts):
     """out/parts, its folders made, to be written; a ValueError (one line) where writing it would
     change a file outside `out` (a symbolic link leaving it; a file hard-linked to other names)."""
-    path, real = os.path.join(out, *parts), os.path.realpath(out)
-    if os.path.commonpath([real, os.path.realpath(path)]) != real:
-        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
-                         "(remove the link)")
+    path = os.path.join(out, *parts)
+    if why := outside(out, path):
+        raise ValueError(f"{why}; not written (remove the link)")
     if os.path.isfile(path) and os.stat(path).st_nlink > 1:
         raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
                          "which writing it would change too; not written (remove it or copy it)")
@@ -740,7 +748,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
-    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
+    saved = lambda r: os.path.isfile(p := os.path.join(out, r.get("checkpoint") or "")) and not outside(out, p)
     tabled = lambda r: not patch or r.get("mechanism_table") is not None
     complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
@@ -748,7 +756,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
-        log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
+        log(f"sweep: {done[key]['name']} has no checkpoint in {out} (or a link out of it); trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
@@ -1255,7 +1263,7 @@ def add_effective(folder, name, log=print):
         if record.get("effective") or record["status"] != "ok":
             continue
         cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
-        if os.path.isfile(ckpt):
+        if os.path.isfile(ckpt) and not outside(folder, ckpt):      # else: it is retrained
             model = mechsm.load(ckpt)[0]
         else:
             log(f"{name}: retraining {record['name']} for its effective attention")
@@ -1279,9 +1287,9 @@ def readme_with_summary(text, folder="results"):
 
 def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the README too)."""
-    written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
-    for name in written:
-        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
+    written = {name: records for name in EXPERIMENTS    # each experiment with a record to report
+               if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    for name, records in written.items():
         preset = max(PRESETS, key=lambda p: len({run_key(r["config"]) for r in records} & {  # the
             run_key(asdict(c.resolved())) for c in experiment_configs(name, p)}))     # records' grid
         mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, preset, records, folder)[1].encode())
@@ -1303,13 +1311,11 @@ def redraw_figures(folder):
     except ImportError:
         print(FIGURES_HINT)
         return
-    found = 0
-    for name in EXPERIMENTS:
-        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
-        if records:
-            draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
-            found += 1
-    print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
+    found = {name: records for name in EXPERIMENTS   # each experiment with a record (as --report)
+             if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    for name, records in found.items():
+        draw_figures(records, best_by_lr(records), name, folder, records[0]["config"]["task"])
+    print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
 
 
 def colour(arch):

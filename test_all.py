@@ -2402,6 +2402,30 @@ def test_what_a_record_says_is_what_it_is(tmp_path):
     assert timeline == ["- attention: 0: 50.0% n/a"], timeline
 
 
+def test_nothing_is_read_through_a_link_out_of_the_folder(tmp_path, capsys, monkeypatch):
+    """A results*.jsonl, an <experiment>.jsonl or a checkpoint of a folder that links out of it is not
+    read (a warning says so): its runs are not finished ones, its records not reported, its weights
+    not loaded (the run is trained again)."""
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "out"
+    elsewhere.mkdir()
+    cfg = tiny(timeline_docs=0)
+    (elsewhere / "runs.jsonl").write_text(json.dumps(fake_record(cfg, acc=0.999)) + "\n")
+    out.mkdir()
+    for name in ("results.jsonl", "ar.jsonl"):
+        (out / name).symlink_to(elsewhere / "runs.jsonl")
+    assert run_cli.read_results(str(out)) == [] and run_cli.read_results(str(out / "ar.jsonl")) == []
+    assert capsys.readouterr().err.count("not read") == 2
+    assert run_cli.main(["--report", str(out)]) == 0 and not (out / "ar.md").exists()
+    (out / "results.jsonl").unlink()
+    record, = run_cli.sweep([cfg], str(out), patch=False, save=True, log=quiet)
+    os.rename(out / record["checkpoint"], elsewhere / "run.pt")
+    (out / record["checkpoint"]).symlink_to(elsewhere / "run.pt")
+    monkeypatch.setattr(mechsm, "load", lambda *a, **k: pytest.fail("a checkpoint out of the folder was loaded"))
+    logs = []
+    again, = run_cli.sweep([cfg], str(out), patch=True, save=False, log=logs.append)
+    assert again["mechanism_table"] and "a link out of it" in logs[-1]
+
+
 def test_empty_ranges_and_empty_lists_are_refused_naming_the_argument(tmp_path, capsys):
     """An empty (or reversed) range, an empty list or a lone string where a list is expected never
     falls back to a default grid: one line naming the option, or a ValueError naming the parameter."""
