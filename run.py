@@ -283,12 +283,13 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 def patched(model, cfg, dataset):
     """A record's patching fields: the mechanism table, its summary, the effective attention."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
+    maps = all(type(b.mixer).effective_map is not models.Mixer.effective_map for b in model.blocks)  # optional
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
     return json_safe({"mechanism": summary, "mechanism_table": table,
-                      "effective": interventions.effective_record(model, dataset)})
+                      "effective": interventions.effective_record(model, dataset) if maps else None})
 
 
 def do_job(kind, payload, out, wants):
@@ -332,8 +333,9 @@ def do_job(kind, payload, out, wants):
         if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
             import traceback
             traceback.print_exc()
-        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
-              "rerun retries it)", file=sys.stderr)
+        mend = "a rerun retries it" if kind != "patch" or not isinstance(e, ValueError) else (
+            f"delete {payload[1]['checkpoint']} in {out} to train it again")   # a rerun cannot mend it
+        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; {mend})", file=sys.stderr)
         return []
 
 
@@ -511,9 +513,9 @@ def train_grid(args, command):
             "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
             "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
     report_grid(name, args.preset or "quick", records, out)
-    missing = runs - len(records)
+    missing = runs - sum(args.no_interventions or r["status"] != "ok" or bool(r.get("mechanism_table")) for r in records)
     print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
-        f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+        f"; {missing} still to train or patch (other shards, or runs that crashed)" if missing else "")
         + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
     return 1 if missing and shard[1] == 1 else 0
 
@@ -1094,9 +1096,9 @@ def grid_runs(args, name, device):
     notes = []
     for flag, value in given.items():
         field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
-        hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS
-               or field in models.mixer_options(c.arch) for c in configs]
-        missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
+        hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS or field
+               in models.mixer_options(c.arch) and not (field == "d_conv" and c.long_only) for c in configs]
+        missed = sorted({c.arch + " (long convs only)" * c.long_only for c, h in zip(configs, hit) if not h})
         if not any(hit):
             raise ValueError(f"{opt}: does not apply to any run of this grid ({', '.join(missed)} "
                              f"on {configs[0].task})")

@@ -2426,6 +2426,32 @@ def test_nothing_is_read_through_a_link_out_of_the_folder(tmp_path, capsys, monk
     assert again["mechanism_table"] and "a link out of it" in logs[-1]
 
 
+def test_optional_parts_cost_only_themselves_and_what_a_rerun_cannot_mend_exits_1(tmp_path, capsys, monkeypatch):
+    """The README's mixer, which has no effective_map, is patched and tabled without the maps; a checkpoint
+    that cannot be read says to delete it and the run exits 1 (not 0, retried forever); a huge --d-conv
+    names d_conv; based-ablation's --d-conv passes over its long-convs-only run with a note."""
+    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):    # the registration is undone after the test
+        monkeypatch.setattr(models, name, dict(getattr(models, name)))
+    exec(readme_mixer_example(), {"__name__": "readme_example"})
+    record, = run_cli.sweep([tiny(arch="gated_rnn", steps=20, timeline_docs=0)], str(tmp_path / "a"), log=quiet)
+    assert record["mechanism_table"]["rows"] and record["effective"] is None
+    assert "gated_rnn" in run_cli.result_table(run_cli.best_by_lr([record]))
+    out = tmp_path / "b"
+    argv = TINY_CLI + ["--steps", "2", "--jobs", "1", "--out", str(out)]
+    assert run_cli.main(argv + ["--no-interventions"]) == 0
+    ckpt, = (out / "ckpt").glob("*.pt")
+    ckpt.write_bytes(b"not a checkpoint")
+    capsys.readouterr()
+    assert run_cli.main(argv) == 1
+    assert f"delete ckpt/{ckpt.name} in {out} to train it again" in capsys.readouterr().err
+    assert run_cli.main(["--arch", "gated_deltanet", "--d-conv", "2000000000", "--out", str(out)] + TINY_TASK) == 2
+    assert one_error_line(capsys.readouterr().err, "d_conv=2000000000")
+    args = run_cli.build_parser().parse_args(["--experiment", "based-ablation", "--d-conv", "2"])
+    configs, notes = run_cli.grid_runs(args, "based-ablation", "cpu")
+    assert {(c.long_only, c.d_conv) for c in configs} == {(True, None), (False, 2)}
+    assert notes == ["note: --d-conv ignored for based (long convs only), which do not have it"]
+
+
 def test_empty_ranges_and_empty_lists_are_refused_naming_the_argument(tmp_path, capsys):
     """An empty (or reversed) range, an empty list or a lone string where a list is expected never
     falls back to a default grid: one line naming the option, or a ValueError naming the parameter."""
