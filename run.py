@@ -476,8 +476,8 @@ def train_grid(args, command):
     t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
     device = mechsm.resolve_device(args.device or "auto")
     configs, notes = grid_runs(args, name, device)
-    runs = len({run_key(asdict(c.resolved())) for c in configs})     # flags can make two alike
     check_runs(configs)                              # bad input: one line, before anything runs
+    runs = len({run_key(asdict(c.resolved())) for c in configs})     # flags can make two alike
     for note in notes:
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
