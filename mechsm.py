@@ -25,6 +25,7 @@ Using it from Python:
 """
 
 import hashlib
+import io
 import json
 import math
 import os
@@ -32,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -441,14 +443,16 @@ def _rebuild(blob, device, fail):
             if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
                 raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
                                  f"{k}={b!r}")
-        model.load_state_dict(blob.get("state_dict"))       # strict: the same keys and shapes
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in blob["state_dict"].values()):
+            model.double()                                  # a float64 model comes back float64
+        model.load_state_dict(blob["state_dict"])           # strict: the same keys and shapes
+    except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise fail(" ".join(str(e).split())[:300]) from None
     return model, cfg.resolved()
 
 
 def save(model, cfg, path):
-    """torch.save {format, config, build_args, state_dict} to path atomically (temp + os.replace);
+    """torch.save {format, config, build_args, state_dict} to path whole (write_whole);
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(cfg, Config):
         raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
@@ -457,13 +461,25 @@ def save(model, cfg, path):
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     checked = _rebuild(blob, "cpu", lambda why: ValueError(f"cfg does not fit the model: {why}"))[1]
     blob["config"] = asdict(replace(checked, device=cfg.device))        # resolved: "auto" explicit
+    torch.save(blob, buffer := io.BytesIO())
+    return write_whole(path, buffer.getvalue())
+
+
+def write_whole(path, data):
+    """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a kill
+    or a full disk leaves the old file and no temporary one; bytes it already holds: no write."""
+    if os.path.isfile(path) and Path(path).read_bytes() == data:
+        return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        torch.save(blob, tmp)
+        with open(tmp, "xb") as f:            # "x": a new file, never one that a link points to
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:                    # a failed write (a full disk) leaves no temporary file behind
-        if os.path.exists(tmp):
+    finally:
+        if os.path.lexists(tmp):
             os.remove(tmp)
     return path
 

@@ -831,8 +831,8 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
                 raise
             asked = re.search(r"allocate (\d+) bytes", text)
             size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
-            raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}: the {arch} "
-                             f"model is too large to allocate{size}") from None
+            raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}, d_conv={d_conv}: "
+                             f"the {arch} model is too large to allocate{size}") from None
     model.build_args = build_args
     return model
 

@@ -317,12 +317,13 @@ def cell_name(family, width):
 def patched(model, cfg, dataset):
     """A record's patching fields: the mechanism table, its summary, the effective attention."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
+    maps = all(type(b.mixer).effective_map is not models.Mixer.effective_map for b in model.blocks)  # optional
     head = table.get("headline") or table.get("mixer_out") or {}
     summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
     return json_safe({"mechanism": summary, "mechanism_table": table,
-                      "effective": interventions.effective_record(model, dataset)})
+                      "effective": interventions.effective_record(model, dataset) if maps else None})
 
 
 def one_run(cfg, out, patch=True, save=True):
@@ -494,7 +495,7 @@ def report_grid(name, preset, records, out):
     if draw_figures(records, best_by_lr(records), name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
-    Path(out_path(out, f"{name}.md")).write_text(text)
+    mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
     print(text.split("\n", 2)[2].split("\n![")[0])
     print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
 
@@ -523,9 +524,10 @@ def main(argv=None):
         if trained:                                       # OUT/<name>.command.json: how to redo it
             record_command(argv, out, name, trained, jobs, time.time() - t0)
         report_grid(name, args.preset or "quick", records, out)
-        missing = len({run_key(asdict(c.resolved())) for c in configs}) - len(records)
+        missing = len({run_key(asdict(c.resolved())) for c in configs}) - sum(   # or to patch
+            args.no_interventions or r["status"] != "ok" or bool(r.get("mechanism_table")) for r in records)
         print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
-            f"; {missing} still to train (other shards, or runs that crashed)" if missing else "")
+            f"; {missing} still to train or patch (other shards, or runs that crashed)" if missing else "")
             + f" | total wall time {time.time() - t0:.1f}s", file=sys.stderr)
         return 1 if missing and shard[1] == 1 else 0
     return status.code
@@ -616,19 +618,18 @@ def widest_rows(rows):
 
 # --- Records: a JSON line per run
 
-# Where a run happens does not change what it is: a rerun differing only in these finds it done.
-KEY_EXCLUDED = ("device", "out_dir", "save_checkpoint")   # the last two: fields of older records
+DEFAULTS = {f.name: f.default for f in fields(mechsm.Config) if f.name != "device"}
 
 
 def run_key(config):
-    """Canonical JSON of a (resolved) config dict, without KEY_EXCLUDED: the identity of a run."""
-    return json.dumps({k: v for k, v in config.items() if k not in KEY_EXCLUDED}, sort_keys=True)
+    """The identity of a run, old or new: canonical JSON of its (resolved) config less the device (where
+    it ran is not what it is), a field Config lacks dropped (read_results names it), one missing at its default."""
+    return json.dumps({k: config.get(k, v) for k, v in DEFAULTS.items()}, sort_keys=True)
 
 
 def config_of(record):
     """The Config of a record (fields that Config no longer has are dropped)."""
-    known = {f.name for f in fields(mechsm.Config)}
-    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in known})
+    return mechsm.Config(**{k: v for k, v in record["config"].items() if k in DEFAULTS or k == "device"})
 
 
 def fits(value, spec):
@@ -642,7 +643,7 @@ def fits(value, spec):
 
 
 # What the readers of a record use (tables, timeline, figures, heatmap), of their types.
-NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool)
+NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and v - v == 0
 REAL = lambda v: v is not None and NUM(v)
 NUMS = lambda d: isinstance(d, dict) and all(map(NUM, d.values()))
 MAYBE = lambda spec: lambda v: v is None or fits(v, spec)
@@ -681,18 +682,22 @@ def parse_record(line):
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out`."""
-    records = []
-    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
+    """The run records of one results file, or of every results*.jsonl in the folder `out` (warn: say what is skipped)."""
+    records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
+    folder, pattern = (out, os.path.join(out, "results*.jsonl")) if os.path.isdir(out) else (os.path.dirname(out), out)
     for path in sorted(glob.glob(pattern)):
+        if why := outside(folder, path):
+            say(f"{why}; not read")
+            continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
-                record = parse_record(line)
-                if record:
+                if record := parse_record(line):
                     records.append(record)
-                elif warn and line.strip():
-                    print(f"warning: {path}:{i}: not a run record (torn, corrupt or hand-edited); "
-                          "skipped", file=sys.stderr)
+                    unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
+                elif line.strip():
+                    say(f"{path}:{i}: not a run record (torn, corrupt or hand-edited); skipped")
+    if unknown:
+        say(f"{out}: config fields this code lacks, ignored (the runs without them): {', '.join(sorted(unknown))}")
     return records
 
 
@@ -710,13 +715,18 @@ def json_safe(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
+def outside(folder, path):
+    """Why path, in `folder`, is not the folder's (a link leaving it), else '': every read's and write's."""
+    real, target = os.path.realpath(folder), os.path.realpath(path)
+    return f"{path} links to {target}, outside {folder}" * (os.path.commonpath([real, target]) != real)
+
+
 def out_path(out, *parts):
     """out/parts, its folders made, to be written; a ValueError (one line) where writing it would
     change a file outside `out` (a symbolic link leaving it; a file hard-linked to other names)."""
-    path, real = os.path.join(out, *parts), os.path.realpath(out)
-    if os.path.commonpath([real, os.path.realpath(path)]) != real:
-        raise ValueError(f"{path} links to {os.path.realpath(path)}, outside {out}; not written "
-                         "(remove the link)")
+    path = os.path.join(out, *parts)
+    if why := outside(out, path):
+        raise ValueError(f"{why}; not written (remove the link)")
     if os.path.isfile(path) and os.stat(path).st_nlink > 1:
         raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
                          "which writing it would change too; not written (remove it or copy it)")
@@ -797,16 +807,16 @@ def do_job(kind, payload, out, wants):
                                    device=mechsm.resolve_device(cfg.device))
         if run_key(asdict(saved.resolved())) != run_key(record["config"]):
             raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
-        record = finish(dict(record), model, out, **wants)
-        if not record.get("mechanism_table"):
-            raise ValueError("not patched (the warning above says why)")
-        return [record]
+        return [finish({**record, **patched(model, cfg, mechsm.make_data(cfg).eval)}, model, out,
+                       **wants)]
     except Exception as e:
         if not isinstance(e, ValueError):          # a ValueError (a bad checkpoint) says it all
             import traceback
             traceback.print_exc()
-        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; a "
-              "rerun retries it)", file=sys.stderr)
+        mend = "a rerun retries it" if kind != "patch" or not isinstance(e, ValueError) else (
+            f"delete {payload[1]['checkpoint']} in {out} to train it again")   # a rerun cannot mend it
+        print(f"error: {kind} of {payload[0].name()}: {type(e).__name__}: {e} (not recorded; {mend})",
+              file=sys.stderr)
         return []
 
 
@@ -823,6 +833,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     size = lambda v: isinstance(v, int) and v > 0
     for name, value, ok, expected in [
             ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("out", out, isinstance(out, (str, os.PathLike)) and os.fspath(out), "a folder's path"),
             ("jobs", jobs, size(jobs), "a positive integer"),
             ("group_size", group_size, group_size is None or size(group_size),
              "a positive integer (None: a whole cell)"),
@@ -835,13 +846,15 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
-    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
+    saved = lambda r: os.path.isfile(p := os.path.join(out, r.get("checkpoint") or "")) and not outside(out, p)
     tabled = lambda r: not patch or r.get("mechanism_table") is not None
     complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
+        log(f"sweep: {done[key]['name']} has no checkpoint in {out} (or a link out of it); trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
@@ -876,8 +889,8 @@ def render(name, preset, records, folder=None):
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
-    made = "; ".join(f"{m.get('date')} on {m.get('machine')} with torch {m.get('torch')} at "
-                     f"commit {m.get('commit')}" for _, m in sorted(made.items()))
+    made = "; ".join(f"{m.get('date')} on " + ", ".join(str(m[k]) for k in ("machine", "cpu", "cpu_capability") if
+                     m.get(k)) + f" with torch {m.get('torch')} at commit {m.get('commit')}" for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = [k for k in FIGURE_KINDS
              if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
@@ -885,11 +898,11 @@ def render(name, preset, records, folder=None):
     attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
     timeline = []
     for row in rows:                  # the best run's history: 6 evaluations at most, the last kept
-        history = row["best"].get("history") or []
+        history, one = row["best"].get("history") or [], row["best"]["config"]["n_layers"] == 1
         keep = {round(i * (len(history) - 1) / 5) for i in range(6)}
-        timeline.append(f"- {row['label']}: " + "; ".join(
-            f"{h['step']}: {fmt_pct(h.get('acc'))} {attrib(h, 'attrib_value')}/"
-            f"{attrib(h, 'attrib_query')}" for i, h in enumerate(history) if i in keep))
+        timeline.append(f"- {row['label']}: " + "; ".join(         # 1 layer: no layer-1 input
+            f"{h['step']}: {fmt_pct(h.get('acc'))} " + ("n/a" if one else f"{attrib(h, 'attrib_value')}/"
+            f"{attrib(h, 'attrib_query')}") for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         result_table(rows, None if exp.probe else name), "",
         "Each row counts every seed of its learning rate (lr: where several were tried, seed 0's "
@@ -982,7 +995,7 @@ def summary_table(folder="results", names=None, rel=None):
     """The summary of the records in `folder`: the table, the notes under it, probes (names: those
     experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
     rel = os.path.relpath(folder, HERE) if rel is None else rel
-    records = {name: read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)
+    records = {name: latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False))
                for name in EXPERIMENTS}
     lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
@@ -1184,9 +1197,9 @@ def grid_runs(args, name, device):
     notes = []
     for flag, value in given.items():
         field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
-        hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS
-               or field in models.mixer_options(c.arch) for c in configs]
-        missed = sorted({c.arch for c, h in zip(configs, hit) if not h})
+        hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS or field
+               in models.mixer_options(c.arch) and not (field == "d_conv" and c.long_only) for c in configs]
+        missed = sorted({c.arch + " (long convs only)" * c.long_only for c, h in zip(configs, hit) if not h})
         if not any(hit):
             raise ValueError(f"{opt}: does not apply to any run of this grid ({', '.join(missed)} "
                              f"on {configs[0].task})")
@@ -1201,14 +1214,14 @@ def evaluate_checkpoint(args):
     model, cfg = mechsm.load(args.checkpoint, device=mechsm.resolve_device(args.device or "auto"))
     cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(
-        os.path.basename(args.checkpoint))[0] + "-" + digest, "result.json")
+    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(os.path.basename(args.checkpoint))[0]
+                    + "-" + digest, f"result_eval{cfg.eval_size}{'_unpatched' * bool(args.no_interventions)}.json")
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
-    Path(path).write_text(json.dumps(json_safe(record), indent=1))
+    mechsm.write_whole(path, json.dumps(json_safe(record), indent=1).encode())
     print(result_table([dict(label=cfg.arch, best=record, runs=[record])]))
     if not args.no_interventions:
         print(f"\nheatmap of {cfg.arch} ({args.checkpoint}):\n"
@@ -1241,12 +1254,13 @@ def other_command(args):
 def sweep_plan(args, name, configs, device, notes):
     """(jobs, shard, group_size) of a training command, printed with the grid's size; --out checked
     writable (and free of links out of it) before any training."""
+    runs = len({run_key(asdict(c.resolved())) for c in configs})     # flags can make two alike
     for note in notes:
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
     if not args.jobs and device == "cpu":                       # one worker per core
         cores = os.cpu_count() or 1
-        jobs = min(cores, len(configs))
+        jobs = min(cores, runs)
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     out = args.out or "out"
@@ -1259,7 +1273,7 @@ def sweep_plan(args, name, configs, device, notes):
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
-          f"{args.preset or 'quick'} | {len(configs)} runs"
+          f"{args.preset or 'quick'} | {runs} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     hours = estimate_time(configs, jobs, shard[1])
@@ -1271,10 +1285,10 @@ def sweep_plan(args, name, configs, device, notes):
 def record_command(argv, out, name, trained, jobs, seconds):
     """OUT/<name>.command.json: the command line that trained `trained` runs, and how long it took."""
     command = shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)])
-    Path(out_path(out, f"{name}.command.json")).write_text(json.dumps({"command": command,
+    mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps({"command": command,
         "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1),
         "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
-        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1))
+        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
 
 
 def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
@@ -1363,20 +1377,21 @@ def shard_of(text):
     return int(i), int(n)
 
 
-def results_name(shard):
-    """The results file that shard (I, N) appends to."""
-    return "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
+results_name = lambda shard: "results.jsonl" if shard[1] == 1 else f"results.shard{shard[0]}of{shard[1]}.jsonl"
 
 
 def provenance():
-    """Where and with what a record was made: date, machine, torch, the code's git commit."""
+    """Where and with what a record was made: date, machine, CPU and torch's kernels for it, commit."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, cwd=HERE, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = None
+    info = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""
+    cpu = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
     return {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "commit": commit or None,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "cpu": (cpu or [platform.processor()])[0] or None, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def best_per_arch(rows):
@@ -1386,18 +1401,15 @@ def best_per_arch(rows):
 
 
 def add_effective(folder, name, log=print):
-    """Give each arch's best run in folder/<name>.jsonl its "effective" maps if it predates them:
-    from its checkpoint, else retrained (deterministic: its final metrics must match the record)."""
+    """Append to folder/<name>.jsonl each arch's best run with its "effective" maps if it predates
+    them: from its checkpoint, else retrained (deterministic: its final metrics must match)."""
     path = out_path(folder, f"{name}.jsonl")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.readlines()
-    parsed, changed = [parse_record(line) for line in lines], set()   # other lines kept as they are
-    for row in best_per_arch(best_by_lr([r for r in parsed if r])):
+    for row in best_per_arch(best_by_lr(read_results(path))):
         record = row["best"]
         if record.get("effective") or record["status"] != "ok":
             continue
         cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
-        if os.path.isfile(ckpt):
+        if os.path.isfile(ckpt) and not outside(folder, ckpt):      # else: it is retrained
             model = mechsm.load(ckpt)[0]
         else:
             log(f"{name}: retraining {record['name']} for its effective attention")
@@ -1405,10 +1417,7 @@ def add_effective(folder, name, log=print):
             if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
                 raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
                                  "record's; maps not added")
-        record["effective"] = interventions.effective_record(model, mechsm.make_data(cfg).eval)
-        changed.add(id(record))
-    Path(path).write_text("".join(json.dumps(json_safe(r), sort_keys=True) + "\n"
-                                  if id(r) in changed else line for line, r in zip(lines, parsed)))
+        append_result(path, {**record, "effective": interventions.effective_record(model, mechsm.make_data(cfg).eval)})
 
 
 README = os.path.join(HERE, "README.md")
@@ -1434,14 +1443,16 @@ def results_readme(folder="results"):
 
 def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the READMEs too)."""
-    written = [name for name in EXPERIMENTS if Path(folder, f"{name}.jsonl").exists()]
-    for name in written:
-        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
-        Path(out_path(folder, f"{name}.md")).write_text(render(name, "quick", records, folder)[1])
+    written = {name: records for name in EXPERIMENTS    # each experiment with a record to report
+               if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    for name, records in written.items():
+        preset = max(PRESETS, key=lambda p: len({run_key(r["config"]) for r in records} & {  # the
+            run_key(asdict(c.resolved())) for c in experiment_configs(name, p)}))     # records' grid
+        mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, preset, records, folder)[1].encode())
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
     if readme:
-        Path(README).write_text(readme_with_summary(Path(README).read_text(), folder))
-        Path(out_path(folder, "README.md")).write_text(results_readme(folder))
+        mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
+        mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
     print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
 
 
@@ -1457,13 +1468,11 @@ def redraw_figures(folder):
     except ImportError:
         print(FIGURES_HINT)
         return
-    found = 0
-    for name in EXPERIMENTS:
-        records = latest(read_results(os.path.join(folder, f"{name}.jsonl")))
-        if records:
-            draw_figures(records, best_by_lr(records), name, folder)
-            found += 1
-    print(f"figures of {found} experiment{'s' * (found != 1)} written to {folder}/")
+    found = {name: records for name in EXPERIMENTS   # each experiment with a record (as --report)
+             if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    for name, records in found.items():
+        draw_figures(records, best_by_lr(records), name, folder)
+    print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
 
 
 def colour(arch):
@@ -1672,9 +1681,9 @@ def draw_figures(records, rows, name, folder):
 # Timed in the same run (medians of interleaved repeats). With OpenMP's spinning wait policy a busy
 # second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
 
-def make_step(model, data, forward=None, lr=1e-3):
+def make_step(model, data, device, forward=None, lr=1e-3):
     """A closure: one training step of `model` (or an Ensemble, or `forward`) on all of `data`."""
-    batch = (data.tokens, data.positions["query"], data.answers)
+    batch = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
     if isinstance(model, mechsm.Ensemble):
         return lambda: model.train_step(*batch, [lr] * len(model.modules))
     optimizer = mechsm.adamw(model, lr)
@@ -1800,12 +1809,12 @@ def bench_train(device, sizes):
     """3: training steps/s at the quick and the paper's AR shape, the fast path against the slow."""
     rows, n = [], sizes["steps"]
     for shape, pairs in (("quick", 8), ("paper", 16)):
-        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0).to(device)
+        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
         for arch in sizes.get("archs") or models.ARCHS:
             fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
                          for k in ("fast", "reference"))
             full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
-            steps = {"fast": make_step(fast, data), "reference": make_step(ref, data, full_head)}
+            steps = {"fast": make_step(fast, data, device), "reference": make_step(ref, data, device, full_head)}
             t = medians({k: lambda s=s: [s() for _ in range(n)][-1].item() for k, s in steps.items()},
                         sizes["repeats"], device)
             rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
@@ -1816,11 +1825,11 @@ def bench_train(device, sizes):
 
 def bench_ensemble(device, sizes):
     """4: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
-    data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0).to(device), []
+    data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0), []
     for arch in sizes.get("archs") or models.ARCHS:
         for k in sizes["ks"]:
             members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
-            group, alone = make_step(mechsm.Ensemble(members), data), [make_step(m, data) for m in members]
+            group, alone = make_step(mechsm.Ensemble(members), data, device), [make_step(m, data, device) for m in members]
             t = medians({"group": lambda: group().sum().item(), "separate": lambda: [s().item() for s in alone]},
                         sizes["repeats"], device)
             group_ops, separate_ops = ops_per_call(group) / k, ops_per_call(alone[0])
