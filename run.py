@@ -1400,26 +1400,6 @@ def best_per_arch(rows):
     return [best[a] for a in dict.fromkeys(r["arch"] for r in rows)]
 
 
-def add_effective(folder, name, log=print):
-    """Append to folder/<name>.jsonl each arch's best run with its "effective" maps if it predates
-    them: from its checkpoint, else retrained (deterministic: its final metrics must match)."""
-    path = out_path(folder, f"{name}.jsonl")
-    for row in best_per_arch(best_by_lr(read_results(path))):
-        record = row["best"]
-        if record.get("effective") or record["status"] != "ok":
-            continue
-        cfg, ckpt = config_of(record), os.path.join(folder, record.get("checkpoint") or "")
-        if os.path.isfile(ckpt) and not outside(folder, ckpt):      # else: it is retrained
-            model = mechsm.load(ckpt)[0]
-        else:
-            log(f"{name}: retraining {record['name']} for its effective attention")
-            again, model = mechsm.train(replace(cfg, device="cpu"), log=lambda msg: None)
-            if json.loads(json.dumps(json_safe(again["final"]))) != record["final"]:
-                raise ValueError(f"{record['name']}: retrained, its final metrics differ from the "
-                                 "record's; maps not added")
-        append_result(path, {**record, "effective": interventions.effective_record(model, mechsm.make_data(cfg).eval)})
-
-
 README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")

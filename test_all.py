@@ -2007,28 +2007,6 @@ def test_sweep_in_parallel_workers_reproduces_the_in_process_run(tmp_path):
     assert serial[0]["history"] == records[0]["history"]       # a worker reproduces the in-process run
 
 
-def test_add_effective_gives_an_older_record_its_maps_by_checkpoint_or_by_retraining(tmp_path):
-    """A record made before the maps existed gets them from its checkpoint, or, with the checkpoint
-    gone, by retraining bit for bit: the same maps as the run's own patching gave. The record with its
-    maps is appended: every line already in the file stays byte for byte, and a second call adds nothing."""
-    record, = sweep_grid(tiny(timeline_docs=0), ["mamba"], [16], [3e-3], [0], tmp_path, patch=True, save=True)
-    for gone in (False, True):
-        old = {k: v for k, v in record.items() if k != "effective"}
-        if gone:
-            os.remove(tmp_path / record["checkpoint"])
-        (tmp_path / "ar.jsonl").write_text(before := json.dumps(old) + "\n")
-        run_cli.add_effective(str(tmp_path), "ar", log=quiet)
-        after = (tmp_path / "ar.jsonl").read_text()
-        run_cli.add_effective(str(tmp_path), "ar", log=quiet)
-        assert after.startswith(before) and (tmp_path / "ar.jsonl").read_text() == after
-        first, again = run_cli.read_results(str(tmp_path / "ar.jsonl"))
-        assert first == old and again == {**old, "effective": record["effective"]}
-    old["final"] = {**old["final"], "acc": old["final"]["acc"] + 0.5}          # not this run's record
-    (tmp_path / "ar.jsonl").write_text(json.dumps(old) + "\n")
-    with pytest.raises(ValueError, match="differ"):
-        run_cli.add_effective(str(tmp_path), "ar", log=quiet)
-
-
 def test_records_carry_the_full_patching_table_and_a_checkpoint_relative_to_out(tmp_path):
     """A record has everything its report and figures need (the table inline, provenance) and its
     checkpoint path is relative to --out: the folder can move and still resume and report."""
