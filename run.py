@@ -1017,16 +1017,9 @@ def summary_table(folder="results", names=None, rel=None):
     cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
     seconds = sum(map(cost, unique))                # training and patching, one thread each
     out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
-               "patching (the records' wall times summed; every run on one thread), made by `python "
-               "run.py --experiment NAME --replicates --no-save` in shards (README: how the numbers "
-               "were made).")
-    first = [r for r in records["ar"] if r["config"]["seed"] == 0]
-    out.append(f"\n`python run.py` trains the {len(first)} seed-0 runs of `ar` (`--replicates`: "
-               "every seed, as results/ holds).")
-    c = read_command(folder, "ar")
-    if c:
-        out.append(f"\n`{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} "
-                   f"minutes with {c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']}).")
+               "patching (the records' wall times summed; every run on one thread), made in shards "
+               "with `--choose-lr` and `--replicates` (README: how the numbers were made).")
+    out.append("\n" + run_py_line(folder))
     probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
     out.append("\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
                + "; ".join(probes) + ".")
@@ -1406,12 +1399,20 @@ SUMMARY = ("<!-- summary: `python run.py --report results` writes this table fro
 HEADLINE = ("ar-widths", "atr")   # the README's rows: the paper's main figure and ATR
 
 
+def run_py_line(folder):
+    """What `python run.py` trains, and how long its recorded command took (folder/ar.command.json)."""
+    c, n = read_command(folder, "ar"), len(experiment_configs("ar", seeds=[0]))
+    return f"`python run.py` trains the {n} seed-0 runs of `ar` at their chosen rates" + (
+        f"; `{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
+        f"{c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']})." if c else ".")
+
+
 def readme_with_summary(text, folder="results"):
     """The README text with its summary block (the HEADLINE rows) rendered anew from `folder`."""
     start, end = text.index(SUMMARY[0]) + len(SUMMARY[0]), text.index(SUMMARY[1])
-    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + "\n\nEvery experiment, the "
-            "sensitivity of the verdicts and the probes: [results/README.md](results/README.md).\n"
-            + text[end:])
+    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + "\n\n" + run_py_line(folder)
+            + " Every experiment, the sensitivity of the verdicts and the probes: "
+            "[results/README.md](results/README.md).\n" + text[end:])
 
 
 def results_readme(folder="results"):
