@@ -1396,7 +1396,7 @@ def best_per_arch(rows):
 README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")
-HEADLINE = ("ar-widths", "atr")   # the README's rows: the paper's main figure and ATR
+HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
 
 
 def run_py_line(folder):
