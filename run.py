@@ -306,12 +306,6 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     return configs
 
 
-def cell_name(family, width):
-    """A grid cell's name in CHOSEN_LRS: 'mamba (d_conv 2, d 64)'."""
-    words = [describe(k, v) for k, v in family.items() if k not in ("arch", "num_values")]
-    return f"{family['arch']} ({', '.join(filter(None, words + [f'd {width}']))})"
-
-
 # ===== One run: train, patch, record
 
 def patched(model, cfg, dataset):
@@ -410,33 +404,6 @@ def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
     return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
 
 
-def copy_guess(cfg):
-    """The accuracy of guessing any value of the context: 1/pairs on AR; on ATR the mean over the
-    evaluation documents (the training set not made) of 1 / the sentence's distinct terminals."""
-    if cfg.task == "ar":
-        return 1 / cfg.num_pairs
-    data = mechsm.make_documents(mechsm.data_key(replace(cfg, train_size=4))).eval     # cached
-    return statistics.mean(1 / len(set(doc[1:end].tolist())) for doc, end in zip(data.tokens,
-                                                                                 data.positions["divider"]))
-
-
-def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, plateau=1.5, rise=0.05):
-    """What a run's training did, read from its history: the first of the rule under the README's
-    summary that holds, its thresholds these keywords (None: no history)."""
-    history, final = record.get("history") or [], record["final"]
-    losses = [h["train_loss"] for h in history if h.get("train_loss") is not None]
-    if record["status"] != "ok" or not losses:
-        return None
-    at = lambda part: [h for h in history if h["step"] <= part * history[-1]["step"]][-1]
-    if final["train_loss"] >= (1 - start_margin) * losses[0]:
-        return "never left the start"
-    if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(2 / 3)["loss"]:
-        return "memorised"                               # before the copy plateau it explains
-    if final["acc"] < plateau * copy_guess(config_of(record)):
-        return "copy plateau"
-    return "still learning" if final["acc"] - at(3 / 4)["acc"] >= rise else "learned"
-
-
 def spread(row, **rule):
     """A row's distribution over its seeds: n, accuracies, verdicts, where the runs with no signal
     lean (the site of the largest attribution), diagnoses, the readable ones' medians."""
@@ -449,12 +416,6 @@ def spread(row, **rule):
             "leans": collections.Counter(lean(r) for r, v in zip(runs, verdicts) if v == "no signal"),
             "diagnoses": collections.Counter(filter(None, map(diagnose, runs))), "median": {
                 k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
-
-
-def paper_text(name, row):
-    """The paper's text for a row of experiment `name` (by its label, else its arch), or None."""
-    numbers = EXPERIMENTS[name].paper_numbers
-    return numbers.get(row["label"], numbers.get(row["arch"]))
 
 
 def result_table(rows, experiment=None):
@@ -537,6 +498,45 @@ def main(argv=None):
 
 
 # --- The grid's helpers
+
+def cell_name(family, width):
+    """A grid cell's name in CHOSEN_LRS: 'mamba (d_conv 2, d 64)'."""
+    words = [describe(k, v) for k, v in family.items() if k not in ("arch", "num_values")]
+    return f"{family['arch']} ({', '.join(filter(None, words + [f'd {width}']))})"
+
+
+def copy_guess(cfg):
+    """The accuracy of guessing any value of the context: 1/pairs on AR; on ATR the mean over the
+    evaluation documents (the training set not made) of 1 / the sentence's distinct terminals."""
+    if cfg.task == "ar":
+        return 1 / cfg.num_pairs
+    data = mechsm.make_documents(mechsm.data_key(replace(cfg, train_size=4))).eval     # cached
+    return statistics.mean(1 / len(set(doc[1:end].tolist())) for doc, end in zip(data.tokens,
+                                                                                 data.positions["divider"]))
+
+
+def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, plateau=1.5, rise=0.05):
+    """What a run's training did, read from its history: the first of the rule under the README's
+    summary that holds, its thresholds these keywords (None: no history)."""
+    history, final = record.get("history") or [], record["final"]
+    losses = [h["train_loss"] for h in history if h.get("train_loss") is not None]
+    if record["status"] != "ok" or not losses:
+        return None
+    at = lambda part: [h for h in history if h["step"] <= part * history[-1]["step"]][-1]
+    if final["train_loss"] >= (1 - start_margin) * losses[0]:
+        return "never left the start"
+    if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(2 / 3)["loss"]:
+        return "memorised"                               # before the copy plateau it explains
+    if final["acc"] < plateau * copy_guess(config_of(record)):
+        return "copy plateau"
+    return "still learning" if final["acc"] - at(3 / 4)["acc"] >= rise else "learned"
+
+
+def paper_text(name, row):
+    """The paper's text for a row of experiment `name` (by its label, else its arch), or None."""
+    numbers = EXPERIMENTS[name].paper_numbers
+    return numbers.get(row["label"], numbers.get(row["arch"]))
+
 
 def describe(name, value):
     """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
