@@ -458,7 +458,12 @@ def report_grid(name, preset, records, out):
     rows, text = render(name, preset, records, out)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
     print(text.split("\n", 2)[2].split("\n![")[0])
-    print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:            # the heatmap of the most accurate run with an extra site, else the most accurate
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
 
 
 def main(argv=None):
@@ -586,16 +591,6 @@ def catalogue():
         lines += [f"{name:<19} {exp.section}: {exp.finding}", f"{'':<19} paper: {numbers}",
                   f"{'':<19} " + " | ".join(times) + " (2 CPU cores, 2 jobs)"]
     return "\n".join(lines)
-
-
-def print_heatmap(rows):
-    """Print the patching heatmap of the most accurate run with an extra site, else the most accurate."""
-    tables = [row for row in rows if row["best"].get("mechanism_table")]
-    if tables:
-        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                            row["best"]["final"].get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
-              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
 
 
 def markdown(cells, columns=None):
@@ -783,10 +778,8 @@ def choose_lrs(configs, out, **options):
 def choice_round(configs, out):
     """The runs the cells of `configs` (at the grid's rates) need next: seed 0 at the rates still to
     try, or the cell's every seed at its chosen rate."""
-    done, cells, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, {}, []
-    for cfg in configs:
-        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
-    for cell in cells.values():
+    done, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, []
+    for cell in make_groups(configs):                       # whole cells
         at = lambda lr, seed=0: replace(cell[0], lr=lr, seed=seed)
         seed0 = {rung(cell[0].lr, k): done[key] for k in (-2, -1, 0, 1, 2)
                  if (key := run_key(asdict(at(rung(cell[0].lr, k)).resolved()))) in done}
