@@ -667,15 +667,6 @@ RECORD = {
                         and ".." not in p.split("/"))}
 
 
-def parse_record(line):
-    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    return record if fits(record, RECORD) else None
-
-
 def read_results(out, warn=True):
     """The run records of one results file, or of every results*.jsonl in the folder `out` (warn: say what is skipped)."""
     records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
@@ -686,7 +677,11 @@ def read_results(out, warn=True):
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
-                if record := parse_record(line):
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):      # a blank or torn line
+                    record = None
+                if fits(record, RECORD):                  # not a hand-edited one
                     records.append(record)
                     unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
                 elif line.strip():
