@@ -1272,14 +1272,12 @@ def record_command(argv, out, name, trained, jobs, seconds):
         "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
 
 
-def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
-    raise KeyboardInterrupt("SIGTERM")
-
-
 @contextlib.contextmanager
 def exit_status():
     """main's frame: its `status.code` for bad input (2, one line), a dead worker (1), Ctrl-C (130)
     and SIGTERM (143), which stops the workers as Ctrl-C does."""
+    def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
+        raise KeyboardInterrupt("SIGTERM")
     status, previous = types.SimpleNamespace(code=None), signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield status
