@@ -458,12 +458,7 @@ def report_grid(name, preset, records, out):
     rows, text = render(name, preset, records, out)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
     print(text.split("\n", 2)[2].split("\n![")[0])
-    tables = [row for row in rows if row["best"].get("mechanism_table")]
-    if tables:            # the heatmap of the most accurate run with an extra site, else the most accurate
-        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
-                                            row["best"]["final"].get("acc") or 0))
-        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
-              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
+    print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
 
 
 def main(argv=None):
@@ -591,6 +586,16 @@ def catalogue():
         lines += [f"{name:<19} {exp.section}: {exp.finding}", f"{'':<19} paper: {numbers}",
                   f"{'':<19} " + " | ".join(times) + " (2 CPU cores, 2 jobs)"]
     return "\n".join(lines)
+
+
+def print_heatmap(rows):
+    """Print the patching heatmap of the most accurate run with an extra site, else the most accurate."""
+    tables = [row for row in rows if row["best"].get("mechanism_table")]
+    if tables:
+        pick = max(tables, key=lambda row: (bool(row["best"]["mechanism_table"].get("extra")),
+                                            row["best"]["final"].get("acc") or 0))
+        print(f"\nheatmap of {pick['label']} (the most accurate model with an extra site, else "
+              "the most accurate):\n" + interventions.render_heatmap(pick["best"]["mechanism_table"]))
 
 
 def markdown(cells, columns=None):
