@@ -672,15 +672,6 @@ RECORD = {
                         and ".." not in p.split("/"))}
 
 
-def parse_record(line):
-    """The record of one line of a results file, or None (a blank, torn or hand-edited line)."""
-    try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    return record if fits(record, RECORD) else None
-
-
 def read_results(out, warn=True):
     """The run records of one results file, or of every results*.jsonl in the folder `out` (warn: say what is skipped)."""
     records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
@@ -691,7 +682,11 @@ def read_results(out, warn=True):
             continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
-                if record := parse_record(line):
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError):      # a blank or torn line
+                    record = None
+                if fits(record, RECORD):                  # not a hand-edited one
                     records.append(record)
                     unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
                 elif line.strip():
@@ -783,10 +778,8 @@ def choose_lrs(configs, out, **options):
 def choice_round(configs, out):
     """The runs the cells of `configs` (at the grid's rates) need next: seed 0 at the rates still to
     try, or the cell's every seed at its chosen rate."""
-    done, cells, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, {}, []
-    for cfg in configs:
-        cells.setdefault(mechsm.group_key(cfg), []).append(cfg)
-    for cell in cells.values():
+    done, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, []
+    for cell in make_groups(configs):                       # whole cells
         at = lambda lr, seed=0: replace(cell[0], lr=lr, seed=seed)
         seed0 = {rung(cell[0].lr, k): done[key] for k in (-2, -1, 0, 1, 2)
                  if (key := run_key(asdict(at(rung(cell[0].lr, k)).resolved()))) in done}
@@ -1284,14 +1277,12 @@ def record_command(argv, out, name, trained, jobs, seconds):
         "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
 
 
-def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
-    raise KeyboardInterrupt("SIGTERM")
-
-
 @contextlib.contextmanager
 def exit_status():
     """main's frame: its `status.code` for bad input (2, one line), a dead worker (1), Ctrl-C (130)
     and SIGTERM (143), which stops the workers as Ctrl-C does."""
+    def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
+        raise KeyboardInterrupt("SIGTERM")
     status, previous = types.SimpleNamespace(code=None), signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield status
