@@ -3124,11 +3124,14 @@ def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
                 leans, n, "leans ")
             summary = run_cli.summary_rows(name, [row])[0][run_cli.OURS]
             assert all(t in summary for t in tally(diagnoses, n) | tally(leans, n, "leans "))
-    widths = {c["architecture"]: c for c in markdown_rows(open(os.path.join(folder, "ar-widths.md")).read())}
-    assert widths["attention (d 128)"]["training"] == "memorised 3/3"
-    assert "never left the start 2/3" in widths["mamba (d 128)"]["training"]
-    medium = {c["architecture"]: c for c in markdown_rows(open(os.path.join(folder, "atr-medium.md")).read())}
-    assert medium["attention"]["verdicts"] == "no signal 3/3, leans query 3/3"
+    def at(name, arch, lr, d_model=64):   # the cases, at the grid's rate (a cell may choose another)
+        return [r for r in run_cli.read_results(os.path.join(folder, f"{name}.jsonl")) if (r["config"]["arch"],
+                r["config"]["lr"], r["config"]["d_model"]) == (arch, lr, d_model)]
+    assert [run_cli.diagnose(r) for r in at("ar-widths", "attention", 5e-4, 128)] == ["memorised"] * 3
+    assert [run_cli.diagnose(r) for r in at("ar-widths", "mamba", 1e-2, 128)].count("never left the start") == 2
+    medium = at("atr-medium", "attention", 5e-4)
+    assert [run_cli.verdict_of(r) for r in medium] == ["no signal"] * 3
+    assert [max(("key", "value", "query"), key=r["mechanism_table"]["headline"].get) for r in medium] == ["query"] * 3
 
 
 def test_every_figure_drawn_for_an_experiment_is_linked_from_its_markdown():
