@@ -108,6 +108,7 @@ CHOSEN_LRS = {"ar-widths": {"attention (d 16)": 0.0015, "attention (d 128)": 0.0
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
              "atr-medium", "ar")   # the grids whose cells choose, in the order they were trained
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
+run_score = lambda record: (record["status"] == "ok", record["final"].get("acc") or 0.0)   # a failed run never wins
 
 
 def chosen_lr(lr, seed0):
@@ -117,9 +118,7 @@ def chosen_lr(lr, seed0):
     if missing:
         return None, missing
     tried = [k for k in (-2, -1, 0, 1, 2) if rung(lr, k) in seed0]
-    score = lambda k: (seed0[rung(lr, k)]["status"] == "ok", seed0[rung(lr, k)]["final"].get("acc")
-                       or 0.0, -abs(k))
-    best = max(tried, key=score)
+    best = max(tried, key=lambda k: (*run_score(seed0[rung(lr, k)]), -abs(k)))
     return (None, [rung(lr, 2 * best)]) if abs(best) == 1 and 2 * best not in tried else (
         rung(lr, best), [])
 
@@ -361,14 +360,13 @@ def best_by_lr(records):
     for r in latest(records):
         gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
         groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
-    score = lambda r: (r["status"] == "ok", r["final"].get("acc") or 0.0)
     rows = []
     for per_lr in groups.values():
         seed = min(r["config"]["seed"] for runs in per_lr.values() for r in runs)
         first = {lr: r for lr, runs in sorted(per_lr.items()) for r in runs if r["config"]["seed"] == seed}
-        best_lr = max(per_lr, key=lambda lr: (score(first[lr]) if lr in first else (False, -1.0),
+        best_lr = max(per_lr, key=lambda lr: (run_score(first[lr]) if lr in first else (False, -1.0),
                                                len(per_lr[lr]), -lr))
-        best = max(per_lr[best_lr], key=lambda r: (score(r), -r["config"]["seed"]))
+        best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
                      "label": row_label(config_of(best), configs)})
