@@ -34,6 +34,7 @@ MAX_TERMINALS = 1024           # the reference rejects sentences of more than 10
 MAX_TRIES = 1000               # consecutive rejections before we call a setting impossible
 SPLITS = {None: 0, "train": 1, "dev": 2, "test": 3}
 _DOCS, _HELDOUT = 0, 1         # RNG stream tags: documents vs the held-out-pair matrix
+_is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)  # not "8", 8.0 or True
 
 
 def _seed(*parts):
@@ -131,8 +132,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
     for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs)):
-        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
-               f"an int, got {value!r}")           # "8" or 8.0 would fail later, or size a float task
+        _check(_is_int(value), name, f"an int, got {value!r}")  # "8" or 8.0 would fail later, or size a float task
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     for name, size in (("num_keys", K), ("num_values", V)):
@@ -193,9 +193,7 @@ class PCFG:
         self.params = {k: v for k, v in locals().items() if k != "self"}  # the arguments, in order
         least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
         for name in least:
-            value = self.params[name]
-            _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
-                   f"an int, got {value!r}")
+            _check(_is_int(self.params[name]), name, f"an int, got {self.params[name]!r}")
         for name, low in least.items():
             why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
             _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
