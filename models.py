@@ -217,8 +217,7 @@ class BaseConv(Mixer):
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False,
                  n_positions=1024, freeze_features=False, **options):
         super().__init__(reference)
-        kernel_size = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
-        self.kernel_size = kernel_size
+        self.kernel_size = kernel_size = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
         self.projection = nn.Linear(d_model, d_model)
         self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()
         if kernel_size == -1:  # Z trained as in the paper (README, difference 13) unless frozen
@@ -253,8 +252,7 @@ def taylor_features(a):
     vec(a a^T) / sqrt(2f)], so that phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s), s = q.k / sqrt(f)."""
     f = a.shape[-1]
     outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
-    ones = torch.ones_like(a[..., :1])
-    return torch.cat([ones, a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
+    return torch.cat([torch.ones_like(a[..., :1]), a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
 
 
 class BasedAttention(Mixer):
@@ -264,13 +262,11 @@ class BasedAttention(Mixer):
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
     MAP_SITE = "hook_y"
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8,
-                 **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, **options):
         super().__init__(reference)
         self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, 1e-12
         self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in "qk")
-        self.proj_v = nn.Linear(d_model, d_model, bias=False)
-        self.proj_o = nn.Linear(d_model, d_model, bias=False)
+        self.proj_v, self.proj_o = (nn.Linear(d_model, d_model, bias=False) for _ in "vo")
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
         self.hook_v, self.hook_y = HookPoint(), HookPoint()              # (b,l,h,w); y (b,l,d)
@@ -304,8 +300,7 @@ class H3(Mixer):
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
     MAP_SITE = "hook_o"
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024,
-                 h3_head_dim=2, **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2, **options):
         super().__init__(reference)
         d, n, w, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
         if d % w or n % 2:
@@ -483,8 +478,7 @@ class Mamba(Mixer):
     BLOCK = MambaBlock
     DOWN_SCALED = "out_proj"
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16,
-                 expand=2, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2, **options):
         super().__init__(reference)
         e, n = expand * d_model, d_state
         self.d_conv, self.d_state = 4 if d_conv is None else d_conv, d_state
@@ -554,8 +548,7 @@ class DeltaNet(Mixer):
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
     MAP_SITE = "hook_o"
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
-                 **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None, **options):
         super().__init__(reference)
         d, h = d_model, n_heads
         self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
@@ -575,8 +568,7 @@ class DeltaNet(Mixer):
         weight = torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.b_proj)])
         qkv, beta = F.linear(x, weight).split([3 * d, h], -1)  # (b,l,3d), (b,l,h)
         if self.conv_size > 0:
-            weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
-            qkv = self.short_conv(qkv, weight)
+            qkv = self.short_conv(qkv, torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight]))
         q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b,l,h,w) each
         q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
         beta = self.hook_beta(torch.sigmoid(beta))
@@ -684,8 +676,7 @@ class LM(nn.Module):
         Transformer step on AR), unless something hooks its side (it would see (b, 1, d))."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
                 or tokens.is_complex() or tokens.dtype == torch.bool:
-            got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
-                   else type(tokens).__name__)
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ValueError(f"tokens must be a (batch, length) tensor of integer token ids; got {got}.")
         if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
             try:                          # the range read on a CPU only: no GPU sync
