@@ -14,7 +14,6 @@ filter width, r runs trained as one model (mechsm.Ensemble).
 """
 
 import contextlib
-import difflib
 import inspect
 import math
 import re
@@ -800,9 +799,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     unknown = sorted(set(options).difference(*MIXER_OPTIONS.values()))
     if unknown:
         known = sorted({"pos_emb", "kernels", "seed"}.union(*MIXER_OPTIONS.values()))
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        raise ValueError(f"build_model: unknown option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)"
-                         if close else f"; expected one of {', '.join(known)}"))
+        raise ValueError(f"build_model: unknown option {unknown[0]!r}; expected one of {', '.join(known)}")
     pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
@@ -817,13 +814,10 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
                                            **options)) for i in range(n_layers)]
             model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
         except (RuntimeError, MemoryError) as e:  # an allocation failure: bad input, not a crash
-            text = " ".join(str(e).split())
-            if not (isinstance(e, MemoryError) or re.search("alloc|out of memory", text, re.I)):
+            if not (isinstance(e, MemoryError) or re.search(r"alloc|out\s+of\s+memory", str(e), re.I)):
                 raise
-            asked = re.search(r"allocate (\d+) bytes", text)
-            size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
             raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}, d_conv={d_conv}: "
-                             f"the {arch} model is too large to allocate{size}") from None
+                             f"the {arch} model is too large to allocate") from None
     model.build_args = build_args
     return model
 
@@ -1059,23 +1053,17 @@ def short_conv(x, weight, bias=None):
     return y                                                        # (b, l, c)
 
 
-def decay_matrix(log_alpha):
-    """D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t (G = cumsum log alpha), 0 above the
-    diagonal: how much of what was written at j survives at t. log_alpha (b, l, h) -> (b, h, l, l)."""
-    G = log_alpha.transpose(1, 2).cumsum(-1)                                       # (b, h, l)
-    future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
-    return (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()
-
-
 def delta_rule_parallel(q, k, v, beta, log_alpha=None):
     """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
     u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k).
-    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by D = decay_matrix."""
+    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by D, the decay."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, w)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
     gram, scores = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)  # (b, h, l, l): k_t . k_j, q_t . k_j
-    if log_alpha is not None:
-        decay = decay_matrix(log_alpha)
+    if log_alpha is not None:  # D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t, 0 above the diagonal
+        G = log_alpha.transpose(1, 2).cumsum(-1)                            # (b, h, l): G = cumsum log alpha
+        future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()  # D (b, h, l, l)
         gram, scores = gram * decay, scores * decay
     system = torch.tril(beta * gram, diagonal=-1)  # (b,h,l,l); unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
