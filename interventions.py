@@ -203,10 +203,9 @@ def no_signal(gap, threshold):
 
 
 def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
-    """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The
-    READINGS name of the one site at or above `cut` (the paper reads its box plots by eye: README,
-    difference 16); "mixed" when none or several are; "no signal" when the gap is at or below the
-    filter or an attribution is not a number."""
+    """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The READINGS name of the
+    one site at or above `cut` (the paper reads its box plots by eye: README, difference 16); "mixed" when none or
+    several are; "no signal" when the gap is at or below the filter or an attribution is not a number."""
     _check_threshold(threshold)
     scores = [attribs[site] for site in READINGS]
     if low_signal or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
@@ -241,12 +240,11 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 @torch.no_grad()
 def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, query, *,
                 cache=None, chunk_rows=CHUNK_ROWS):
-    """Patch `site` at each position of `positions` ({name: (b,)}) one at a time, from the clean run
-    into the corrupted one: {name: p_patched (b,)} of `answers` at `query`; cache: prepare's (built
-    here when None). Row p*b + i is copy p of document i; its hook writes row i's clean vector at
-    positions[p][i]. Exact shortcuts: rows whose clean vector equals the corrupted one bit for bit
-    patch nothing (p_corrupt, no forward); the forward starts at the site's layer: the layers before
-    see only the corrupted input (cached), and block input i is block output i-1."""
+    """Patch `site` at each position of `positions` ({name: (b,)}) one at a time, from the clean run into the
+    corrupted one: {name: p_patched (b,)} of `answers` at `query`; cache: prepare's (built here when None). Row
+    p*b + i is copy p of document i; its hook writes row i's clean vector at positions[p][i]. Exact shortcuts: rows
+    whose clean vector equals the corrupted one bit for bit patch nothing (p_corrupt, no forward); the forward starts
+    at the site's layer: the layers before see only the corrupted input (cached); block input i is block output i-1."""
     model.eval()
     names = list(positions)
     P, b = len(names), corrupt_tokens.shape[0]

@@ -502,12 +502,11 @@ def group_key(cfg):
 
 
 class Ensemble:
-    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their
-    parameters are the rows of ONE (r, n_params) leaf, their logits a vmap of functional_call on one
-    base module, the summed loss gives each row its member's gradient, and train_step applies
-    torch.optim.AdamW's single-tensor update (0.9, 0.999, eps 1e-8, no weight decay) op for op, an
-    lr per member. A member whose loss is not finite fails at that step: its row steps by 0 from
-    then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
+    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their parameters are the
+    rows of ONE (r, n_params) leaf, their logits a vmap of functional_call on one base module, the summed loss gives
+    each row its member's gradient, and train_step applies torch.optim.AdamW's single-tensor update (0.9, 0.999,
+    eps 1e-8, no weight decay) op for op, an lr per member. A member whose loss is not finite fails at that step:
+    its row steps by 0 from then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
