@@ -279,8 +279,7 @@ class BasedAttention(Mixer):
         v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
         phi_q, phi_k = self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k))
         kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,1+f+f^2) twice -> (b,h,l,l)
-        causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
-        pattern = self.hook_pattern(kernel * causal)
+        pattern = self.hook_pattern(kernel * torch.ones(l, l, dtype=torch.bool, device=x.device).tril())  # causal
         num = torch.einsum("bhts,bshw->bthw", pattern, v)       # (b,l,h,w)
         den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
         return self.proj_o(self.hook_y((num / (den + self.eps)).reshape(b, l, d)))
@@ -715,8 +714,7 @@ def check_dataset(model, dataset, name="dataset"):
                          f"got {type(dataset).__name__}.")
     embed = getattr(model, "embed", None)
     vocab = getattr(model, "build_args", {}).get("vocab_size", getattr(embed, "num_embeddings", None))
-    task = getattr(model, "task", None)
-    if task is not None and dataset.task != task:
+    if (task := getattr(model, "task", None)) is not None and dataset.task != task:
         raise ValueError(f"{name} holds {dataset.task} documents, but the model was trained on {task}.")
     if vocab is not None and dataset.vocab_size != vocab:
         raise ValueError(f"{name} has a vocabulary of {dataset.vocab_size} tokens ({dataset.task}), but the "
@@ -980,8 +978,7 @@ def selective_scan(u, delta, A, B, C, reference=False):
     """_SelectiveScanLoopFn on a CPU, else the reference through parallel_scan_custom_grad."""
     if u.is_cpu and not reference:
         return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)  # in at most 8 slices
-    plain_scan = sequential_scan if reference else parallel_scan_custom_grad
-    return selective_scan_reference(u, delta, A, B, C, plain_scan)
+    return selective_scan_reference(u, delta, A, B, C, sequential_scan if reference else parallel_scan_custom_grad)
 
 
 def _powers(A, length):
