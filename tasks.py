@@ -113,8 +113,7 @@ def sample_distinct(rows, m, size, gen):
     out = torch.empty(rows, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
         t = torch.randint(0, j + 1, (rows,), generator=gen)
-        taken = (out[:, :step] == t[:, None]).any(dim=1)
-        out[:, step] = torch.where(taken, torch.full_like(t, j), t)
+        out[:, step] = torch.where((out[:, :step] == t[:, None]).any(dim=1), torch.full_like(t, j), t)  # t taken: j
     return out.gather(1, torch.rand(rows, m, generator=gen).argsort(dim=1))  # (rows, m)
 
 
