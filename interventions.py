@@ -341,8 +341,7 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     sites = list(sites if sites is not None else default_sites(model))
     sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
     names = dict.fromkeys([*positions, "key", "value", "query", *(p for _, p in reads.values())])
-    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites,
-                                     list(names), threshold)
+    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, list(names), threshold)
     rows = [{"site": site, "label": site_label(site), "layer": site_layer(site),
              "scores": {name: x["score"] for name, x in a.items()},
              "p_patched": {name: x["p_patched"] for name, x in a.items()}} for site, a in attribs.items()]
