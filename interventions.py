@@ -43,8 +43,7 @@ CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in ca
 
 def _check_threshold(threshold):
     """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
-    number = isinstance(threshold, (int, float)) and not isinstance(threshold, bool)
-    if not number or not 0 <= threshold < 1:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
         raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
                          f"gap at or below which there is no signal); got {threshold!r}.")
 
@@ -61,8 +60,7 @@ def _check_names(name, names, allowed):
 
 def hook_points(model):
     """{name: HookPoint} for every patchable site (HookPoint with a seq_dim), in module order."""
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, HookPoint) and m.seq_dim is not None}
+    return {name: m for name, m in model.named_modules() if isinstance(m, HookPoint) and m.seq_dim is not None}
 
 
 def site_layer(site):
@@ -86,8 +84,7 @@ def default_sites(model):
 
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation). Hooks are global state: they are
-    removed on any exit."""
+    """Within the block, site s outputs edits[s](activation); hooks are global state, removed on any exit."""
     modules = dict(model.named_modules())
     handles = []
 
@@ -206,10 +203,9 @@ def no_signal(gap, threshold):
 
 
 def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
-    """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The
-    READINGS name of the one site at or above `cut` (the paper reads its box plots by eye: README,
-    difference 16); "mixed" when none or several are; "no signal" when the gap is at or below the
-    filter or an attribution is not a number."""
+    """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The READINGS name of the
+    one site at or above `cut` (the paper reads its box plots by eye: README, difference 16); "mixed" when none or
+    several are; "no signal" when the gap is at or below the filter or an attribution is not a number."""
     _check_threshold(threshold)
     scores = [attribs[site] for site in READINGS]
     if low_signal or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
@@ -244,12 +240,11 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 @torch.no_grad()
 def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, query, *,
                 cache=None, chunk_rows=CHUNK_ROWS):
-    """Patch `site` at each position of `positions` ({name: (b,)}) one at a time, from the clean run
-    into the corrupted one: {name: p_patched (b,)} of `answers` at `query`; cache: prepare's (built
-    here when None). Row p*b + i is copy p of document i; its hook writes row i's clean vector at
-    positions[p][i]. Exact shortcuts: rows whose clean vector equals the corrupted one bit for bit
-    patch nothing (p_corrupt, no forward); the forward starts at the site's layer: the layers before
-    see only the corrupted input (cached), and block input i is block output i-1."""
+    """Patch `site` at each position of `positions` ({name: (b,)}) one at a time, from the clean run into the
+    corrupted one: {name: p_patched (b,)} of `answers` at `query`; cache: prepare's (built here when None). Row
+    p*b + i is copy p of document i; its hook writes row i's clean vector at positions[p][i]. Exact shortcuts: rows
+    whose clean vector equals the corrupted one bit for bit patch nothing (p_corrupt, no forward); the forward starts
+    at the site's layer: the layers before see only the corrupted input (cached); block input i is block output i-1."""
     model.eval()
     names = list(positions)
     P, b = len(names), corrupt_tokens.shape[0]
@@ -346,12 +341,10 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     sites = list(sites if sites is not None else default_sites(model))
     sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
     names = dict.fromkeys([*positions, "key", "value", "query", *(p for _, p in reads.values())])
-    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites,
-                                     list(names), threshold)
+    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, list(names), threshold)
     rows = [{"site": site, "label": site_label(site), "layer": site_layer(site),
              "scores": {name: x["score"] for name, x in a.items()},
-             "p_patched": {name: x["p_patched"] for name, x in a.items()}}
-            for site, a in attribs.items()]
+             "p_patched": {name: x["p_patched"] for name, x in a.items()}} for site, a in attribs.items()]
     score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
     head = {name: score[extra[0], name] for name in ("key", "value", "query")}
     if n_layers == 1:
@@ -362,12 +355,10 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         reading, reason = verdict(head, base["low_signal"], threshold)
         summary = {"headline": head, "verdict": reading, "verdict_reason": reason, "later_layers":
                    {s: {k: score[s, k] for k in ("value", "query")} for s in extra[1:]}}
-    return {"arch": getattr(model, "build_args", {}).get("arch"),
-            "build_args": getattr(model, "build_args", None),
+    return {"arch": getattr(model, "build_args", {}).get("arch"), "build_args": getattr(model, "build_args", None),
             "n_docs": n, "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
             "positions": list(positions), "threshold": threshold,
-            "p_clean": base["p_clean"], "p_corrupt": base["p_corrupt"], "gap": base["gap"],
-            "low_signal": base["low_signal"], "rows": rows, **summary,
+            **{k: base[k] for k in ("p_clean", "p_corrupt", "gap", "low_signal")}, "rows": rows, **summary,
             "extra": {name: score[site, p] for name, (site, p) in reads.items()},
             "seconds": time.perf_counter() - start}
 
@@ -413,9 +404,8 @@ def render_heatmap(result, *, sites=None):
     rows = [r for r in result["rows"] if sites is None or r["site"] in sites or r["label"] in sites]
     names = [f"L{r['layer']} {r['label']}" for r in rows]
     width = max([len(n) for n in names] + [4])
-    prob = lambda x: "nan" if x is None else f"{x:.3f}"                  # NaN in JSON: None
-    lines = [f"{result.get('arch')}: p_clean {prob(result['p_clean'])}  p_corrupt "
-             f"{prob(result['p_corrupt'])}  gap {prob(result['gap'])}"
+    prob = lambda k: "nan" if result[k] is None else f"{result[k]:.3f}"              # NaN in JSON: None
+    lines = [f"{result.get('arch')}: " + "  ".join(f"{k} {prob(k)}" for k in ("p_clean", "p_corrupt", "gap"))
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
     pct = lambda x: "--" if x is None else round(100 * x)
@@ -424,9 +414,7 @@ def render_heatmap(result, *, sites=None):
         xs = [r["scores"].get(p) for p in positions]
         lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {shade(x)}" for x in xs))
     if result.get("headline"):
-        lines.append("headline, L1 block_in: " + "  ".join(
-            f"{k} {pct(v)}" for k, v in result["headline"].items()))
+        lines.append("headline, L1 block_in: " + "  ".join(f"{k} {pct(v)}" for k, v in result["headline"].items()))
     lines.append(f"verdict: {result['verdict']} ({result['verdict_reason']})")
-    for name, x in (result.get("extra") or {}).items():
-        lines.append(f"{name} (layer 0): {pct(x)}")
+    lines += [f"{name} (layer 0): {pct(x)}" for name, x in (result.get("extra") or {}).items()]
     return "\n".join(lines)
