@@ -103,7 +103,8 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # train there (README, difference 18). Listed: the cells whose choice is not the grid's rate; a test
 # recomputes every choice from results/.
 CHOSEN_LRS = {"ar-widths": {"attention (d 16)": 0.0015, "attention (d 128)": 0.00017, "base_conv (d 16)": 0.001,
-                "based (d 16)": 0.009, "based (d 32)": 0.009, "based (d 64)": 0.001, "h3 (d 16)": 0.00033},
+                "based (d 16)": 0.009, "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
+                "h3 (d 16)": 0.00033, "h3 (d 32)": 0.00033},
               "based-ablation": {"based (default conv, d 64)": 0.001},
               "ar": {"based (d 64)": 0.001}}
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
