@@ -6,7 +6,7 @@ do (attention, Based: induction through the value token; Mamba: direct retrieval
 
 What `python run.py` does, in the order of this file's first half:
   1. EXPERIMENTS: the experiment's grid, each cell (a row at one width) at its chosen learning
-     rate (CHOSEN_LRS), seed 0 (--replicates: every seed, as results/ holds);
+     rate (CHOSEN_LRS, from results/chosen_lrs.json), seed 0 (--replicates: every seed, as results/ holds);
   2. one_run: each run trained (mechsm.py, paper Sec. 4), patched (interventions.py, Sec. 3), saved;
   3. the report: a row per cell, every seed counted, beside the paper's numbers;
   4. main: flags -> the grid -> sweep (one_run per run not yet in --out) -> report_grid.
@@ -100,13 +100,8 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # Each cell (a grid row at one width) has its own rate, chosen as the paper chooses: seed 0 trains at
 # the grid's rate x 3^k, k = -1, 0, 1 (2 significant digits), one step more when the best sits at an
 # end; the cell's rate is seed 0's best accuracy (ties: the rate nearest the grid's), its other seeds
-# train there (README, difference 18). Listed: the cells whose choice is not the grid's rate; a test
-# recomputes every choice from results/.
-CHOSEN_LRS = {"ar-widths": {"attention (d 16)": 0.0015, "attention (d 128)": 0.00017, "base_conv (d 16)": 0.001,
-                "based (d 16)": 0.009, "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
-                "h3 (d 16)": 0.00033, "h3 (d 32)": 0.00033},
-              "based-ablation": {"based (default conv, d 64)": 0.001},
-              "ar": {"based (d 64)": 0.001}}
+# train there (README, difference 18). CHOSEN_LRS (below the line): the cells whose choice is not the
+# grid's rate, read from results/chosen_lrs.json, which `--report results` writes from the records.
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
              "atr-medium", "ar")   # the grids whose cells choose, in the order they were trained
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
@@ -500,6 +495,26 @@ def main(argv=None):
 
 
 # --- The grid's helpers
+
+def choices_of(folder):
+    """{experiment: {cell_name: rate}} of the LR_CHOICE grids: chosen_lr of each cell's seed-0 records
+    in `folder`, where decided and not the grid's rate (results/chosen_lrs.json)."""
+    cell, out = lambda c: run_key({k: v for k, v in c.items() if k not in ("lr", "seed")}), {}
+    for name in LR_CHOICE:
+        records, spec = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False), EXPERIMENTS[name].quick
+        names = [cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
+        for label, base in zip(names, experiment_configs(name, seeds=[0], chosen_lrs=False), strict=True):
+            key = cell(asdict(base.resolved()))
+            lr = chosen_lr(base.lr, {r["config"]["lr"]: r for r in latest(records)
+                                     if cell(r["config"]) == key and r["config"]["seed"] == 0})[0]
+            if lr not in (None, base.lr):
+                out.setdefault(name, {})[label] = lr
+    return out
+
+
+CHOSEN = os.path.join(HERE, "results", "chosen_lrs.json")
+CHOSEN_LRS = json.loads(Path(CHOSEN).read_text()) if os.path.isfile(CHOSEN) else {}   # {} in a fork without results/
+
 
 def cell_name(family, width):
     """A grid cell's name in CHOSEN_LRS: 'mamba (d_conv 2, d 64)'."""
@@ -1427,6 +1442,7 @@ def report_folder(folder):
     if readme:
         mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
         mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
+        mechsm.write_whole(CHOSEN, (json.dumps(choices_of(folder), indent=1) + "\n").encode())
     print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
 
 
