@@ -2033,7 +2033,8 @@ def test_every_experiment_builds_both_presets_with_distinct_row_labels():
 
 
 def test_experiment_narrowing_and_unknown_names():
-    configs = run_cli.experiment_configs("ar", archs=["mamba", "attention"], seeds=[5], steps=10)
+    configs = run_cli.experiment_configs("ar", archs=["mamba", "attention"], seeds=[5], steps=10,
+                                           chosen_lrs=False)   # the grid's rates: cells choose (results/)
     assert [(c.arch, c.num_keys, c.seed, c.steps, c.lr) for c in configs] == \
         [("mamba", 1024, 5, 10, 1e-2), ("attention", 1024, 5, 10, 5e-4), ("mamba", 256, 5, 10, 1e-2)]
     added = run_cli.experiment_configs("atr-8192", archs=["mamba"])          # an arch the grid lacks
