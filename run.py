@@ -355,8 +355,7 @@ def best_by_lr(records):
     the first seed's record})."""
     groups, configs = {}, [config_of(r) for r in records]
     for r in latest(records):
-        gkey = run_key({k: v for k, v in r["config"].items() if k not in ("lr", "seed")})
-        groups.setdefault(gkey, {}).setdefault(r["config"]["lr"], []).append(r)
+        groups.setdefault(cell_key(r["config"]), {}).setdefault(r["config"]["lr"], []).append(r)
     rows = []
     for per_lr in groups.values():
         seed = min(r["config"]["seed"] for runs in per_lr.values() for r in runs)
@@ -499,14 +498,15 @@ def main(argv=None):
 def choices_of(folder):
     """{experiment: {cell_name: rate}} of the LR_CHOICE grids: chosen_lr of each cell's seed-0 records
     in `folder`, where decided and not the grid's rate (results/chosen_lrs.json)."""
-    cell, out = lambda c: run_key({k: v for k, v in c.items() if k not in ("lr", "seed")}), {}
+    out = {}
     for name in LR_CHOICE:
-        records, spec = read_results(os.path.join(folder, f"{name}.jsonl"), warn=False), EXPERIMENTS[name].quick
+        seed0, spec = {}, EXPERIMENTS[name].quick                  # {cell_key: {lr: seed 0's record}}
+        for r in latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)):
+            if r["config"]["seed"] == 0:
+                seed0.setdefault(cell_key(r["config"]), {})[r["config"]["lr"]] = r
         names = [cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
         for label, base in zip(names, experiment_configs(name, seeds=[0], chosen_lrs=False), strict=True):
-            key = cell(asdict(base.resolved()))
-            lr = chosen_lr(base.lr, {r["config"]["lr"]: r for r in latest(records)
-                                     if cell(r["config"]) == key and r["config"]["seed"] == 0})[0]
+            lr = chosen_lr(base.lr, seed0.get(cell_key(asdict(base.resolved())), {}))[0]
             if lr not in (None, base.lr):
                 out.setdefault(name, {})[label] = lr
     return out
@@ -642,6 +642,9 @@ def run_key(config):
     """The identity of a run, old or new: canonical JSON of its (resolved) config less the device (where
     it ran is not what it is), a field Config lacks dropped (read_results names it), one missing at its default."""
     return json.dumps({k: config.get(k, v) for k, v in DEFAULTS.items()}, sort_keys=True)
+
+
+cell_key = lambda config: run_key({k: v for k, v in config.items() if k not in ("lr", "seed")})   # its cell
 
 
 def config_of(record):
@@ -1442,7 +1445,8 @@ def report_folder(folder):
     if readme:
         mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
         mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
-        mechsm.write_whole(CHOSEN, (json.dumps(choices_of(folder), indent=1) + "\n").encode())
+        chosen = json.dumps(choices_of(folder), indent=1) + "\n"      # read by the catalogue (CHOSEN_LRS)
+        mechsm.write_whole(out_path(folder, "chosen_lrs.json"), chosen.encode())
     print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
 
 
