@@ -1588,29 +1588,29 @@ def plot_timeline(fig, rows):
     return out
 
 
-def plot_box(fig, records):
-    """ATR, as the paper's box plot: a row per site in its order (key, query, value), a box per arch
-    over its seeds that can be read, every seed a dot (hollow: too little signal), the cut a line."""
-    runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
-    archs = sorted({r["config"]["arch"] for r in runs}, key=lambda a: (arch_rank(a), a))
-    of = lambda a, k, low: np.array([r["mechanism"][f"attrib_{k}"] for r in runs if r["config"][
-        "arch"] == a and bool(r["mechanism"].get("low_signal")) == low], float)
-    out = {a: {k: of(a, k, False) for k in ATTRIBS} for a in archs}
+def plot_box(fig, rows):
+    """ATR, as the paper's box plot: a row per site in its order (key, query, value), a box per table
+    row over its seeds that can be read, every seed a dot (hollow: too little signal), the cut a line."""
+    runs = {row["label"]: [r for r in patched_runs(row["runs"]) if r["config"]["n_layers"] > 1] for row in rows}
+    labels = [label for label, patched in runs.items() if patched]          # rows in the table's order
+    of = lambda a, k, low: np.array([r["mechanism"][f"attrib_{k}"] for r in runs[a]
+                                     if bool(r["mechanism"].get("low_signal")) == low], float)
+    out = {a: {k: of(a, k, False) for k in ATTRIBS} for a in labels}
     fig.set_size_inches(8.0, 6.5)
     for ax, k in zip(fig.subplots(3, 1, sharex=True), ("key", "query", "value")):
         (name, c), cut = ATTRIBS[k], interventions.CUT
         ax.axhline(cut, color="grey", ls="--", lw=0.8)
-        ax.boxplot([out[a][k] for a in archs], positions=range(len(archs)), widths=0.6,
+        ax.boxplot([out[a][k] for a in labels], positions=range(len(labels)), widths=0.6,
                    patch_artist=True, boxprops={"facecolor": c, "alpha": 0.5},
                    medianprops={"color": "k"}, showfliers=False)
-        for i, a in enumerate(archs):
+        for i, a in enumerate(labels):
             for low in (False, True):
                 y = np.clip(of(a, k, low), *FRAME)
                 ax.scatter(i + np.linspace(-0.15, 0.15, len(y)), y, s=12, color=c,
                            facecolors="none" if low else c, zorder=3)
         ax.set(ylabel=name, ylim=FRAME)
-    ax.set_xticks(range(len(archs)), archs)
-    fig.suptitle(f"ATR: attribution at the key, query and value, every seed (dashed: the cut, {cut})")
+    ax.set_xticks(range(len(labels)), labels)
+    fig.suptitle(f"ATR: Attrib@Key, @Query, @Value, every seed (hollow: too little signal; dashed: the cut, {cut})")
     return out
 
 
@@ -1648,7 +1648,7 @@ FIGURE_KINDS = {
                                                           for r in rows) and rows),
     "width": (plot_width, lambda records, rows: len(widest_rows(rows)) < len(rows) and rows),
     "box": (plot_box, lambda records, rows: records[0]["config"]["task"] == "atr"
-            and patched_runs(records, with_signal=True) and records),
+            and patched_runs(records, with_signal=True) and rows),
     "effective": (plot_effective, lambda records, rows: any(r["best"].get("effective")
                                                             for r in best_per_arch(rows)) and rows)}
 
@@ -1667,7 +1667,7 @@ def draw_figures(records, rows, name, folder):
             continue
         fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
         out[kind] = draw(fig, data)
-        fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None})
+        fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None}, bbox_inches="tight")
     return out
 
 
