@@ -34,6 +34,7 @@ import contextlib
 import difflib
 import glob
 import hashlib
+import io
 import json
 import math
 import os
@@ -535,11 +536,12 @@ def copy_guess(cfg):
 def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, plateau=1.5, rise=0.05):
     """What a run's training did, read from its history: the first of the rule under the README's
     summary that holds, its thresholds these keywords (None: no history)."""
-    history, final = record.get("history") or [], record["final"]
+    final = record["final"]
+    history = [h for h in record.get("history") or [] if None not in map(h.get, ("acc", "loss"))]   # what it reads
     losses = [h["train_loss"] for h in history if h.get("train_loss") is not None]
-    if record["status"] != "ok" or not losses:
+    if record["status"] != "ok" or not losses or None in map(final.get, ("acc", "loss", "train_loss")):
         return None
-    at = lambda part: [h for h in history if h["step"] <= part * history[-1]["step"]][-1]
+    at = lambda part: ([h for h in history if h["step"] <= part * history[-1]["step"]] or history)[-1]
     if final["train_loss"] >= (1 - start_margin) * losses[0]:
         return "never left the start"
     if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(2 / 3)["loss"]:
@@ -673,8 +675,9 @@ RECORD = {
                                  "d_model": int, "seed": int, "n_layers": int, "eval_size": int})
     and all(v is None or isinstance(v, (str, int, float)) for v in c.values()),
     "final": lambda f: isinstance(f, dict) and all(NUM(v) for k, v in f.items()
-                                                    if k.endswith(("acc", "prob"))),
-    "history": MAYBE([{"step": int, "acc": NUM, "attrib_value": NUM, "attrib_query": NUM}]),
+                                                    if k.endswith(("acc", "prob", "loss"))),
+    "history": MAYBE([{"step": int, **dict.fromkeys(("acc", "loss", "train_loss", "attrib_value", "attrib_query"),
+                                                     NUM)}]),
     "mechanism": MAYBE(lambda m: isinstance(m, dict) and fits(m.get("verdict"), MAYBE(str))
                        and all(NUM(v) for k, v in m.items() if k not in ("verdict", "low_signal"))
                        and len({"attrib_key", "attrib_value", "attrib_query"} & set(m)) in (0, 3)),
@@ -866,6 +869,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    [out_path(out, "ckpt", unique[k].name() + ".pt") for k in todo if save]   # a link out of it: refused now
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
         log(f"sweep: {done[key]['name']} has no checkpoint in {out} (or a link out of it); trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
@@ -883,13 +887,14 @@ def read_command(folder, name):
     if not os.path.exists(path):
         return None
     try:
-        c = json.loads(Path(path).read_text(encoding="utf-8"))
+        c = None if (why := outside(folder, path)) else json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, OSError, RecursionError):
         c = None
     if fits(c, {**dict.fromkeys(("command", "date", "machine", "load"), str), "wall_s": REAL,
                 "trained": int, "jobs": int}):
         return c
-    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
+    print(f"warning: {why}; not read" if why else f"warning: {path}: not a command record (corrupt or hand-edited); "
+          "skipped", file=sys.stderr)
     return None
 
 
@@ -1667,7 +1672,9 @@ def draw_figures(records, rows, name, folder):
             continue
         fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
         out[kind] = draw(fig, data)
-        fig.savefig(out_path(folder, f"{name}_{kind}.png"), dpi=100, metadata={"Software": None}, bbox_inches="tight")
+        fig.savefig(png := io.BytesIO(), format="png", dpi=100, metadata={"Software": None},
+                    bbox_inches="tight")
+        mechsm.write_whole(out_path(folder, f"{name}_{kind}.png"), png.getvalue())
     return out
 
 

@@ -2158,7 +2158,8 @@ def test_append_starts_on_a_new_line_and_reading_skips_bad_lines_with_one_warnin
         f.write('{"config": {"arch": "attent')                  # a crash mid-write
     run_cli.append_result(path, c)
     bad = [dict(a, final={"acc": "0.9"}), dict(a, history="none"), dict(a, checkpoint="/etc/passwd"),
-           dict(a, checkpoint="../x.pt"), dict(a, mechanism={"attrib_value": "high"})]
+           dict(a, checkpoint="../x.pt"), dict(a, mechanism={"attrib_value": "high"}),
+           dict(a, final={"acc": 0.5, "loss": float("nan")}), dict(a, history=[{"step": 0, "acc": 0, "train_loss": "low"}])]
     with open(path, "a") as f:
         f.write("{}\nnull\n[1, 2]\n\"text\"\n42\n\x00\x01 garbage\n" + "[" * 100000 + "\n")
         f.write("".join(json.dumps(r) + "\n" for r in bad))
@@ -2166,7 +2167,7 @@ def test_append_starts_on_a_new_line_and_reading_skips_bad_lines_with_one_warnin
     records = run_cli.read_results(str(tmp_path))
     assert [r["config"]["seed"] for r in records] == [0, 1, 2]
     warnings_ = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert [int(w.split(f"{path}:")[1].split(":")[0]) for w in warnings_] == [3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    assert [int(w.split(f"{path}:")[1].split(":")[0]) for w in warnings_] == [3, *range(5, 19)]
     monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("a recorded run was trained again"))
     again = run_cli.sweep([tiny(seed=s) for s in (0, 1, 2)], str(tmp_path), patch=False, save=False, log=quiet)
     assert [r["config"]["seed"] for r in again] == [0, 1, 2]
@@ -2455,6 +2456,10 @@ def test_nothing_is_written_through_a_link_out_of_the_folder(tmp_path, capsys):
         assert run_cli.main(argv) == 2, name
         assert one_error_line(capsys.readouterr().err, f"{out / name}"), name
         (out / name).unlink()
+    pt = out / "ckpt" / (run_cli.grid_runs(run_cli.build_parser().parse_args(train), "ar", "cpu")[0][0].name() + ".pt")
+    pt.parent.mkdir()
+    pt.symlink_to(notes)                                          # refused before training, not after it
+    assert run_cli.main(train) == 2 and capsys.readouterr().err.splitlines()[-1].startswith(f"error: {pt} links to")
     os.link(notes, out / "ar.md")                                 # a hard link: the same file
     assert run_cli.main(["--report", str(out)]) == 2 and one_error_line(capsys.readouterr().err, "hard-linked")
     assert notes.read_text() == "mine" and not list(elsewhere.iterdir())
@@ -2477,6 +2482,10 @@ def test_files_are_replaced_whole_and_never_rewritten_unchanged(tmp_path, capsys
     assert run_cli.main(["--report", str(tmp_path)]) == 0 and (tmp_path / "ar.md").read_text().startswith("# ar:")
     os.utime(tmp_path / "ar.md", ns=(0, 0))
     assert run_cli.main(["--report", str(tmp_path)]) == 0 and os.stat(tmp_path / "ar.md").st_mtime_ns == 0
+    if importlib.util.find_spec("matplotlib"):                  # figures: through a temporary file too
+        assert run_cli.main(["--figures", str(tmp_path)]) == 0 and not list(tmp_path.glob("*.tmp*"))
+        os.utime(tmp_path / "ar_scatter.png", ns=(0, 0))
+        assert run_cli.main(["--figures", str(tmp_path)]) == 0 and os.stat(tmp_path / "ar_scatter.png").st_mtime_ns == 0
 
 
 def test_a_folder_s_records_are_added_to_never_replaced(tmp_path, capsys):
@@ -2560,6 +2569,13 @@ def test_nothing_is_read_through_a_link_out_of_the_folder(tmp_path, capsys, monk
     logs = []
     again, = run_cli.sweep([cfg], str(out), patch=True, save=False, log=logs.append)
     assert again["mechanism_table"] and "a link out of it" in logs[-1]
+    (out / "ar.jsonl").unlink()                                  # the command a report shows: not read either
+    (out / "ar.jsonl").write_text(json.dumps(again) + "\n")
+    (elsewhere / "c.json").write_text(json.dumps({"command": "python elsewhere.py", "date": "d", "machine": "m",
+                                                  "load": "l", "wall_s": 1.0, "trained": 1, "jobs": 1}))
+    (out / "ar.command.json").symlink_to(elsewhere / "c.json")
+    assert run_cli.main(["--report", str(out)]) == 0 and "elsewhere.py" not in (out / "ar.md").read_text()
+    assert "ar.command.json links to" in capsys.readouterr().err
 
 
 def test_optional_parts_cost_only_themselves_and_what_a_rerun_cannot_mend_exits_1(tmp_path, capsys, monkeypatch):
@@ -3108,7 +3124,8 @@ def test_sensitivity_table_counts_the_verdicts_a_moved_cut_or_filter_changes():
     ("still learning", diag_record(acc=(0.449, 0.5))),              # rise 0.05 over the last quarter
     ("learned", diag_record(acc=(0.451, 0.5))),
     ("memorised", diag_record(train=(10.0, 1.0), loss=(6.0, 5.9, 6.0), acc=(0.1, 0.125))),
-    (None, diag_record(status="failed")), (None, {**diag_record(), "history": None})])
+    (None, diag_record(status="failed")), (None, {**diag_record(), "history": None}),
+    (None, {**diag_record(), "final": {"acc": 0.5}}), (None, {**(m := diag_record(train=(10.0, 3.99), loss=(6.0, 5.9, 6.0))), "history": [{**h, "loss": None} for h in m["history"]]})])
 def test_diagnose_names_each_case_on_each_side_of_its_threshold(case, record):
     """diagnose's rule on made-up histories, each threshold's two sides; memorised comes before the
     copy plateau that it explains (the attention runs at d 128 in results/ar-widths)."""
