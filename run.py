@@ -422,7 +422,7 @@ def result_table(rows, experiment=None):
         best, s = row["best"], spread(row)
         tried = row.get("first") or {best["config"]["lr"]: best}     # {lr: its first seed's record}
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "lr": " · ".join(
-            (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_pct(r['final'].get('acc'))}"
+            (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_pct(r['final'].get('acc')) if r['status'] == 'ok' else r['status']}"
             * (len(tried) > 1) for lr, r in tried.items()),
              "seeds": s["n"], "accuracy: median (range)": fmt_acc(s)}
         c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
@@ -924,8 +924,8 @@ def render(name, preset, records, folder=None):
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
         result_table(rows, None if exp.probe else name), "",
         "Each row counts every seed of its learning rate (lr: where several were tried, seed 0's "
-        "accuracy at each and, in bold, the rate chosen: seed 0's best; README, difference 18). "
-        f"Accuracy: the final models on "
+        "accuracy at each, 'failed' where its loss went non-finite and it stopped, and in bold, the "
+        "rate chosen: seed 0's best; README, difference 18). Accuracy: the final models on "
         f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
         "over the seeds that can be read, of the restoration of the clean answer probability when "
         "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "

@@ -2252,6 +2252,8 @@ def test_best_lr_never_picks_a_failed_run():
             fake_record(tiny(lr=1e-3, seed=0), acc=0.3), fake_record(tiny(lr=1e-3, seed=1), acc=0.3)]
     row, = run_cli.best_by_lr(runs)
     assert row["best_lr"] == 1e-3 and len(row["runs"]) == 2
+    lr_cell = run_cli.result_table([row]).splitlines()[2].split(" | ")[2]   # seed 0 at each rate tried
+    assert lr_cell == "**0.001**: 30.0% · 0.01: failed", lr_cell           # not its last eval's 95.0%
     row, = run_cli.best_by_lr([failed])                        # nothing finished: the failed run is all there is
     assert row["best_lr"] == 1e-2
 
