@@ -374,6 +374,7 @@ fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
 fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
 # a spread's (below) accuracies: '50.0% (0.9-84.4)'; verdicts, most frequent first, with where the
 # no-signal runs lean: 'induction 4/5, no signal 1/5, leans query 1/5'; diagnoses: 'learned 5/5'
+fmt_rung = lambda r: fmt_pct(r["final"].get("acc")) if r["status"] == "ok" else r["status"]   # seed 0 at a rate
 fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
     f" ({100 * s['acc'][0]:.1f}-{100 * s['acc'][-1]:.1f})" if len(s["acc"]) > 1 else " (1 seed)")
 tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in counts.most_common())
@@ -422,8 +423,8 @@ def result_table(rows, experiment=None):
         best, s = row["best"], spread(row)
         tried = row.get("first") or {best["config"]["lr"]: best}     # {lr: its first seed's record}
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "lr": " · ".join(
-            (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_pct(r['final'].get('acc')) if r['status'] == 'ok' else r['status']}"
-            * (len(tried) > 1) for lr, r in tried.items()),
+            (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_rung(r)}" * (len(tried) > 1)
+            for lr, r in tried.items()),
              "seeds": s["n"], "accuracy: median (range)": fmt_acc(s)}
         c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
                   for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
@@ -957,7 +958,8 @@ def holds(text, s):
 
 PAPER = ("paper (accuracy: the best of its 5-7 learning rates at that width; box: its box plot's "
          "medians, pooled over widths and learning rates)")               # which statistic is which
-OURS = "ours (median (range) over seeds at one width and learning rate; the best seed; box: medians)"
+OURS = ("ours (median (range) over seeds at one width and learning rate: the range's top is the best "
+        "seed; box: medians)")
 
 
 def summary_rows(name, rows):
@@ -968,8 +970,7 @@ def summary_rows(name, rows):
         for row in sorted(rows, key=lambda r: r["d_model"]):
             line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
             s = spread(row)
-            line["cells"].append(f"d {row['d_model']}: {fmt_pct(statistics.median(s['acc']))}, "
-                                 f"best {fmt_pct(s['acc'][-1])} ({fmt_counts(s)}; {fmt_training(s)})")
+            line["cells"].append(f"d {row['d_model']}: {fmt_acc(s)}; {fmt_counts(s)}; {fmt_training(s)}")
         return [{"row": label, PAPER: paper_text(name, line["row"]) or "no number quoted",
                  "holds?": "-", OURS: " · ".join(line["cells"])} for label, line in lines.items()]
     out = []

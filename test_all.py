@@ -3165,6 +3165,7 @@ def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
             if not experiment.probe:                                # a probe has no summary row
                 summary = run_cli.summary_rows(name, [row])[0][run_cli.OURS]
                 assert all(t in summary for t in tally(diagnoses, n) | tally(leans, n, "leans "))
+                assert run_cli.fmt_acc(run_cli.spread(row)) in summary       # median (range)
     def at(name, arch, lr, d_model=64):   # the cases, at the grid's rate (a cell may choose another)
         return [r for r in run_cli.read_results(os.path.join(folder, f"{name}.jsonl")) if (r["config"]["arch"],
                 r["config"]["lr"], r["config"]["d_model"]) == (arch, lr, d_model)]
