@@ -372,9 +372,9 @@ def best_by_lr(records):
 
 fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
 fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
+fmt_rung = lambda r: fmt_pct(r["final"].get("acc")) if r["status"] == "ok" else r["status"]   # seed 0 at a rate
 # a spread's (below) accuracies: '50.0% (0.9-84.4)'; verdicts, most frequent first, with where the
 # no-signal runs lean: 'induction 4/5, no signal 1/5, leans query 1/5'; diagnoses: 'learned 5/5'
-fmt_rung = lambda r: fmt_pct(r["final"].get("acc")) if r["status"] == "ok" else r["status"]   # seed 0 at a rate
 fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
     f" ({100 * s['acc'][0]:.1f}-{100 * s['acc'][-1]:.1f})" if len(s["acc"]) > 1 else " (1 seed)")
 tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in counts.most_common())
