@@ -451,7 +451,7 @@ def report_grid(name, preset, records, out):
         if kept.get(run_key(record["config"])) != record:
             append_result(path, record)
     records = latest(read_results(path, warn=False))
-    if draw_figures(records, best_by_lr(records), name, out) is None:
+    if draw_figures(best_by_lr(records), name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
@@ -911,8 +911,7 @@ def render(name, preset, records, folder=None):
     made = "; ".join(f"{m.get('date')} on " + ", ".join(str(m[k]) for k in ("machine", "cpu", "cpu_capability") if
                      m.get(k)) + f" with torch {m.get('torch')} at commit {m.get('commit')}" for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
-    kinds = [k for k in FIGURE_KINDS
-             if folder is None or os.path.exists(os.path.join(folder, f"{name}_{k}.png"))]
+    kinds = figures_of(name, rows)                 # what --figures draws from these records
     c = read_command(folder, name) if folder else None
     attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
     timeline = []
@@ -1471,7 +1470,7 @@ def redraw_figures(folder):
     found = {name: records for name in EXPERIMENTS   # each experiment with a record (as --report)
              if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
     for name, records in found.items():
-        draw_figures(records, best_by_lr(records), name, folder)
+        draw_figures(best_by_lr(records), name, folder)
     print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
 
 
@@ -1659,20 +1658,25 @@ FIGURE_KINDS = {
                                                             for r in best_per_arch(rows)) and rows)}
 
 
-def draw_figures(records, rows, name, folder):
-    """folder/<name>_<kind>.png of each kind that applies (a probe: its scatter only): {kind: data};
-    None without matplotlib."""
+def figures_of(name, rows):
+    """{kind: data} of each figure kind that applies to an experiment's rows (a probe: its scatter
+    only); drawn by draw_figures, linked by render."""
+    probe = getattr(EXPERIMENTS.get(name), "probe", False)
+    records = [r for row in rows for r in row["runs"]]          # each cell's seeds at its chosen lr
+    return {kind: data for kind, (_, of) in FIGURE_KINDS.items()
+            if (data := (kind == "scatter" or not probe) and of(records, rows))}
+
+
+def draw_figures(rows, name, folder):
+    """folder/<name>_<kind>.png of each kind that applies: {kind: drawn}; None without matplotlib."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    out, probe = {}, getattr(EXPERIMENTS.get(name), "probe", False)
-    records = [r for row in rows for r in row["runs"]]          # each cell's seeds at its chosen lr
-    for kind, (draw, of) in FIGURE_KINDS.items():
-        if not (data := (kind == "scatter" or not probe) and of(records, rows)):
-            continue
+    out = {}
+    for kind, data in figures_of(name, rows).items():
         fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
-        out[kind] = draw(fig, data)
+        out[kind] = FIGURE_KINDS[kind][0](fig, data)
         fig.savefig(png := io.BytesIO(), format="png", dpi=100, metadata={"Software": None},
                     bbox_inches="tight")
         mechsm.write_whole(out_path(folder, f"{name}_{kind}.png"), png.getvalue())

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -2970,7 +2971,7 @@ def test_the_saved_scatter_holds_its_legend_and_axis_label(figure, tmp_path):
     """The legend (with the count of points beyond the frame) sits right of the 8-inch figure and
     the equal-aspect frame pushes the y label past its left edge: draw_figures saves the whole of both."""
     from matplotlib.image import imread
-    fs.draw_figures(RECORDS, fig_rows(RECORDS), "ar", tmp_path)
+    fs.draw_figures(fig_rows(RECORDS), "ar", tmp_path)
     fig = figure(figsize=(8.0, 6), layout="constrained")
     fs.plot_scatter(fig, RECORDS)
     fig.savefig(tmp_path / "plain.png", dpi=100)                        # laid out, saved as it is
@@ -3046,26 +3047,26 @@ def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
 
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
     records = RECORDS + [fig_record("hyena", d_model=32)]
-    out = fs.draw_figures(records, fig_rows(records), "ar", tmp_path / "a")
+    out = fs.draw_figures(fig_rows(records), "ar", tmp_path / "a")
     assert sorted(out) == ["heatmaps", "scatter", "timeline", "width"]          # hyena: 2 widths
     assert sorted(os.listdir(tmp_path / "a")) == [f"ar_{k}.png" for k in sorted(out)]
     atr = [{**r, "config": {**r["config"], "task": "atr"}} for r in RECORDS[:3]]
-    out = fs.draw_figures(atr, fig_rows(atr), "atr", tmp_path / "b")
+    out = fs.draw_figures(fig_rows(atr), "atr", tmp_path / "b")
     assert sorted(out) == ["box", "heatmaps", "scatter", "timeline"]             # one width each
-    fs.draw_figures(atr, fig_rows(atr), "atr", tmp_path / "c")
+    fs.draw_figures(fig_rows(atr), "atr", tmp_path / "c")
     for name in os.listdir(tmp_path / "b"):
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
     rows = fig_rows(records)                     # maps only on a run the figure does not show
     less = min((r for r in rows if r["arch"] == "hyena"), key=lambda r: r["best"]["final"]["acc"])
     less["best"] = {**less["best"], "effective": {"query": [[1.0]], "value": [1.0], "positions": {}}}
-    assert "effective" not in fs.draw_figures(records, rows, "ar", tmp_path / "d")
+    assert "effective" not in fs.draw_figures(rows, "ar", tmp_path / "d")
 
 
 def test_draw_figures_without_matplotlib_returns_none_and_writes_nothing(monkeypatch, tmp_path):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # `import matplotlib` now fails
-    assert fs.draw_figures(RECORDS, fig_rows(RECORDS), "ar", tmp_path / "figs") is None
+    assert fs.draw_figures(fig_rows(RECORDS), "ar", tmp_path / "figs") is None
     assert not (tmp_path / "figs").exists()
     assert fs.FIGURES_HINT.startswith("figures: pip install matplotlib")
 
@@ -3183,6 +3184,15 @@ def test_every_figure_drawn_for_an_experiment_is_linked_from_its_markdown():
         drawn = {f for f in os.listdir(folder) if f.startswith(name + "_") and f.endswith(".png")
                  and f[len(name) + 1:-4] in run_cli.FIGURE_KINDS}
         assert set(re.findall(r"\]\((\S+\.png)\)", text)) == drawn, name
+
+
+def test_a_report_before_the_first_figures_links_the_figures_they_then_draw(tmp_path):
+    shutil.copy(os.path.join(HERE, "results", "atr.jsonl"), tmp_path)     # no .png in the folder yet
+    assert run_cli.main(["--report", str(tmp_path)]) == 0 and not list(tmp_path.glob("*.png"))
+    pytest.importorskip("matplotlib")
+    assert run_cli.main(["--figures", str(tmp_path)]) == 0
+    linked = set(re.findall(r"\]\((\S+\.png)\)", (tmp_path / "atr.md").read_text()))
+    assert linked and linked == {p.name for p in tmp_path.glob("*.png")}
 
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
