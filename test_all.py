@@ -3187,11 +3187,11 @@ def test_every_figure_drawn_for_an_experiment_is_linked_from_its_markdown():
 
 
 def test_a_report_before_the_first_figures_links_the_figures_they_then_draw(tmp_path):
-    shutil.copy(os.path.join(HERE, "results", "atr.jsonl"), tmp_path)     # no .png in the folder yet
+    shutil.copy(os.path.join(HERE, "results", "atr-medium.jsonl"), tmp_path)  # no .png there yet
     assert run_cli.main(["--report", str(tmp_path)]) == 0 and not list(tmp_path.glob("*.png"))
     pytest.importorskip("matplotlib")
     assert run_cli.main(["--figures", str(tmp_path)]) == 0
-    linked = set(re.findall(r"\]\((\S+\.png)\)", (tmp_path / "atr.md").read_text()))
+    linked = set(re.findall(r"\]\((\S+\.png)\)", (tmp_path / "atr-medium.md").read_text()))
     assert linked and linked == {p.name for p in tmp_path.glob("*.png")}
 
 
