@@ -2198,7 +2198,8 @@ def test_resume_honours_what_is_asked_now(tmp_path, monkeypatch):
 def test_shards_started_at_once_train_each_run_once_and_give_the_single_process_table(tmp_path):
     """Four `run.py --shard I/4` on one --out at the same time, then a plain rerun: every run trained
     exactly once (one results file per shard), and the final table equals a single-process run's."""
-    argv = [sys.executable, "run.py"] + TINY_CLI + ["--steps", "30", "--seeds", "0-5", "--no-save", "--jobs", "1"]
+    argv = [sys.executable, "run.py"] + TINY_CLI + ["--steps", "30", "--seeds", "0-5", "--no-save", "--jobs", "1",
+                                                  "--no-interventions"]   # the runs, not their patching
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     procs = [subprocess.Popen(argv + ["--out", str(tmp_path / "sharded"), "--shard", f"{i}/4"], cwd=HERE, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(4)]
