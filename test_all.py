@@ -2473,8 +2473,8 @@ def test_nothing_is_written_through_a_link_out_of_the_folder(tmp_path, capsys):
 def test_files_are_replaced_whole_and_never_rewritten_unchanged(tmp_path, capsys, monkeypatch):
     """A report that a full disk stops mid-write leaves the old file whole and no temporary file (it
     exits 2 in one line); an unchanged report is not written again (its time stays as it was)."""
-    committed = open(os.path.join(HERE, "results", "ar.jsonl")).readlines()[:8]   # Mamba 5, attention 3
-    (tmp_path / "ar.jsonl").write_text("".join(committed))
+    committed = "".join(open(os.path.join(HERE, "results", "ar.jsonl")).readlines()[:8])  # Mamba 5, attention 3
+    (tmp_path / "ar.jsonl").write_text(committed)
     (tmp_path / "ar.md").write_text("old")
 
     def full_disk(fd):
