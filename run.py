@@ -1295,10 +1295,10 @@ def sweep_plan(args, name, configs, device, notes):
 
 def record_command(argv, out, name, trained, jobs, seconds):
     """OUT/<name>.command.json: the command line that trained `trained` runs, and how long it took."""
-    command = shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)])
+    command, p = shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]), provenance()
     mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps({"command": command,
-        "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1),
-        "date": time.strftime("%Y-%m-%d"), "machine": provenance()["machine"],
+        "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
+        "machine": ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capability") if p[k]),   # its speed
         "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
 
 

@@ -2676,13 +2676,14 @@ def test_nan_probabilities_read_no_signal():
 
 def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
     """<experiment>.command.json's command for an --out with a space is a shell line that gives back
-    the same arguments."""
+    the same arguments; its machine names the CPU's kernels (a wall time depends on them)."""
     out = tmp_path / "my results"
     argv = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
     assert run_cli.main(argv) == 0
     import shlex
-    command = json.loads((out / "ar.command.json").read_text())["command"]
-    assert shlex.split(command) == ["python", "run.py", *argv]
+    recorded = json.loads((out / "ar.command.json").read_text())
+    assert shlex.split(recorded["command"]) == ["python", "run.py", *argv]
+    assert torch.backends.cpu.get_cpu_capability() in recorded["machine"]    # a time names the kernels it ran on
 
 
 def test_a_checkpoint_trained_on_a_gpu_loads_on_the_cpu(tmp_path, capsys):
