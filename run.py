@@ -1019,9 +1019,14 @@ def summary_table(folder="results", names=None, rel=None):
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
              and name in (names or EXPERIMENTS)
              for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
+    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
+    cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
+    spent = (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of training "
+             "and patching (the records' wall times summed; every run on one thread), made in shards with "
+             "`--choose-lr` and `--replicates`.")
     out = [markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"])]
     if names:
-        return out[0]
+        return out[0] + "\n\n" + spent
     mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
     extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
                                            if verdict_of(r) not in UNREADABLE) or "none")
@@ -1031,13 +1036,7 @@ def summary_table(folder="results", names=None, rel=None):
         out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
                    "be read: " + "; ".join(extras) + ".")
     out.append("\n" + sensitivity_table(records))
-    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
-    cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
-    seconds = sum(map(cost, unique))                # training and patching, one thread each
-    out.append(f"\nresults/ holds {len(unique)} runs: {seconds / 3600:.1f} CPU-hours of training and "
-               "patching (the records' wall times summed; every run on one thread), made in shards "
-               "with `--choose-lr` and `--replicates` (README: how the numbers were made).")
-    out.append("\n" + run_py_line(folder))
+    out.append("\n" + spent + " " + run_py_line(folder))
     probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
     out.append("\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
                + "; ".join(probes) + ".")
@@ -1426,7 +1425,7 @@ def run_py_line(folder):
 def readme_with_summary(text, folder="results"):
     """The README text with its summary block (the HEADLINE rows) rendered anew from `folder`."""
     start, end = text.index(SUMMARY[0]) + len(SUMMARY[0]), text.index(SUMMARY[1])
-    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + "\n\n" + run_py_line(folder)
+    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + " " + run_py_line(folder)
             + " Every experiment, the sensitivity of the verdicts and the probes: "
             "[results/README.md](results/README.md).\n" + text[end:])
 
