@@ -908,8 +908,8 @@ def render(name, preset, records, folder=None):
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
-    made = "; ".join(f"{m.get('date')} on " + ", ".join(str(m[k]) for k in ("machine", "cpu", "cpu_capability") if
-                     m.get(k)) + f" with torch {m.get('torch')} at commit {m.get('commit')}" for _, m in sorted(made.items()))
+    made = "; ".join(f"{m.get('date')} on {machine_of(m)} with torch {m.get('torch')} at commit {m.get('commit')}"
+                     for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = figures_of(name, rows)                 # what --figures draws from these records
     c = read_command(folder, name) if folder else None
@@ -1023,7 +1023,7 @@ def summary_table(folder="results", names=None, rel=None):
     cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
     spent = (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of training "
              "and patching (the records' wall times summed; every run on one thread), made in shards with "
-             "`--choose-lr` and `--replicates`.")
+             "`--choose-lr` and `--replicates`. " + run_py_line(folder))
     out = [markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"])]
     if names:
         return out[0] + "\n\n" + spent
@@ -1036,7 +1036,7 @@ def summary_table(folder="results", names=None, rel=None):
         out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
                    "be read: " + "; ".join(extras) + ".")
     out.append("\n" + sensitivity_table(records))
-    out.append("\n" + spent + " " + run_py_line(folder))
+    out.append("\n" + spent)
     probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
     out.append("\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
                + "; ".join(probes) + ".")
@@ -1297,7 +1297,7 @@ def record_command(argv, out, name, trained, jobs, seconds):
     command, p = shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]), provenance()
     mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps({"command": command,
         "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
-        "machine": ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capability") if p[k]),   # its speed
+        "machine": machine_of(p),   # what its speed depends on
         "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
 
 
@@ -1402,6 +1402,9 @@ def provenance():
             "cpu": (cpu or [platform.processor()])[0] or None, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+machine_of = lambda p: ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capability") if p.get(k))  # a provenance's
+
+
 def best_per_arch(rows):
     """The most accurate row of each architecture (the effective-attention figure's), in order."""
     best = {r["arch"]: r for r in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0)}
@@ -1425,9 +1428,8 @@ def run_py_line(folder):
 def readme_with_summary(text, folder="results"):
     """The README text with its summary block (the HEADLINE rows) rendered anew from `folder`."""
     start, end = text.index(SUMMARY[0]) + len(SUMMARY[0]), text.index(SUMMARY[1])
-    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + " " + run_py_line(folder)
-            + " Every experiment, the sensitivity of the verdicts and the probes: "
-            "[results/README.md](results/README.md).\n" + text[end:])
+    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + " Every experiment, the sensitivity of "
+            "the verdicts and the probes: [results/README.md](results/README.md).\n" + text[end:])
 
 
 def results_readme(folder="results"):
