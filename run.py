@@ -349,24 +349,36 @@ def finish(record, model, out, patch=True, save=True):
 # ===== The report
 # The best run per row (the paper reports the best learning rate) beside the paper's numbers.
 
-def best_by_lr(records):
-    """A row per group of runs differing only in lr and seed (a cell), at the lr whose first seed is
-    the most accurate (as chosen_lr; a failed run never wins; ties: the lr with the most seeds, then
-    the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr:
-    the first seed's record})."""
+budget_of = lambda record: record.get("total_steps") or record["config"]["steps"] or 0   # its steps
+
+
+def best_by_lr(records, ladder=True):
+    """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
+    most steps its first seed trained (the budget ladder: README, difference 18), and there at the
+    lr whose first seed is the most accurate (as chosen_lr; a failed run never wins; ties: the lr with
+    the most seeds, then the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them),
+    label, first ({lr: the first seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
     for r in latest(records):
-        groups.setdefault(cell_key(r["config"]), {}).setdefault(r["config"]["lr"], []).append(r)
+        groups.setdefault(cell_key({**r["config"], "steps": None} if ladder else r["config"]), []).append(r)
     rows = []
-    for per_lr in groups.values():
-        seed = min(r["config"]["seed"] for runs in per_lr.values() for r in runs)
-        first = {lr: r for lr, runs in sorted(per_lr.items()) for r in runs if r["config"]["seed"] == seed}
+    for runs in groups.values():
+        seed = min(r["config"]["seed"] for r in runs)
+        firsts = [r for r in runs if r["config"]["seed"] == seed]
+        budgets = {s: max((r for r in firsts if budget_of(r) == s), key=run_score)
+                   for s in sorted(set(map(budget_of, firsts)))}
+        per_lr = {}
+        for r in runs:
+            if budget_of(r) == max(budgets):
+                per_lr.setdefault(r["config"]["lr"], []).append(r)
+        first = {lr: r for lr, rs in sorted(per_lr.items()) for r in rs if r["config"]["seed"] == seed}
         best_lr = max(per_lr, key=lambda lr: (run_score(first[lr]) if lr in first else (False, -1.0),
                                                len(per_lr[lr]), -lr))
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
-                     "label": row_label(config_of(best), configs)})
+                     "budgets": budgets, "label": row_label(config_of(best), configs,
+                                                            LABEL_FIELDS[:-1] if ladder else LABEL_FIELDS)})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
@@ -381,13 +393,25 @@ tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in coun
 fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
                                                tally(s["leans"], s["n"], "leans "))))
 fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
+# a cell's budget ladder, seed 0's best at each budget: '8,000: 69.1%, still learning · **16,000**'
+fmt_budgets = lambda budgets: " · ".join([f"{s:,}: {fmt_rung(r)}, {diagnose(r) or '-'}" for s, r in budgets.items()][:-1]
+                                         + [f"**{max(budgets):,}**" if len(budgets) > 1 else f"{max(budgets):,}"])
 
 
 # a record's attrib_key / _value / _query: their names in the tables and colours in the figures
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
 UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
-lean = lambda record: max(ATTRIBS, key=record["mechanism_table"]["headline"].get)   # its largest
+
+
+def lean(record):
+    """Where a run with no signal points (the site of its largest attribution), or None where its gap
+    P̄_clean − P̄_corrupt is within twice a bound on its standard error over the documents: noise (a
+    mean of values in [0, 1] with mean p has standard deviation at most sqrt(p (1 - p)))."""
+    table = record["mechanism_table"]
+    sd = lambda p: math.sqrt(max(p * (1 - p), 0.0))
+    noise = (sd(table["p_clean"]) + sd(table["p_corrupt"])) / math.sqrt(table["n_docs"])
+    return max(ATTRIBS, key=table["headline"].get) if abs(table["gap"]) > 2 * noise else None
 
 
 def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
@@ -411,7 +435,8 @@ def spread(row, **rule):
     heads = [r["mechanism_table"]["headline"] for r in readable]
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
             "verdicts": collections.Counter(verdicts), "readable": len(readable),
-            "leans": collections.Counter(lean(r) for r, v in zip(runs, verdicts) if v == "no signal"),
+            "leans": collections.Counter(filter(None, (lean(r) for r, v in zip(runs, verdicts)
+                                                        if v == "no signal"))),
             "diagnoses": collections.Counter(filter(None, map(diagnose, runs))), "median": {
                 k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
 
@@ -425,6 +450,7 @@ def result_table(rows, experiment=None):
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "lr": " · ".join(
             (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_rung(r)}" * (len(tried) > 1)
             for lr, r in tried.items()),
+             "steps": fmt_budgets(row.get("budgets") or {budget_of(best): best}),
              "seeds": s["n"], "accuracy: median (range)": fmt_acc(s)}
         c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
                   for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
@@ -451,7 +477,7 @@ def report_grid(name, preset, records, out):
         if kept.get(run_key(record["config"])) != record:
             append_result(path, record)
     records = latest(read_results(path, warn=False))
-    if draw_figures(best_by_lr(records), name, out) is None:
+    if draw_figures(best_by_lr(records, not EXPERIMENTS[name].probe), name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
     rows, text = render(name, preset, records, out)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
@@ -534,22 +560,30 @@ def copy_guess(cfg):
                                                                                  data.positions["divider"]))
 
 
-def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, plateau=1.5, rise=0.05):
+def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.05, learned=0.95,
+             plateau=1.5):
     """What a run's training did, read from its history: the first of the rule under the README's
     summary that holds, its thresholds these keywords (None: no history)."""
     final = record["final"]
     history = [h for h in record.get("history") or [] if None not in map(h.get, ("acc", "loss"))]   # what it reads
-    losses = [h["train_loss"] for h in history if h.get("train_loss") is not None]
-    if record["status"] != "ok" or not losses or None in map(final.get, ("acc", "loss", "train_loss")):
+    trained = [h for h in history if h.get("train_loss") is not None]
+    if record["status"] != "ok" or not trained or None in map(final.get, ("acc", "loss", "train_loss")):
         return None
-    at = lambda part: ([h for h in history if h["step"] <= part * history[-1]["step"]] or history)[-1]
-    if final["train_loss"] >= (1 - start_margin) * losses[0]:
+    at = lambda runs, part: ([h for h in runs if h["step"] <= part * runs[-1]["step"]] or runs)[-1]
+    if final["train_loss"] >= (1 - start_margin) * trained[0]["train_loss"]:
         return "never left the start"
-    if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(2 / 3)["loss"]:
+    if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(history, 2 / 3)["loss"]:
         return "memorised"                               # before the copy plateau it explains
-    if final["acc"] < plateau * copy_guess(config_of(record)):
+    fell = at(trained, 3 / 4)["train_loss"] - final["train_loss"]
+    rose = final["acc"] - at(history, 3 / 4)["acc"]
+    if final["acc"] < learned and (fell >= fall or rose >= rise):
+        return "still learning"
+    guess = copy_guess(config_of(record))
+    if final["acc"] >= learned:
+        return "learned"
+    if final["acc"] < plateau * guess and final["loss"] <= plateau * -math.log(guess):
         return "copy plateau"
-    return "still learning" if final["acc"] - at(3 / 4)["acc"] >= rise else "learned"
+    return "stalled"
 
 
 def paper_text(name, row):
@@ -904,7 +938,8 @@ FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else wo
 
 def render(name, preset, records, folder=None):
     """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
-    exp, rows = EXPERIMENTS[name], best_by_lr(records)
+    exp = EXPERIMENTS[name]
+    rows = best_by_lr(records, not exp.probe)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
@@ -1471,7 +1506,7 @@ def redraw_figures(folder):
     found = {name: records for name in EXPERIMENTS   # each experiment with a record (as --report)
              if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
     for name, records in found.items():
-        draw_figures(best_by_lr(records), name, folder)
+        draw_figures(best_by_lr(records, not EXPERIMENTS[name].probe), name, folder)
     print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
 
 
