@@ -3273,3 +3273,12 @@ def test_the_figures_command_without_matplotlib_prints_one_line_and_exits_0(tmp_
     monkeypatch.setitem(sys.modules, "matplotlib", None)                 # as on a machine without it
     assert run_cli.main(["--figures", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip().splitlines() == [run_cli.FIGURES_HINT]
+
+
+def test_the_readmes_gpu_numbers_are_in_the_committed_gpu_logs():
+    """Each number of the README's GPU sentence appears in results/gpu/ (the device check's output)."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    sentence = text.split("GPU: measured once", 1)[1].split("\n\n", 1)[0]
+    logs = "".join(open(os.path.join(HERE, "results", "gpu", f)).read() for f in ("gpu.log", "bench.txt"))
+    numbers = re.findall(r"\d[\d,]*\.\d+(?:e-\d+)?", sentence)
+    assert len(numbers) >= 8 and all(n in logs for n in numbers), [n for n in numbers if n not in logs]
