@@ -583,7 +583,7 @@ def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.
         return "learned"
     if final["acc"] < plateau * guess and final["loss"] <= plateau * -math.log(guess):
         return "copy plateau"
-    return "stalled"
+    return "flat"
 
 
 def paper_text(name, row):

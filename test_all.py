@@ -3138,18 +3138,18 @@ def test_sensitivity_table_counts_the_verdicts_a_moved_cut_or_filter_changes():
 
 @pytest.mark.parametrize("case, record", [
     ("never left the start", diag_record(train=(10.0, 9.31))),      # start_margin 0.07: 9.3
-    ("stalled", diag_record(train=(10.0, 9.29), loss=(9.29, 9.29, 9.29))),
+    ("flat", diag_record(train=(10.0, 9.29), loss=(9.29, 9.29, 9.29))),
     ("memorised", diag_record(train=(10.0, 3.99), loss=(6.0, 5.9, 6.0))),   # memorised_gap 2 nats
     ("still learning", diag_record(train=(10.0, 4.01), loss=(6.0, 5.9, 6.0))),
     ("still learning", diag_record(train=(10.0, 7.75))),            # fall: 0.25 nats over the last quarter
-    ("stalled", diag_record(train=(10.0, 7.76))),
+    ("flat", diag_record(train=(10.0, 7.76))),
     ("still learning", diag_record(train=(10.0, 7.9), acc=(0.449, 0.5))),   # rise: 5 points
-    ("stalled", diag_record(train=(10.0, 7.9), acc=(0.451, 0.5))),
+    ("flat", diag_record(train=(10.0, 7.9), acc=(0.451, 0.5))),
     ("learned", diag_record(train=(10.0, 7.0), acc=(0.95, 0.95))),  # learned: 95%, even if falling
     ("still learning", diag_record(train=(10.0, 7.0), acc=(0.949, 0.949))),
     ("copy plateau", diag_record(train=(10.0, 7.9), acc=(0.187, 0.187), loss=(6.0, 3.1, 3.1))),
-    ("stalled", diag_record(train=(10.0, 7.9), acc=(0.187, 0.187), loss=(6.0, 3.2, 3.2))),   # 1.5 ln 8
-    ("stalled", diag_record(train=(10.0, 7.9), acc=(0.188, 0.188), loss=(6.0, 3.1, 3.1))),   # 1.5 / 8
+    ("flat", diag_record(train=(10.0, 7.9), acc=(0.187, 0.187), loss=(6.0, 3.2, 3.2))),   # 1.5 ln 8
+    ("flat", diag_record(train=(10.0, 7.9), acc=(0.188, 0.188), loss=(6.0, 3.1, 3.1))),   # 1.5 / 8
     ("memorised", diag_record(train=(10.0, 1.0), loss=(6.0, 5.9, 6.0), acc=(0.1, 0.125))),
     (None, diag_record(status="failed")), (None, {**diag_record(), "history": None}),
     (None, {**diag_record(), "final": {"acc": 0.5}}), (None, {**(m := diag_record(train=(10.0, 3.99), loss=(6.0, 5.9, 6.0))), "history": [{**h, "loss": None} for h in m["history"]]})])
