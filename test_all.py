@@ -1940,7 +1940,7 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
     header = ("| architecture | parameters | lr | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
-              "Attrib@Query | verdicts | training | paper |")
+              "Attrib@Query | verdicts | training | circuit (the median seed's; seeds sharing it) | paper |")
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
     assert "Timeline" in stdout and "- attention: 0: " in stdout            # one timeline line per model
     table = (out / "ar.md").read_text()
@@ -1948,6 +1948,7 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
     assert [row.split("|")[1].strip() for row in rows] == ["attention", "deltanet"]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(r["config"]["arch"] for r in records) == ["attention", "deltanet"]
+    assert all(r["circuit"]["target"] == 0.9 and "patches" in r["circuit"] for r in records)
     for record in records:
         summary = record["mechanism"]
         for key in ("attrib_key", "attrib_value", "attrib_query", "p_clean", "p_corrupt"):
@@ -3326,6 +3327,28 @@ def test_a_report_before_the_first_figures_links_the_figures_they_then_draw(tmp_
     assert run_cli.main(["--figures", str(tmp_path)]) == 0
     linked = set(re.findall(r"\]\((\S+\.png)\)", (tmp_path / "atr-medium.md").read_text()))
     assert linked and linked == {p.name for p in tmp_path.glob("*.png")}
+
+
+def test_circuit_words_rows_and_circuit_table_render_from_records(tmp_path):
+    circuit = lambda members, restored=0.95: {"target": 0.9, "members": members, "restored": restored,
+                                              "drop_one": [0.0] * len(members), "patches": 9}
+    assert run_cli.circuit_words(circuit(PLANTED, 0.934)) == "embed@key > L0 mixer@value > L1 mixer@query: 93%"
+    assert run_cli.circuit_words({"target": 0.9, "members": [], "reason": "no signal"}) == "none"
+    short = [["blocks.0.hook_resid_pre", "key"], ["blocks.1.mlp.hook_out", "query"]]
+    runs = [fake_record(tiny(seed=s), acc=acc, circuit=circuit(m)) for s, acc, m in
+            [(0, 0.9, PLANTED), (1, 0.5, short), (2, 0.7, PLANTED)]]       # the median seed: 2
+    unpatched = fake_record(tiny(arch="mamba"), acc=0.3)                   # a record before circuits
+    for r in runs + [unpatched]:
+        run_cli.append_result(str(tmp_path / "ar.jsonl"), r)
+    lines = run_cli.result_table(run_cli.best_by_lr(runs + [unpatched])).splitlines()
+    assert "circuit" in lines[0] and lines[2].endswith("| embed@key > L0 mixer@value > L1 mixer@query: 95% (2/3) |")
+    assert lines[3].startswith("| mamba") and lines[3].endswith("| - |")
+    assert "circuit" not in run_cli.result_table(run_cli.best_by_lr([unpatched]))   # no column at all
+    table = run_cli.circuit_table(str(tmp_path)).splitlines()
+    assert len(table) == 3 and "mamba" not in table[2]
+    assert table[2].split(" | ")[1:] == ["ar: attention", "embed@key > L0 mixer@value > L1 mixer@query",
+                                         "2/3", "95.0% |"]
+    assert run_cli.circuit_table(str(tmp_path / "none")).startswith("No record here carries a circuit")
 
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
