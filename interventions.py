@@ -9,6 +9,9 @@ layer 0's short-conv output at the token after the value). The reference runs th
 (tinylang: experiment.py); here they are forward hooks on models.HookPoint sites. Where we differ
 from the reference on purpose: README, differences 1, 6 and 17.
 
+Beyond the paper (section "Circuits" below): attribution patching, the first-order estimate of
+every interchange, and a run's minimal circuit, ACDC's search with every patch exact.
+
 One interchange intervention: the base run is the corrupted document (one token, by default the
 queried key in context, replaced by another token of its class), the source is the clean document.
 At one (site, position) the whole activation vector is overwritten with the clean one, the rest of
@@ -411,10 +414,11 @@ def _atp(model, clean_tokens, corrupt_tokens, sites, answers, query):
 def attribution_patching(model, dataset, *, sites=None, positions=POSITIONS, corrupt_role="key",
                          n_docs=320, seed=0):
     """mechanism's rows (site, label, layer, scores, p_patched), every interchange estimated to
-    first order instead of run (attribution patching, AtP: Syed et al. 2023, Kramar et al. 2024):
-        p_patched − p_corrupt ≈ (a_clean − a_corrupt) · ∂p/∂a, the gradient on the corrupted run
-    Exact where p is linear in a between a_corrupt and a_clean; AtP* (Kramar et al. 2024, Sec. 3)
-    shows where it fails: a saturated softmax, effects that cancel. Its slow twin: mechanism."""
+    first order instead of run (attribution patching, AtP: Syed et al. 2023, arXiv 2310.10348;
+    Kramár et al. 2024, arXiv 2403.00745), for the interchange of Sec. 3 of the paper:
+        p_patched − p_corrupt ≈ (a_clean − a_corrupt) · ∂p/∂a, the gradient on the corrupted run.
+    Exact where p is linear in a between a_corrupt and a_clean; AtP* (Kramár et al.) shows where it
+    fails: a saturated softmax, effects that cancel. Its slow, exact twin: mechanism."""
     _check_names("positions", positions, POSITIONS)
     sites = list(sites if sites is not None else default_sites(model))
     _check_names("sites", sites, list(hook_points(model)))
@@ -485,20 +489,21 @@ def _rank_correlation(x, y):
 @torch.no_grad()
 def minimal_circuit(model, dataset, *, target=0.9, n_docs=320, corrupt_role="key", seed=0,
                     threshold=LOW_SIGNAL_GAP, atp_above=64):
-    """The smallest set of nodes that carries the answer: ACDC's search (Conmy et al. 2023, Sec. 3)
-    with exact patches throughout. A node is (site, role): a circuit_sites output at the positions
-    of a role_masks role where it can change the readout: where it can differ between the runs
-    (from the first corrupted token on; the embedding: at a corrupted token) and, in the last
-    block, at the query. Circuit S: run the clean documents with every node outside
-    S set to its corrupted-run value, the nodes in S computed from what reaches them; its recovery,
-    (P̄_S − P̄_corrupt) / (P̄_clean − P̄_corrupt) (the tables' ratio of means), is 1 for every node
-    and 0 for none. From all nodes, each is dropped in turn, from the output back (ACDC's order;
-    over atp_above nodes: the smallest by attribution patching first), when the recovery stays >=
-    target; passes repeat until no member can be dropped. Returns target, members [[site, role],
-    ...] input to output, restored (its recovery), drop_one (the recovery without each member),
-    atp_vs_exact (how attribution patching ranked and sized each node's own interchange: Spearman's
-    rho, mean |error| in recoveries), patches (exact patched forwards over the documents); with no
-    signal (mechanism's rule): no members and a reason."""
+    """The smallest set of nodes that carries the answer: ACDC's search (Conmy et al. 2023, arXiv
+    2304.14997, Algorithm 1) with exact patches throughout (the paper's interchange, Sec. 3). A node
+    is (site, role): a circuit_sites output at the positions of a role_masks role where it can
+    change the readout: where it can differ between the runs (from the first corrupted token on;
+    the embedding: at a corrupted token) and, in the last block, at the query. Circuit S: run the
+    clean documents with every node outside S set to its corrupted-run value, the nodes in S
+    computed from what reaches them; its recovery, (P̄_S − P̄_corrupt) / (P̄_clean − P̄_corrupt)
+    (the tables' ratio of means), is 1 for every node and 0 for none. From all nodes, each is
+    dropped in turn, from the output back (ACDC's order; over atp_above nodes: the smallest by
+    attribution patching first), when the recovery stays >= target; passes repeat until one drops
+    nothing. Returns target, members [[site, role], ...] input to output, restored (its recovery),
+    drop_one (the recovery without each member), atp_vs_exact (how attribution patching ranked and
+    sized each node's own interchange: Spearman's rho, mean |error| in recoveries), patches (exact
+    patched forwards over the documents); with no signal (mechanism's rule): no members, a
+    reason."""
     if not 0 < target <= 1:
         raise ValueError(f"target must be a recovery in (0, 1]; got {target!r}.")
     model.eval()
@@ -536,16 +541,15 @@ def minimal_circuit(model, dataset, *, target=0.9, n_docs=320, corrupt_role="key
     atp = [float(est[s][roles[r]].sum()) / len(clean) / gap for s, r in nodes]
     order = nodes[::-1] if len(nodes) <= atp_above else \
         [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: abs(atp[i]))]
-    members = list(nodes)
-    while True:
-        for node in order:            # greedy, one exact patch per try
+    members, dropped = list(nodes), True
+    while dropped:                    # passes until one drops nothing
+        dropped = False
+        for node in order:            # greedy, one exact patch per member tried
             rest = [n for n in members if n != node]
             if node in members and recovery(clean, corrupt_acts, [outside(rest)])[0] >= target:
-                members = rest
-        restored, *drop_one = recovery(clean, corrupt_acts, [outside(members)] + [
-            outside([n for n in members if n != m]) for m in members])      # one batch
-        if all(x < target for x in drop_one):
-            break
+                members, dropped = rest, True
+    restored, *drop_one = recovery(clean, corrupt_acts, [outside(members)] + [
+        outside([n for n in members if n != m]) for m in members])          # one batch
     return {"target": target, "members": [list(n) for n in members], "restored": restored,
             "drop_one": drop_one, "patches": patches, "atp_vs_exact": {
                 "spearman": _rank_correlation(atp, exact),
