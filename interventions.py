@@ -9,6 +9,9 @@ layer 0's short-conv output at the token after the value). The reference runs th
 (tinylang: experiment.py); here they are forward hooks on models.HookPoint sites. Where we differ
 from the reference on purpose: README, differences 1, 6 and 17.
 
+Beyond the paper (section "Circuits" below): attribution patching, the first-order estimate of
+every interchange, and a run's minimal circuit, ACDC's search with every patch exact.
+
 One interchange intervention: the base run is the corrupted document (one token, by default the
 queried key in context, replaced by another token of its class), the source is the clean document.
 At one (site, position) the whole activation vector is overwritten with the clean one, the rest of
@@ -43,7 +46,8 @@ CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in ca
 
 def _check_threshold(threshold):
     """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
+            or not 0 <= threshold < 1:
         raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
                          f"gap at or below which there is no signal); got {threshold!r}.")
 
@@ -52,7 +56,8 @@ def _check_names(name, names, allowed):
     """names: a non-empty list or tuple of names in allowed (never a lone string: its letters)."""
     choices = ", ".join(list(allowed)[:6]) + ", ..." * (len(allowed) > 6)
     if not (isinstance(names, (list, tuple)) and names):
-        raise ValueError(f"{name} must be a non-empty list of names among {choices}; got {names!r}.")
+        raise ValueError(f"{name} must be a non-empty list of names among {choices}; "
+                         f"got {names!r}.")
     for n in names:
         if not isinstance(n, str) or n not in allowed:
             raise ValueError(f"{name} must be among {choices}; got {n!r}.")
@@ -60,7 +65,8 @@ def _check_names(name, names, allowed):
 
 def hook_points(model):
     """{name: HookPoint} for every patchable site (HookPoint with a seq_dim), in module order."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, HookPoint) and m.seq_dim is not None}
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, HookPoint) and m.seq_dim is not None}
 
 
 def site_layer(site):
@@ -84,7 +90,8 @@ def default_sites(model):
 
 @contextlib.contextmanager
 def patch(model, edits):
-    """Within the block, site s outputs edits[s](activation); hooks are global state, removed on any exit."""
+    """Within the block, site s outputs edits[s](activation); hooks are global state, removed on
+    any exit."""
     modules = dict(model.named_modules())
     handles = []
 
@@ -197,15 +204,16 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
 
 
 def no_signal(gap, threshold):
-    """Whether a gap P̄_clean − P̄_corrupt is too small to attribute: at or below the threshold, or
-    not a number (NaN probabilities; None in a JSON record)."""
+    """Whether a gap P̄_clean − P̄_corrupt is too small to attribute: at or below the threshold,
+    or not a number (NaN probabilities; None in a JSON record)."""
     return not (isinstance(gap, (int, float)) and gap > threshold)
 
 
 def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
-    """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The READINGS name of the
-    one site at or above `cut` (the paper reads its box plots by eye: README, difference 16); "mixed" when none or
-    several are; "no signal" when the gap is at or below the filter or an attribution is not a number."""
+    """(verdict, reason) from {"key", "value", "query"}: attributions at the headline site. The
+    READINGS name of the one site at or above `cut` (the paper reads its box plots by eye: README,
+    difference 16); "mixed" when none or several are; "no signal" when the gap is at or below the
+    filter or an attribution is not a number."""
     _check_threshold(threshold)
     scores = [attribs[site] for site in READINGS]
     if low_signal or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
@@ -240,19 +248,20 @@ def prepare(model, clean_tokens, corrupt_tokens, sites, positions, answers, quer
 @torch.no_grad()
 def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, query, *,
                 cache=None, chunk_rows=CHUNK_ROWS):
-    """Patch `site` at each position of `positions` ({name: (b,)}) one at a time, from the clean run into the
-    corrupted one: {name: p_patched (b,)} of `answers` at `query`; cache: prepare's (built here when None). Row
-    p*b + i is copy p of document i; its hook writes row i's clean vector at positions[p][i]. Exact shortcuts: rows
-    whose clean vector equals the corrupted one bit for bit patch nothing (p_corrupt, no forward); the forward starts
-    at the site's layer: the layers before see only the corrupted input (cached); block input i is block output i-1."""
+    """Patch `site` at each position of `positions` ({name: (b,)}) one at a time, from the clean
+    run into the corrupted one: {name: p_patched (b,)} of `answers` at `query`; cache: prepare's
+    (built here when None). Row p*b + i is copy p of document i; its hook writes row i's clean
+    vector at positions[p][i]. Exact shortcuts: rows whose clean vector equals the corrupted one bit
+    for bit patch nothing (p_corrupt, no forward); the forward starts at the site's layer: the
+    layers before see only the corrupted input (cached); block input i is block output i-1."""
     model.eval()
     names = list(positions)
     P, b = len(names), corrupt_tokens.shape[0]
     if cache is None:
         cache = prepare(model, clean_tokens, corrupt_tokens, [site], positions, answers, query)
     seq_dim = dict(model.named_modules())[site].seq_dim
-    on_residual = site.endswith((".hook_resid_pre", ".hook_resid_post"))     # the site IS a residual
-    layer = int(site.split(".")[1]) + site.endswith(".hook_resid_post")      # the forward starts here
+    on_residual = site.endswith((".hook_resid_pre", ".hook_resid_post"))  # the site IS a residual
+    layer = int(site.split(".")[1]) + site.endswith(".hook_resid_post")   # the forward starts here
     clean, corrupted = cache["clean"][site], cache["corrupt"][site]          # (P, b, ...)
     todo = (clean != corrupted).flatten(2).any(-1).flatten().nonzero()[:, 0]  # rows that differ
     doc = todo % b                                                           # their documents
@@ -263,7 +272,8 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     def restore(act):
         out = act.clone()  # never write into a tensor the model may reuse elsewhere
         rows, part = torch.arange(out.shape[0], device=out.device), chunk["part"]
-        out.movedim(seq_dim, 1)[rows, todo_pos[part]] = todo_clean[part].to(out.dtype)   # (b, l, ...)
+        out.movedim(seq_dim, 1)[rows, todo_pos[part]] = \
+            todo_clean[part].to(out.dtype)                                   # (b, l, ...)
         return out
 
     probs = cache["p_corrupt"].repeat(P)                                     # (P*b,)
@@ -274,7 +284,8 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
             resid = restore(resid) if on_residual else resid
             for block in model.blocks[layer:]:                               # the rest of the model
                 resid = block(resid)                                         # (rows, l, d)
-            probs[todo[part]] = _answer_prob(model.logits(resid, query[doc[part]]), answers[doc[part]])
+            probs[todo[part]] = _answer_prob(model.logits(resid, query[doc[part]]),
+                                             answers[doc[part]])
     return dict(zip(names, probs.view(P, b)))
 
 
@@ -283,9 +294,9 @@ def headline_site(n_layers):
     return "blocks.1.hook_resid_pre" if n_layers > 1 else "blocks.0.mixer.hook_out"
 
 
-def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, positions, threshold):
-    """Patch each site at each of `positions` (role names) in the first n_docs documents: (documents
-    patched, the clean run's own attribution (p_clean, gap, ...), {site: {name: attribution}})."""
+def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
+    """The first n_docs documents and, on the model's device, their clean and corrupted tokens
+    (b, l), answers (b,) and query positions (b,)."""
     if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
         raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
     check_dataset(model, dataset)
@@ -293,9 +304,16 @@ def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, pos
         raise ValueError("dataset has no documents to patch (n_docs needs at least one).")
     device = next(model.parameters()).device
     data = dataset.subset(slice(0, n_docs)) if len(dataset) > n_docs else dataset
-    clean, corrupted = data.tokens.to(device), corrupt(data, corrupt_role, seed, strict).to(device)
-    answers, query = data.answers.to(device), data.positions["query"].to(device)
-    pos = {name: data.positions[name].to(device) for name in positions}
+    return (data, data.tokens.to(device), corrupt(data, corrupt_role, seed, strict).to(device),
+            data.answers.to(device), data.positions["query"].to(device))
+
+
+def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, positions, threshold):
+    """Patch each site at each of `positions` (role names) in the first n_docs documents: (documents
+    patched, the clean run's own attribution (p_clean, gap, ...), {site: {name: attribution}})."""
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed,
+                                                        strict)
+    pos = {name: data.positions[name].to(clean.device) for name in positions}
     p_clean = answer_prob(model, clean, answers, query)
     cache = prepare(model, clean, corrupted, sites, pos, answers, query)
     base = attribution(p_clean, cache["p_corrupt"], p_clean, threshold)
@@ -303,6 +321,15 @@ def _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, pos
                for site in sites}                                            # {site: {name: (b,)}}
     return len(data), base, {site: {name: attribution(p_clean, cache["p_corrupt"], p, threshold)
                                     for name, p in ps.items()} for site, ps in patched.items()}
+
+
+def _table_rows(attribs):
+    """{site: {position: attribution}} -> the table's rows: site, label, layer, scores,
+    p_patched."""
+    return [{"site": site, "label": site_label(site), "layer": site_layer(site),
+             "scores": {name: x["score"] for name, x in a.items()},
+             "p_patched": {name: x["p_patched"] for name, x in a.items()}}
+            for site, a in attribs.items()]
 
 
 @torch.no_grad()
@@ -341,10 +368,9 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     sites = list(sites if sites is not None else default_sites(model))
     sites += [s for s in extra + [s for s, _ in reads.values()] if s not in sites]
     names = dict.fromkeys([*positions, "key", "value", "query", *(p for _, p in reads.values())])
-    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites, list(names), threshold)
-    rows = [{"site": site, "label": site_label(site), "layer": site_layer(site),
-             "scores": {name: x["score"] for name, x in a.items()},
-             "p_patched": {name: x["p_patched"] for name, x in a.items()}} for site, a in attribs.items()]
+    n, base, attribs = _attributions(model, dataset, n_docs, corrupt_role, seed, strict, sites,
+                                     list(names), threshold)
+    rows = _table_rows(attribs)
     score = {(r["site"], name): x for r in rows for name, x in r["scores"].items()}
     head = {name: score[extra[0], name] for name in ("key", "value", "query")}
     if n_layers == 1:
@@ -355,12 +381,179 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
         reading, reason = verdict(head, base["low_signal"], threshold)
         summary = {"headline": head, "verdict": reading, "verdict_reason": reason, "later_layers":
                    {s: {k: score[s, k] for k in ("value", "query")} for s in extra[1:]}}
-    return {"arch": getattr(model, "build_args", {}).get("arch"), "build_args": getattr(model, "build_args", None),
+    return {"arch": getattr(model, "build_args", {}).get("arch"),
+            "build_args": getattr(model, "build_args", None),
             "n_docs": n, "corrupt_role": corrupt_role, "strict": strict, "seed": seed,
             "positions": list(positions), "threshold": threshold,
-            **{k: base[k] for k in ("p_clean", "p_corrupt", "gap", "low_signal")}, "rows": rows, **summary,
+            **{k: base[k] for k in ("p_clean", "p_corrupt", "gap", "low_signal")}, "rows": rows,
+            **summary,
             "extra": {name: score[site, p] for name, (site, p) in reads.items()},
             "seconds": time.perf_counter() - start}
+
+
+# --- Circuits: attribution patching proposes, exact interchange verifies.
+
+def _atp(model, clean_tokens, corrupt_tokens, sites, answers, query):
+    """{site: (b, l)}: (a_clean − a_corrupt) · ∂p/∂a per document and token, the gradient of
+    each document's answer probability p taken on the corrupted run (one clean forward, one
+    corrupted forward, one backward), summed over the activation's other axes."""
+    seq_dim = {site: m.seq_dim for site, m in hook_points(model).items()}
+    clean, acts = record(model, clean_tokens, sites), {}
+
+    def keep(site, act):
+        acts[site] = act
+        return act
+
+    with torch.enable_grad(), patch(model, {s: functools.partial(keep, s) for s in sites}):
+        p = _answer_prob(model(corrupt_tokens, readout=query), answers)      # (b,)
+        grads = torch.autograd.grad(p.sum(), [acts[s] for s in sites])  # a document's p: its row
+    return {s: ((clean[s] - acts[s].detach()) * g).movedim(seq_dim[s], 1).flatten(2).sum(-1)
+            for s, g in zip(sites, grads)}                                   # (b, l, ...) -> (b, l)
+
+
+def attribution_patching(model, dataset, *, sites=None, positions=POSITIONS, corrupt_role="key",
+                         n_docs=320, seed=0):
+    """mechanism's rows (site, label, layer, scores, p_patched), every interchange estimated to
+    first order instead of run (attribution patching, AtP: Syed et al. 2023, arXiv 2310.10348;
+    Kramár et al. 2024, arXiv 2403.00745), for the interchange of Sec. 3 of the paper:
+        p_patched − p_corrupt ≈ (a_clean − a_corrupt) · ∂p/∂a, the gradient on the corrupted run.
+    Exact where p is linear in a between a_corrupt and a_clean; AtP* (Kramár et al.) shows where it
+    fails: a saturated softmax, effects that cancel. Its slow, exact twin: mechanism."""
+    _check_names("positions", positions, POSITIONS)
+    sites = list(sites if sites is not None else default_sites(model))
+    _check_names("sites", sites, list(hook_points(model)))
+    model.eval()
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
+    p_clean, p_corrupt = (answer_prob(model, t, answers, query) for t in (clean, corrupted))
+    rows = torch.arange(len(clean), device=clean.device)
+    est = _atp(model, clean, corrupted, sites, answers, query)               # {site: (b, l)}
+    return _table_rows({s: {name: attribution(p_clean, p_corrupt, p_corrupt + e[
+        rows, data.positions[name].to(rows.device)]) for name in positions}
+        for s, e in est.items()})
+
+
+def role_masks(dataset):
+    """{role: (b, l) bool}: each position up to the query in one role, the first of key, value,
+    next_key, divider, query that names it, else other_<class> for a token of that corruption class
+    alone (AR: other_key, other_value), else other (BOS; ATR's other terminals). The answer and what
+    follows belong to no role: the readout at the query cannot see them. Roles nowhere: left out."""
+    tokens, pos = dataset.tokens, dataset.positions
+    free = torch.arange(tokens.shape[1]) <= pos["query"][:, None]             # (b, l)
+    masks = {}
+    for role in ROLES[:-1]:                                                  # all but the answer
+        masks[role] = free & (torch.arange(tokens.shape[1]) == pos[role][:, None])
+        free = free & ~masks[role]
+    inside = {r: (tokens >= lo) & (tokens < hi) for r, (lo, hi) in dataset.classes.items()}
+    alone = free & (sum(m.int() for m in inside.values()) == 1)              # in one class only
+    masks.update({f"other_{r}": alone & m for r, m in inside.items()}, other=free & ~alone)
+    return {r: m for r, m in masks.items() if m.any()}
+
+
+def circuit_sites(model):
+    """A circuit's sites, input to output: the embedding (block 0's input holds nothing else), then
+    each block's mixer and MLP outputs; not the residual stream, which only sums them."""
+    points = hook_points(model)
+    return ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.{s}" for i in range(len(model.blocks))
+                                          for s in ("mixer.hook_out", "mlp.hook_out")
+                                          if f"blocks.{i}.{s}" in points]
+
+
+@torch.no_grad()
+def _patched_probs(model, tokens, fill, masks, answers, query):
+    """P̄ (mean answer probability) of each patch of masks, [{site: (b, l) bool}]: site s outputs
+    fill[s] (b, l, d) where the mask is True, its own activation elsewhere. Patches run side by side
+    (row k*b + i: document i under patch k), about CHUNK_ROWS rows a forward."""
+    b, probs = len(tokens), []
+    per = max(1, CHUNK_ROWS // b)                                           # patches a forward
+    for a in range(0, len(masks), per):
+        group = masks[a:a + per]
+        k = len(group)
+        where = {s: torch.cat([m[s] for m in group])[..., None] for s in fill}  # (k*b, l, 1)
+        edits = {s: lambda act, s=s: torch.where(where[s], fill[s].repeat(k, 1, 1), act)
+                 for s in fill}
+        with patch(model, edits):
+            p = _answer_prob(model(tokens.repeat(k, 1), readout=query.repeat(k)), answers.repeat(k))
+        probs += p.view(k, b).mean(1).tolist()
+    return probs
+
+
+def _rank_correlation(x, y):
+    """Spearman's rho of two lists (tied values share their mean rank); None when one is
+    constant."""
+    ranks = [(t[:, None] > t).sum(1) + ((t[:, None] == t).sum(1) - 1) / 2
+             for t in map(torch.tensor, (x, y))]
+    rho = float(torch.corrcoef(torch.stack(ranks).double())[0, 1])
+    return rho if math.isfinite(rho) else None
+
+
+@torch.no_grad()
+def minimal_circuit(model, dataset, *, target=0.9, n_docs=320, corrupt_role="key", seed=0,
+                    threshold=LOW_SIGNAL_GAP, atp_above=64):
+    """The smallest set of nodes that carries the answer: ACDC's search (Conmy et al. 2023, arXiv
+    2304.14997, Algorithm 1) with exact patches throughout (the paper's interchange, Sec. 3). A node
+    is (site, role): a circuit_sites output at the positions of a role_masks role where it can
+    change the readout: where it can differ between the runs (from the first corrupted token on;
+    the embedding: at a corrupted token) and, in the last block, at the query. Circuit S: run the
+    clean documents with every node outside S set to its corrupted-run value, the nodes in S
+    computed from what reaches them; its recovery, (P̄_S − P̄_corrupt) / (P̄_clean − P̄_corrupt)
+    (the tables' ratio of means), is 1 for every node and 0 for none. From all nodes, each is
+    dropped in turn, from the output back (ACDC's order; over atp_above nodes: the smallest by
+    attribution patching first), when the recovery stays >= target; passes repeat until one drops
+    nothing. Returns target, members [[site, role], ...] input to output, restored (its recovery),
+    drop_one (the recovery without each member), atp_vs_exact (how attribution patching ranked and
+    sized each node's own interchange: Spearman's rho, mean |error| in recoveries), patches (exact
+    patched forwards over the documents); with no signal (mechanism's rule): no members, a
+    reason."""
+    if not 0 < target <= 1:
+        raise ValueError(f"target must be a recovery in (0, 1]; got {target!r}.")
+    model.eval()
+    data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
+    p_clean, p_corrupt = (float(answer_prob(model, t, answers, query).mean())
+                          for t in (clean, corrupted))
+    gap, sites, patches = p_clean - p_corrupt, circuit_sites(model), 0
+    if no_signal(gap, threshold):
+        return {"target": target, "members": [], "patches": 0,
+                "reason": f"P̄_clean − P̄_corrupt <= {threshold}: nothing to recover"}
+    roles = {r: m.to(clean.device) for r, m in role_masks(data).items()}     # {role: (b, l)}
+    matter = {s: (clean != corrupted).cumsum(1) > 0 for s in sites}        # (b, l), causality
+    matter[sites[0]] = clean != corrupted                                   # the embedding
+    for s in [s for s in sites if site_layer(s) == len(model.blocks) - 1]:  # the last block's:
+        matter[s] = matter[s] & roles["query"]                              # only the query read
+    nodes = [(s, r) for s in sites for r in roles
+             if (roles[r] & matter[s]).any()]                               # input to output
+    none = torch.zeros_like(clean, dtype=torch.bool)
+
+    def recovery(run, fill, masks):
+        nonlocal patches
+        patches += len(masks)
+        return [(p - p_corrupt) / gap
+                for p in _patched_probs(model, run, fill, masks, answers, query)]
+
+    def outside(S):                   # {site: (b, l)}: where circuit S takes the corrupted values
+        return {s: ~functools.reduce(torch.logical_or, [roles[r] for t, r in S if t == s], none)
+                for s in sites}
+
+    # Each node's own interchange (its clean value into the corrupted run) exactly, and AtP's guess.
+    clean_acts, corrupt_acts = (record(model, t, sites) for t in (clean, corrupted))
+    exact = recovery(corrupted, clean_acts, [{s: roles[r] if s == site else none for s in sites}
+                                             for site, r in nodes])
+    est = _atp(model, clean, corrupted, sites, answers, query)               # {site: (b, l)}
+    atp = [float(est[s][roles[r]].sum()) / len(clean) / gap for s, r in nodes]
+    order = nodes[::-1] if len(nodes) <= atp_above else \
+        [nodes[i] for i in sorted(range(len(nodes)), key=lambda i: abs(atp[i]))]
+    members, dropped = list(nodes), True
+    while dropped:                    # passes until one drops nothing
+        dropped = False
+        for node in order:            # greedy, one exact patch per member tried
+            rest = [n for n in members if n != node]
+            if node in members and recovery(clean, corrupt_acts, [outside(rest)])[0] >= target:
+                members, dropped = rest, True
+    restored, *drop_one = recovery(clean, corrupt_acts, [outside(members)] + [
+        outside([n for n in members if n != m]) for m in members])          # one batch
+    return {"target": target, "members": [list(n) for n in members], "restored": restored,
+            "drop_one": drop_one, "patches": patches, "atp_vs_exact": {
+                "spearman": _rank_correlation(atp, exact),
+                "mean_abs_error": sum(abs(a - e) for a, e in zip(atp, exact)) / len(nodes)}}
 
 
 # --- Effective attention: where each position reads, from each mixer's own exact map.
@@ -377,13 +570,16 @@ def effective_attention(model, tokens):
     return [M.abs().mean(1) for M, _ in maps]                                 # layers x (b, l, l)
 
 
-def effective_record(model, dataset, doc=None, roles=("key", "value", "next_key", "divider", "query")):
-    """JSON-safe maps of one document for a run's record: {"positions": {role: t}, "query": [layer i's
-    row at the query, positions 0..query], "value": [layer 0's row at the value, 0..value]}; doc None:
-    the first whose queried pair is neither the first nor the last, so each role has its own token."""
+def effective_record(model, dataset, doc=None,
+                     roles=("key", "value", "next_key", "divider", "query")):
+    """JSON-safe maps of one document for a run's record: {"positions": {role: t}, "query": [layer
+    i's row at the query, positions 0..query], "value": [layer 0's row at the value, 0..value]};
+    doc None: the first whose queried pair is neither the first nor the last, so each role has its
+    own token."""
     check_dataset(model, dataset)
     p = dataset.positions
-    doc = int(((p["key"] > 1) & (p["next_key"] < p["divider"])).int().argmax()) if doc is None else doc
+    if doc is None:
+        doc = int(((p["key"] > 1) & (p["next_key"] < p["divider"])).int().argmax())
     tokens = dataset.tokens[doc:doc + 1].to(next(model.parameters()).device)
     maps = effective_attention(model, tokens)                                 # layers x (1, l, l)
     at = {role: int(dataset.positions[role][doc]) for role in roles}
@@ -404,8 +600,9 @@ def render_heatmap(result, *, sites=None):
     rows = [r for r in result["rows"] if sites is None or r["site"] in sites or r["label"] in sites]
     names = [f"L{r['layer']} {r['label']}" for r in rows]
     width = max([len(n) for n in names] + [4])
-    prob = lambda k: "nan" if result[k] is None else f"{result[k]:.3f}"              # NaN in JSON: None
-    lines = [f"{result.get('arch')}: " + "  ".join(f"{k} {prob(k)}" for k in ("p_clean", "p_corrupt", "gap"))
+    prob = lambda k: "nan" if result[k] is None else f"{result[k]:.3f}"      # NaN in JSON: None
+    lines = [f"{result.get('arch')}: "
+             + "  ".join(f"{k} {prob(k)}" for k in ("p_clean", "p_corrupt", "gap"))
              + ("  (LOW SIGNAL)" if result["low_signal"] else ""),
              " " * width + "".join(f"{p[:8]:>9}" for p in positions)]
     pct = lambda x: "--" if x is None else round(100 * x)
@@ -414,7 +611,8 @@ def render_heatmap(result, *, sites=None):
         xs = [r["scores"].get(p) for p in positions]
         lines.append(f"{name:<{width}}" + "".join(f"{pct(x):>7} {shade(x)}" for x in xs))
     if result.get("headline"):
-        lines.append("headline, L1 block_in: " + "  ".join(f"{k} {pct(v)}" for k, v in result["headline"].items()))
+        lines.append("headline, L1 block_in: "
+                     + "  ".join(f"{k} {pct(v)}" for k, v in result["headline"].items()))
     lines.append(f"verdict: {result['verdict']} ({result['verdict_reason']})")
     lines += [f"{name} (layer 0): {pct(x)}" for name, x in (result.get("extra") or {}).items()]
     return "\n".join(lines)

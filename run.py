@@ -308,7 +308,8 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 # ===== One run: train, patch, record
 
 def patched(model, cfg, dataset):
-    """A record's patching fields: the mechanism table, its summary, the effective attention."""
+    """A record's patching fields: the mechanism table, its summary, the minimal circuit, the
+    effective attention."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     maps = all(type(b.mixer).effective_map is not models.Mixer.effective_map for b in model.blocks)  # optional
     head = table.get("headline") or table.get("mixer_out") or {}
@@ -316,6 +317,7 @@ def patched(model, cfg, dataset):
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
     return json_safe({"mechanism": summary, "mechanism_table": table,
+                      "circuit": interventions.minimal_circuit(model, dataset, threshold=cfg.gap_filter),
                       "effective": interventions.effective_record(model, dataset) if maps else None})
 
 
@@ -460,10 +462,32 @@ def result_table(rows, experiment=None):
         for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
             c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
         c["verdicts"], c["training"] = fmt_counts(s), fmt_training(s)
+        if any(r.get("circuit") for row in rows for r in row["runs"]):     # else no column
+            found = row_circuit(row)
+            c["circuit (the median seed's; seeds sharing it)"] = \
+                f"{circuit_words(found[0])} ({found[1]}/{found[2]})" if found else "-"
         if experiment is not None:
             c["paper"] = paper_text(experiment, row) or "-"
         cells.append(c)
     return markdown(cells)
+
+
+def circuit_words(circuit, restored=True):
+    """interventions.minimal_circuit's members in words, input to output, and what they restore:
+    'embed@key > L0 mixer@value > L1 mixer@query: 93%'; 'none' when it has none (its reason)."""
+    name = lambda site: "embed" if site == "blocks.0.hook_resid_pre" else \
+        f"L{interventions.site_layer(site)} {site.split('.')[2]}"
+    words = " > ".join(f"{name(site)}@{role}" for site, role in circuit["members"]) or "none"
+    return words + (f": {100 * circuit['restored']:.0f}%" if restored and circuit["members"] else "")
+
+
+def row_circuit(row):
+    """(the circuit of a row's median-accuracy seed among its seeds with one, how many of those
+    share its members, how many there are); None when none has one."""
+    runs = sorted((r for r in row["runs"] if r.get("circuit")), key=lambda r: r["final"].get("acc") or 0)
+    if runs:
+        mid = runs[(len(runs) - 1) // 2]["circuit"]
+        return mid, sum(r["circuit"]["members"] == mid["members"] for r in runs), len(runs)
 
 
 # ===== main: the story of `python run.py`
@@ -1449,6 +1473,8 @@ def best_per_arch(rows):
 README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")
+CIRCUITS = ("<!-- circuits: `python run.py --report results` writes this table from results/*.jsonl -->",
+            "<!-- /circuits -->")
 HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
 
 
@@ -1461,10 +1487,27 @@ def run_py_line(folder):
 
 
 def readme_with_summary(text, folder="results"):
-    """The README text with its summary block (the HEADLINE rows) rendered anew from `folder`."""
-    start, end = text.index(SUMMARY[0]) + len(SUMMARY[0]), text.index(SUMMARY[1])
-    return (text[:start] + "\n" + summary_table(folder, HEADLINE) + " Every experiment, the sensitivity of "
-            "the verdicts and the probes: [results/README.md](results/README.md).\n" + text[end:])
+    """The README text with its summary block (the HEADLINE rows) and its circuit table rendered
+    anew from `folder`."""
+    for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment, the "
+                                  "sensitivity of the verdicts and the probes: [results/README.md]"
+                                  "(results/README.md)."), (CIRCUITS, circuit_table(folder))]:
+        start, end = text.index(first) + len(first), text.index(last)
+        text = text[:start] + "\n" + block + "\n" + text[end:]
+    return text
+
+
+def circuit_table(folder="results"):
+    """Every row's circuit (row_circuit) in the records of `folder` that carry one, by architecture."""
+    cells = [{"architecture": row["arch"], "experiment: row": f"{name}: {row['label']}",
+              "circuit (the median-accuracy seed's)": circuit_words(found[0], restored=False),
+              "seeds sharing it / with a circuit": f"{found[1]}/{found[2]}",
+              "restored": fmt_pct(found[0].get("restored"))}
+             for name in EXPERIMENTS
+             for row in best_by_lr(latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)))
+             if (found := row_circuit(row))]
+    return markdown(sorted(cells, key=lambda c: arch_rank(c["architecture"]))) if cells else \
+        "No record here carries a circuit yet (a patched run made from this commit on does)."
 
 
 def results_readme(folder="results"):

@@ -1595,6 +1595,136 @@ def test_mechanism_one_and_three_layers(data):
                                                   "blocks.2.hook_resid_pre", "blocks.0.mixer.hook_conv_out"}
 
 
+# --- Circuits: a model whose answer flows through known (node, role) pairs, then real ones
+
+class _Shift(models.Mixer):
+    """Planted layer 0: writes the previous token's one-hot into the second third of the stream."""
+    def mix(self, x):
+        v, out = x.shape[-1] // 3, torch.zeros_like(x)
+        out[:, 1:, v:2 * v] = x[:, :-1, :v]
+        return out
+
+
+class _Lookup(models.Mixer):
+    """Planted layer 1: reads, sharply, the token whose previous token is its own (an induction
+    head) and writes it into the last third of the stream."""
+    def mix(self, x):
+        v, l = x.shape[-1] // 3, x.shape[1]
+        scores = (30 * x[..., :v] @ x[..., v:2 * v].transpose(1, 2)).masked_fill(
+            torch.ones(l, l, dtype=torch.bool).triu(1), float("-inf"))       # (b, l, l), causal
+        return torch.cat([torch.zeros_like(x[..., :2 * v]), scores.softmax(-1) @ x[..., :v]], -1)
+
+
+class _PlantedBlock(torch.nn.Module):
+    def __init__(self, mixer):
+        super().__init__()
+        self.hook_resid_pre, self.mixer, self.hook_resid_post = models.HookPoint(), mixer, models.HookPoint()
+
+    def forward(self, r):
+        r = self.hook_resid_pre(r)
+        return self.hook_resid_post(r + self.mixer(r))
+
+
+class PlantedInduction(torch.nn.Module):
+    """A float64 LM (one-hot tokens, no weights to learn) whose answer flows only through
+    embed@key -> L0 mixer@value -> L1 mixer@query: logits = gain * the last third at the query."""
+    def __init__(self, vocab_size, gain=10.0):
+        super().__init__()
+        self.gain, self.embed = gain, torch.nn.Embedding(vocab_size, 3 * vocab_size).double()
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.eye(vocab_size, 3 * vocab_size))
+        self.blocks = torch.nn.ModuleList([_PlantedBlock(_Shift()), _PlantedBlock(_Lookup())])
+
+    def forward(self, tokens, readout=None):
+        r = self.embed(tokens)
+        for block in self.blocks:
+            r = block(r)
+        return self.logits(r, readout)
+
+    def logits(self, r, readout=None):
+        if readout is not None:
+            r = r[torch.arange(r.shape[0]), readout]
+        return self.gain * r[..., 2 * self.embed.num_embeddings:]
+
+
+PLANTED = [["blocks.0.hook_resid_pre", "key"], ["blocks.0.mixer.hook_out", "value"],
+           ["blocks.1.mixer.hook_out", "query"]]
+
+
+def test_minimal_circuit_finds_the_planted_circuit_and_no_smaller_one(data):
+    model = PlantedInduction(data.vocab_size)
+    found = iv.minimal_circuit(model, data, n_docs=40)
+    assert found["members"] == PLANTED and found["restored"] == pytest.approx(1, abs=1e-9)
+    assert all(x < found["target"] for x in found["drop_one"])            # each member is needed
+    assert found["drop_one"] == pytest.approx([0, 0, 0], abs=0.01)        # and alone carries it
+    assert found["atp_vs_exact"]["spearman"] > 0.9 and found["patches"] > len(PLANTED)
+    assert iv.minimal_circuit(model, data, n_docs=40, atp_above=0)["members"] == PLANTED  # AtP order
+    assert json.loads(json.dumps(found)) == found
+    silent = iv.minimal_circuit(PlantedInduction(data.vocab_size, gain=0.0), data, n_docs=40)
+    assert silent["members"] == [] and "nothing to recover" in silent["reason"]
+    with pytest.raises(ValueError, match="target"):
+        iv.minimal_circuit(model, data, target=1.5)
+
+
+@pytest.mark.parametrize("arch", ["attention", "mamba"])
+def test_circuit_of_every_node_recovers_exactly_1_and_of_none_exactly_0(arch, data):
+    """Kept clean, every node gives the clean run; taken from the corrupted run, every node gives
+    the corrupted run: the embedding and the component outputs span the residual stream, and the
+    roles cover every position the readout sees."""
+    model = patching_model(arch, data.vocab_size)
+    corrupted, query, p_clean, p_corrupt = _runs(model, data)
+    sites, roles = iv.circuit_sites(model), iv.role_masks(data)
+    every = sum(m.int() for m in roles.values()).bool()                   # (b, l)
+    corrupt_acts = iv.record(model, corrupted, sites)
+    probs = iv._patched_probs(model, data.tokens, corrupt_acts, [{s: ~every for s in sites},
+                                                                 {s: every for s in sites}], data.answers, query)
+    assert probs == pytest.approx([p_clean.mean().item(), p_corrupt.mean().item()], abs=1e-12)
+    assert abs(p_clean.mean() - p_corrupt.mean()) > 1e-3                  # the two differ
+    last = f"blocks.{len(model.blocks) - 1}.hook_resid_post"
+    acts = iv.record(model, data.tokens, sites + [last])
+    assert torch.allclose(sum(acts[s] for s in sites), acts[last], atol=1e-12)  # they sum to it
+
+
+def test_circuit_roles_cover_up_to_the_query_once_and_never_the_answer():
+    for ds in (make_ar(30, num_keys=16, num_values=16, num_pairs=4, seed=1),
+               make_atr(30, PCFG(seed=1), seed=1)):
+        roles = iv.role_masks(ds)
+        count = sum(m.int() for m in roles.values())                      # (b, l)
+        col = torch.arange(ds.tokens.shape[1])
+        assert (count == (col <= ds.positions["query"][:, None]).int()).all()
+        assert "answer" not in roles and not any(m[torch.arange(len(ds)), ds.positions["answer"]].any()
+                                                 for m in roles.values())
+        assert (roles["key"].int().argmax(1) == ds.positions["key"]).all()
+    assert set(iv.role_masks(make_ar(30, num_keys=16, num_values=16, num_pairs=4))) == {
+        "key", "value", "next_key", "divider", "query", "other_key", "other_value", "other"}
+    assert "other_key" not in roles and "other" in roles                  # ATR: one class of terminals
+
+
+def test_attribution_patching_equals_exact_patching_where_the_map_is_linear(data):
+    """At a small gain the planted model's logits are tiny, and the answer probability is linear
+    in the last mixer's output (softmax near uniform): the estimate is the exact interchange. Its
+    input passes through the induction head's softmax, where the estimate overshoots."""
+    model = PlantedInduction(data.vocab_size, gain=1e-6)
+    exact = {r["site"]: r["scores"] for r in iv.mechanism(model, data, n_docs=40)["rows"]}
+    est = {r["site"]: r["scores"] for r in iv.attribution_patching(model, data, n_docs=40)}
+    assert set(est) == set(exact) and set(est["blocks.0.hook_resid_pre"]) == set(iv.POSITIONS)
+    for site in ("blocks.1.mixer.hook_out", "blocks.1.hook_resid_post"):
+        assert est[site]["query"] == pytest.approx(exact[site]["query"], rel=1e-5) == 1
+    assert exact["blocks.0.hook_resid_pre"]["key"] == pytest.approx(1)
+    assert est["blocks.0.hook_resid_pre"]["key"] > 1.5                    # nonlinear: an overshoot
+    assert all(est[s][p] == exact[s][p] == 0 for s in est for p in ("divider", "answer"))
+
+
+@pytest.mark.parametrize("arch", ["attention", "mamba", "hyena", "deltanet"])
+def test_attribution_patching_agrees_in_sign_and_rank_with_exact_patching(arch, data):
+    model = patching_model(arch, data.vocab_size, scale=0.5)   # small weights: close to linear
+    exact = [x for r in iv.mechanism(model, data, n_docs=40)["rows"] for x in r["scores"].values()]
+    est = [x for r in iv.attribution_patching(model, data, n_docs=40) for x in r["scores"].values()]
+    assert iv._rank_correlation(est, exact) > 0.8
+    big = [i for i, x in enumerate(exact) if abs(x) > 0.5]
+    assert big and all((est[i] > 0) == (exact[i] > 0) for i in big)
+
+
 # ==================================================================================================
 # mechsm.py and run.py: recipe, sweeps, checkpoints, CLI, end to end
 # ==================================================================================================
@@ -1810,7 +1940,7 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
     header = ("| architecture | parameters | lr | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
-              "Attrib@Query | verdicts | training | paper |")
+              "Attrib@Query | verdicts | training | circuit (the median seed's; seeds sharing it) | paper |")
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
     assert "Timeline" in stdout and "- attention: 0: " in stdout            # one timeline line per model
     table = (out / "ar.md").read_text()
@@ -1818,6 +1948,7 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
     assert [row.split("|")[1].strip() for row in rows] == ["attention", "deltanet"]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(r["config"]["arch"] for r in records) == ["attention", "deltanet"]
+    assert all(r["circuit"]["target"] == 0.9 and "patches" in r["circuit"] for r in records)
     for record in records:
         summary = record["mechanism"]
         for key in ("attrib_key", "attrib_value", "attrib_query", "p_clean", "p_corrupt"):
@@ -3221,6 +3352,28 @@ def test_a_report_before_the_first_figures_links_the_figures_they_then_draw(tmp_
     assert run_cli.main(["--figures", str(tmp_path)]) == 0
     linked = set(re.findall(r"\]\((\S+\.png)\)", (tmp_path / "atr-medium.md").read_text()))
     assert linked and linked == {p.name for p in tmp_path.glob("*.png")}
+
+
+def test_circuit_words_rows_and_circuit_table_render_from_records(tmp_path):
+    circuit = lambda members, restored=0.95: {"target": 0.9, "members": members, "restored": restored,
+                                              "drop_one": [0.0] * len(members), "patches": 9}
+    assert run_cli.circuit_words(circuit(PLANTED, 0.934)) == "embed@key > L0 mixer@value > L1 mixer@query: 93%"
+    assert run_cli.circuit_words({"target": 0.9, "members": [], "reason": "no signal"}) == "none"
+    short = [["blocks.0.hook_resid_pre", "key"], ["blocks.1.mlp.hook_out", "query"]]
+    runs = [fake_record(tiny(seed=s), acc=acc, circuit=circuit(m)) for s, acc, m in
+            [(0, 0.9, PLANTED), (1, 0.5, short), (2, 0.7, PLANTED)]]       # the median seed: 2
+    unpatched = fake_record(tiny(arch="mamba"), acc=0.3)                   # a record before circuits
+    for r in runs + [unpatched]:
+        run_cli.append_result(str(tmp_path / "ar.jsonl"), r)
+    lines = run_cli.result_table(run_cli.best_by_lr(runs + [unpatched])).splitlines()
+    assert "circuit" in lines[0] and lines[2].endswith("| embed@key > L0 mixer@value > L1 mixer@query: 95% (2/3) |")
+    assert lines[3].startswith("| mamba") and lines[3].endswith("| - |")
+    assert "circuit" not in run_cli.result_table(run_cli.best_by_lr([unpatched]))   # no column at all
+    table = run_cli.circuit_table(str(tmp_path)).splitlines()
+    assert len(table) == 3 and "mamba" not in table[2]
+    assert table[2].split(" | ")[1:] == ["ar: attention", "embed@key > L0 mixer@value > L1 mixer@query",
+                                         "2/3", "95.0% |"]
+    assert run_cli.circuit_table(str(tmp_path / "none")).startswith("No record here carries a circuit")
 
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
