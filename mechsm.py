@@ -96,10 +96,14 @@ class Config:
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
-        whole = lambda low, high=2**31: lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
-        real = lambda low, high: lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)  # not a string
-                                            and math.isfinite(v) and low <= v < high)
-        size, SIZE = whole(1), "a positive integer below 2**31"     # a larger size overflows deep inside torch
+        def whole(low, high=2**31):     # sizes: a larger one overflows deep inside torch
+            return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
+
+        def real(low, high):            # a real number (not a bool, not a string), finite
+            return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
+                              and math.isfinite(v) and low <= v < high)
+
+        size, SIZE = whole(1), "a positive integer below 2**31"
         fraction, FRACTION = real(0, 1), "a number in [0, 1)"
         rules = [         # (fields, test, what is allowed), checked in this order
             ("task", lambda v: v in TASKS, " or ".join(TASKS)),
@@ -114,13 +118,16 @@ class Config:
             ("epochs steps", lambda v: v is None or size(v), SIZE + " or None"),
             ("n_heads", lambda v: self.d_model % v == 0, f"a divisor of d_model={self.d_model}"),
             ("lr", lambda v: real(0, math.inf)(v) and v != 0, "a positive finite number"),
-            ("train_size", lambda v: v >= self.batch_size, f"at least batch_size={self.batch_size}"),
+            ("train_size", lambda v: v >= self.batch_size,
+             f"at least batch_size={self.batch_size}"),
             ("warmup_frac holdout", fraction, FRACTION),
             ("schedule", lambda v: v in SCHEDULES, " or ".join(SCHEDULES)),
             ("kernels", lambda v: v in ("fast", "reference"), "fast or reference"),
-            ("pos_emb", lambda v: v is None or isinstance(v, bool), "True, False or None (auto: attention only)"),
+            ("pos_emb", lambda v: v is None or isinstance(v, bool),
+             "True, False or None (auto: attention only)"),
             ("long_only freeze_features", lambda v: isinstance(v, bool), "True or False"),
-            ("d_conv", lambda v: v is None or whole(0)(v), "a non-negative integer below 2**31 or None"),
+            ("d_conv", lambda v: v is None or whole(0)(v),
+             "a non-negative integer below 2**31 or None"),
             ("seed data_seed", whole(0, 2**63), "a non-negative integer below 2**63"),
             ("device", lambda v: (v in DEVICES or str(v).startswith("cuda:")) and resolve_device(v),
              " or ".join(DEVICES))]     # resolve_device: its own line for a missing CUDA device
@@ -142,7 +149,8 @@ class Config:
     def name(self):
         """A short human name, its suffix 8 hex digits of every field but device: runs that differ
         differ in name, e.g. 'ar_attention_d64_L2_lr0.001_s42_1c3a0f9e'."""
-        identity = json.dumps({k: v for k, v in asdict(self.resolved()).items() if k != "device"}, sort_keys=True)
+        identity = json.dumps({k: v for k, v in asdict(self.resolved()).items() if k != "device"},
+                              sort_keys=True)
         return (f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}_"
                 + hashlib.sha1(identity.encode()).hexdigest()[:8])
 
@@ -300,7 +308,8 @@ def adamw(model, lr):
     CPU; the same update up to rounding) when every parameter is floating-point on cpu or cuda."""
     params = list(model.parameters())
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused or None)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                             fused=fused or None)
 
 
 def training_batches(cfg, data):
@@ -387,7 +396,8 @@ def history_entry(model, data, cfg, step, train_loss):
     entry = {"step": step, "lr": lr, "train_loss": train_loss, **evaluate_all(model, data)}
     if cfg.timeline_docs:
         start = time.time()
-        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
+        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs,
+                                      threshold=cfg.gap_filter)
         entry.update(attrib_value=head["value"], attrib_query=head["query"], attrib_gap=head["gap"],
                      attrib_low_signal=head["low_signal"], timeline_s=time.time() - start)
     return entry
@@ -431,7 +441,8 @@ def _rebuild(blob, device, fail):
         for k in dict.fromkeys([*ours, *theirs]):           # an option one side lacks: None
             a, b = ours.get(k), theirs.get(k)                   # (or False: off)
             if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
-                raise ValueError(f"the config builds {k}={a!r}, the weights were built with {k}={b!r}")
+                raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
+                                 f"{k}={b!r}")
         if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in blob["state_dict"].values()):
             model.double()                                  # a float64 model comes back float64
         model.load_state_dict(blob["state_dict"])           # strict: the same keys and shapes
@@ -502,11 +513,12 @@ def group_key(cfg):
 
 
 class Ensemble:
-    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their parameters are the
-    rows of ONE (r, n_params) leaf, their logits a vmap of functional_call on one base module, the summed loss gives
-    each row its member's gradient, and train_step applies torch.optim.AdamW's single-tensor update (0.9, 0.999,
-    eps 1e-8, no weight decay) op for op, an lr per member. A member whose loss is not finite fails at that step:
-    its row steps by 0 from then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
+    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their
+    parameters are the rows of ONE (r, n_params) leaf, their logits a vmap of functional_call on one
+    base module, the summed loss gives each row its member's gradient, and train_step applies
+    torch.optim.AdamW's single-tensor update (0.9, 0.999, eps 1e-8, no weight decay) op for op, an
+    lr per member. A member whose loss is not finite fails at that step: its row steps by 0 from
+    then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]

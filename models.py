@@ -14,6 +14,7 @@ filter width, r runs trained as one model (mechsm.Ensemble).
 """
 
 import contextlib
+import difflib
 import inspect
 import math
 import re
@@ -216,7 +217,8 @@ class BaseConv(Mixer):
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False,
                  n_positions=1024, freeze_features=False, **options):
         super().__init__(reference)
-        self.kernel_size = kernel_size = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
+        kernel_size = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
+        self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
         self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()
         if kernel_size == -1:  # Z trained as in the paper (README, difference 13) unless frozen
@@ -251,7 +253,8 @@ def taylor_features(a):
     vec(a a^T) / sqrt(2f)], so that phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s), s = q.k / sqrt(f)."""
     f = a.shape[-1]
     outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
-    return torch.cat([torch.ones_like(a[..., :1]), a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
+    ones = torch.ones_like(a[..., :1])
+    return torch.cat([ones, a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
 
 
 class BasedAttention(Mixer):
@@ -261,11 +264,13 @@ class BasedAttention(Mixer):
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
     MAP_SITE = "hook_y"
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8,
+                 **options):
         super().__init__(reference)
         self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, 1e-12
         self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in "qk")
-        self.proj_v, self.proj_o = (nn.Linear(d_model, d_model, bias=False) for _ in "vo")
+        self.proj_v = nn.Linear(d_model, d_model, bias=False)
+        self.proj_o = nn.Linear(d_model, d_model, bias=False)
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
         self.hook_v, self.hook_y = HookPoint(), HookPoint()              # (b,l,h,w); y (b,l,d)
@@ -279,7 +284,8 @@ class BasedAttention(Mixer):
         v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
         phi_q, phi_k = self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k))
         kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,1+f+f^2) twice -> (b,h,l,l)
-        pattern = self.hook_pattern(kernel * torch.ones(l, l, dtype=torch.bool, device=x.device).tril())  # causal
+        causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
+        pattern = self.hook_pattern(kernel * causal)
         num = torch.einsum("bhts,bshw->bthw", pattern, v)       # (b,l,h,w)
         den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
         return self.proj_o(self.hook_y((num / (den + self.eps)).reshape(b, l, d)))
@@ -298,7 +304,8 @@ class H3(Mixer):
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
     MAP_SITE = "hook_o"
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2, **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024,
+                 h3_head_dim=2, **options):
         super().__init__(reference)
         d, n, w, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
         if d % w or n % 2:
@@ -476,7 +483,8 @@ class Mamba(Mixer):
     BLOCK = MambaBlock
     DOWN_SCALED = "out_proj"
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16,
+                 expand=2, **options):
         super().__init__(reference)
         e, n = expand * d_model, d_state
         self.d_conv, self.d_state = 4 if d_conv is None else d_conv, d_state
@@ -546,7 +554,8 @@ class DeltaNet(Mixer):
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
     MAP_SITE = "hook_o"
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None, **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
+                 **options):
         super().__init__(reference)
         d, h = d_model, n_heads
         self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
@@ -566,7 +575,8 @@ class DeltaNet(Mixer):
         weight = torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.b_proj)])
         qkv, beta = F.linear(x, weight).split([3 * d, h], -1)  # (b,l,3d), (b,l,h)
         if self.conv_size > 0:
-            qkv = self.short_conv(qkv, torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight]))
+            weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
+            qkv = self.short_conv(qkv, weight)
         q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b,l,h,w) each
         q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
         beta = self.hook_beta(torch.sigmoid(beta))
@@ -674,7 +684,8 @@ class LM(nn.Module):
         Transformer step on AR), unless something hooks its side (it would see (b, 1, d))."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
                 or tokens.is_complex() or tokens.dtype == torch.bool:
-            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
+                   else type(tokens).__name__)
             raise ValueError(f"tokens must be a (batch, length) tensor of integer token ids; got {got}.")
         if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
             try:                          # the range read on a CPU only: no GPU sync
@@ -714,7 +725,8 @@ def check_dataset(model, dataset, name="dataset"):
                          f"got {type(dataset).__name__}.")
     embed = getattr(model, "embed", None)
     vocab = getattr(model, "build_args", {}).get("vocab_size", getattr(embed, "num_embeddings", None))
-    if (task := getattr(model, "task", None)) is not None and dataset.task != task:
+    task = getattr(model, "task", None)
+    if task is not None and dataset.task != task:
         raise ValueError(f"{name} holds {dataset.task} documents, but the model was trained on {task}.")
     if vocab is not None and dataset.vocab_size != vocab:
         raise ValueError(f"{name} has a vocabulary of {dataset.vocab_size} tokens ({dataset.task}), but the "
@@ -797,7 +809,9 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     unknown = sorted(set(options).difference(*MIXER_OPTIONS.values()))
     if unknown:
         known = sorted({"pos_emb", "kernels", "seed"}.union(*MIXER_OPTIONS.values()))
-        raise ValueError(f"build_model: unknown option {unknown[0]!r}; expected one of {', '.join(known)}")
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        raise ValueError(f"build_model: unknown option {unknown[0]!r}" + (f" (did you mean {close[0]!r}?)"
+                         if close else f"; expected one of {', '.join(known)}"))
     pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
@@ -812,10 +826,13 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
                                            **options)) for i in range(n_layers)]
             model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
         except (RuntimeError, MemoryError) as e:  # an allocation failure: bad input, not a crash
-            if not (isinstance(e, MemoryError) or re.search(r"alloc|out\s+of\s+memory", str(e), re.I)):
+            text = " ".join(str(e).split())
+            if not (isinstance(e, MemoryError) or re.search("alloc|out of memory", text, re.I)):
                 raise
+            asked = re.search(r"allocate (\d+) bytes", text)
+            size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
             raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}, d_conv={d_conv}: "
-                             f"the {arch} model is too large to allocate") from None
+                             f"the {arch} model is too large to allocate{size}") from None
     model.build_args = build_args
     return model
 
@@ -978,7 +995,8 @@ def selective_scan(u, delta, A, B, C, reference=False):
     """_SelectiveScanLoopFn on a CPU, else the reference through parallel_scan_custom_grad."""
     if u.is_cpu and not reference:
         return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)  # in at most 8 slices
-    return selective_scan_reference(u, delta, A, B, C, sequential_scan if reference else parallel_scan_custom_grad)
+    plain_scan = sequential_scan if reference else parallel_scan_custom_grad
+    return selective_scan_reference(u, delta, A, B, C, plain_scan)
 
 
 def _powers(A, length):
@@ -1050,17 +1068,23 @@ def short_conv(x, weight, bias=None):
     return y                                                        # (b, l, c)
 
 
+def decay_matrix(log_alpha):
+    """D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t (G = cumsum log alpha), 0 above the
+    diagonal: how much of what was written at j survives at t. log_alpha (b, l, h) -> (b, h, l, l)."""
+    G = log_alpha.transpose(1, 2).cumsum(-1)                                       # (b, h, l)
+    future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
+    return (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()
+
+
 def delta_rule_parallel(q, k, v, beta, log_alpha=None):
     """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
     u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k).
-    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by D, the decay."""
+    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by D = decay_matrix."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, w)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
     gram, scores = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)  # (b, h, l, l): k_t . k_j, q_t . k_j
-    if log_alpha is not None:  # D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t, 0 above the diagonal
-        G = log_alpha.transpose(1, 2).cumsum(-1)                            # (b, h, l): G = cumsum log alpha
-        future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
-        decay = (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()  # D (b, h, l, l)
+    if log_alpha is not None:
+        decay = decay_matrix(log_alpha)
         gram, scores = gram * decay, scores * decay
     system = torch.tril(beta * gram, diagonal=-1)  # (b,h,l,l); unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels

@@ -34,7 +34,6 @@ MAX_TERMINALS = 1024           # the reference rejects sentences of more than 10
 MAX_TRIES = 1000               # consecutive rejections before we call a setting impossible
 SPLITS = {None: 0, "train": 1, "dev": 2, "test": 3}
 _DOCS, _HELDOUT = 0, 1         # RNG stream tags: documents vs the held-out-pair matrix
-_is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)  # not "8", 8.0 or True
 
 
 def _seed(*parts):
@@ -113,24 +112,27 @@ def sample_distinct(rows, m, size, gen):
     out = torch.empty(rows, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
         t = torch.randint(0, j + 1, (rows,), generator=gen)
-        out[:, step] = torch.where((out[:, :step] == t[:, None]).any(dim=1), torch.full_like(t, j), t)  # t taken: j
+        taken = (out[:, :step] == t[:, None]).any(dim=1)
+        out[:, step] = torch.where(taken, torch.full_like(t, j), t)
     return out.gather(1, torch.rand(rows, m, generator=gen).argsort(dim=1))  # (rows, m)
 
 
 def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=None, holdout=0.0):
-    """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each). Keys are ids 3 .. 3+K-1, values
-    the next V ids; a document's keys are distinct, and so are its values; the query is a uniformly chosen pair. The
-    split name is mixed into the document seed: use the SAME seed for all splits. With holdout > 0 each (key, value)
-    pair is held out with that probability (one matrix per (seed, K, V), never per split; a larger holdout holds out
-    more); train/dev query only pairs not held out, test only held-out ones, redrawing documents with none (the
-    reference excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
+    """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each). Keys are ids
+    3 .. 3+K-1, values the next V ids; a document's keys are distinct, and so are its values; the
+    query is a uniformly chosen pair. The split name is mixed into the document seed: use the SAME
+    seed for all splits. With holdout > 0 each (key, value) pair is held out with that probability
+    (one matrix per (seed, K, V), never per split; a larger holdout holds out more); train/dev query
+    only pairs not held out, test only held-out ones, redrawing documents with none (the reference
+    excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
     _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
     _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
     _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
     for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs)):
-        _check(_is_int(value), name, f"an int, got {value!r}")  # "8" or 8.0 would fail later, or size a float task
+        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
+               f"an int, got {value!r}")           # "8" or 8.0 would fail later, or size a float task
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     for name, size in (("num_keys", K), ("num_values", V)):
@@ -190,10 +192,13 @@ class PCFG:
                  max_depth=10, terminal_weight=20, head="right", seed=0):
         self.params = {k: v for k, v in locals().items() if k != "self"}  # the arguments, in order
         least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
+        for name in least:
+            value = self.params[name]
+            _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
+                   f"an int, got {value!r}")
         for name, low in least.items():
-            value, why = self.params[name], " (head + at least one dependent)" if name == "max_rhs_len" else ""
-            _check(_is_int(value), name, f"an int, got {value!r}")
-            _check(value >= low, name, f">= {low}{why}, got {value}")
+            why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
+            _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
         _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
         _check(head == "right", "head", f"'right' (the only head position the paper uses), got {head!r}")
         _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
@@ -341,10 +346,11 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
             if misses.total() >= MAX_TRIES:   # name the parameter behind the most rejections
                 name = {"long": "max_terminals", "short": "max_rhs_len/max_depth",
                         "query": "grammar/holdout"}[max(misses, key=misses.get)]
-                raise ValueError(f"{name}: {MAX_TRIES} sentences in a row rejected: {misses['long']} over "
-                                 f"max_terminals={max_terminals}, {misses['short']} under 3 terminals ({shortest} "
-                                 f"to {longest} in this grammar), {misses['query']} with no eligible query "
-                                 f"(split={split!r}, holdout={holdout})")
+                raise ValueError(f"{name}: {MAX_TRIES} sentences in a row rejected: {misses['long']} "
+                                 f"over max_terminals={max_terminals}, {misses['short']} under 3 "
+                                 f"terminals ({shortest} to {longest} in this grammar), "
+                                 f"{misses['query']} with no eligible query (split={split!r}, "
+                                 f"holdout={holdout})")
             continue
         misses.clear()
         docs.append((sent[0], *sample_query(groups, draw)))

@@ -2745,7 +2745,7 @@ def test_python_api_errors_name_the_parameter(monkeypatch):
         PCFG(num_terminals="8")
     with pytest.raises(ValueError, match="n_docs"):
         iv.mechanism(model, data, n_docs=0)
-    with pytest.raises(ValueError, match="unknown option 'n_head'; expected one of .*n_heads"):
+    with pytest.raises(ValueError, match="n_head.*did you mean 'n_heads'"):
         models.build_model("attention", 20, 16, 2, n_head=4)
     for arch, options in [("hyena", dict(hyena_order=8, hyena_skip=True)), ("h3", dict(h3_d_state=8, h3_head_dim=2)),
                           ("based", dict(feature_dim=4)), ("base_conv", dict(freeze_features=True)),
