@@ -100,8 +100,9 @@ class Dataset:
 
 def sample_distinct_slow(rows, m, size, gen):
     """Reference: each row is the first m entries of a fresh random permutation of range(size)."""
-    return torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(rows)]) if rows else \
-        torch.zeros(0, m, dtype=torch.long)
+    if rows == 0:
+        return torch.zeros(0, m, dtype=torch.long)
+    return torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(rows)])
 
 
 def sample_distinct(rows, m, size, gen):
@@ -127,12 +128,14 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
     _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
     _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
+           f"in [0, 1), got {holdout!r}")
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
-    for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs)):
+    sizes = (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs))
+    for name, value in sizes:       # "8" or 8.0 would fail later, or size a float task
         _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
-               f"an int, got {value!r}")           # "8" or 8.0 would fail later, or size a float task
+               f"an int, got {value!r}")
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     for name, size in (("num_keys", K), ("num_values", V)):
@@ -156,8 +159,9 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
         if len(todo) == 0:
             break
     else:
-        raise ValueError(f"holdout={holdout}: no document with an eligible query pair for split={split!r} "
-                         f"after {MAX_TRIES} rounds; use holdout in (0, 1) large enough for test")
+        raise ValueError(f"holdout={holdout}: no document with an eligible query pair for "
+                         f"split={split!r} after {MAX_TRIES} rounds; use holdout in (0, 1) large "
+                         "enough for test")
 
     rows = torch.arange(n)
     pairs = torch.stack([keys + FIRST, values + FIRST + K], dim=2)   # (b, m, 2): key, value
@@ -169,8 +173,9 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     # vocab_size: the ids in use (8195 by default; the reference reports 8196: README, difference 9)
     return Dataset("ar", tokens, pairs[rows, q, 1], positions, FIRST + K + V,
                    {"key": (FIRST, FIRST + K), "value": (FIRST + K, FIRST + K + V)},
-                   torch.full((n,), 2 * m + 5), dict(split=split, holdout=holdout, seed=seed, num_keys=K,
-                                                     num_values=V, num_pairs=m, heldout=heldout))
+                   torch.full((n,), 2 * m + 5),
+                   dict(split=split, holdout=holdout, seed=seed, num_keys=K, num_values=V,
+                        num_pairs=m, heldout=heldout))
 
 
 # --- ATR: the grammar, one sentence, one query, then the dataset.
@@ -200,7 +205,8 @@ class PCFG:
             why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
             _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
         _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
-        _check(head == "right", "head", f"'right' (the only head position the paper uses), got {head!r}")
+        _check(head == "right", "head",
+               f"'right' (the only head position the paper uses), got {head!r}")
         _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
         self.num_terminals, self.num_nonterminals, self.seed = num_terminals, num_nonterminals, seed
         N, S, slot = num_nonterminals, num_terminals, -1   # slot: TERMINAL placeholder
@@ -225,7 +231,8 @@ class PCFG:
         self.head_cum = [cum(rng.dirichlet(np.ones(S))) for _ in range(N)]
         # 6. each sentence starts from a uniformly random nonterminal (no dedicated S).
         self.start_cum = cum(np.full(N, 1.0 / N))
-        # terminal counts of each nonterminal's sentences, the deepest first: 1 (its head) + children's
+        # terminal counts of each nonterminal's sentences, the deepest first:
+        # 1 (its head) + its children's
         low, high = {}, {}
         for a in sorted(range(N), key=lambda a: -self.depth[a]):
             sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in r] for r in self.rules[a]]
@@ -307,23 +314,28 @@ def sample_query(groups, draw):
 
 def atr_document(labels, child, parent):
     """BOS t_1 .. t_s EOS child parent EOS as token ids (terminal t -> id t + 3)."""
-    return [BOS, *(x + FIRST for x in labels), EOS, labels[child] + FIRST, labels[parent] + FIRST, EOS]
+    sentence = [x + FIRST for x in labels]
+    return [BOS, *sentence, EOS, labels[child] + FIRST, labels[parent] + FIRST, EOS]
 
 
 def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_TERMINALS):
-    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`. Rejects sentences over
-    max_terminals or under 3 terminals, and those without an eligible query. The (parent label, child
-    label) matrix of held-out pairs (each with probability holdout) is seeded by grammar.seed alone:
-    the language's, the same for every split (the reference draws it before the grammar, so its split
-    language is another PCFG: README, difference 3). train/dev query only allowed pairs, test only
-    held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar)."""
+    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`. Rejects sentences
+    over max_terminals or under 3 terminals, and those without an eligible query. The (parent
+    label, child label) matrix of held-out pairs (each with probability holdout) is seeded by
+    grammar.seed alone: the language's, the same for every split (the reference draws it before
+    the grammar, so its split language is another PCFG: README, difference 3). train/dev query
+    only allowed pairs, test only held-out ones; contexts may hold any. Use the same seed for all
+    splits (as make_ar)."""
     _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
     _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
+           f"in [0, 1), got {holdout!r}")
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
-    _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter ones are rejected), got {max_terminals}")
-    S, shortest, longest, given = grammar.num_terminals, grammar.shortest, grammar.longest, grammar.params
+    _check(max_terminals >= 3, "max_terminals",
+           f">= 3 (shorter ones are rejected), got {max_terminals}")
+    S, given = grammar.num_terminals, grammar.params
+    shortest, longest = grammar.shortest, grammar.longest
     _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "
            f"rightmost instance is always the root head), got {S}")
     _check(longest >= 3, "max_rhs_len/max_depth", "large enough for sentences of >= 3 terminals: "
@@ -346,10 +358,11 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
             if misses.total() >= MAX_TRIES:   # name the parameter behind the most rejections
                 name = {"long": "max_terminals", "short": "max_rhs_len/max_depth",
                         "query": "grammar/holdout"}[max(misses, key=misses.get)]
-                raise ValueError(f"{name}: {MAX_TRIES} sentences in a row rejected: {misses['long']} "
-                                 f"over max_terminals={max_terminals}, {misses['short']} under 3 "
-                                 f"terminals ({shortest} to {longest} in this grammar), "
-                                 f"{misses['query']} with no eligible query (split={split!r}, "
+                raise ValueError(f"{name}: {MAX_TRIES} sentences in a row rejected: "
+                                 f"{misses['long']} over max_terminals={max_terminals}, "
+                                 f"{misses['short']} under 3 terminals ({shortest} to {longest} "
+                                 f"in this grammar), {misses['query']} with no eligible query "
+                                 f"(split={split!r}, "
                                  f"holdout={holdout})")
             continue
         misses.clear()
