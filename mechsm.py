@@ -151,8 +151,9 @@ class Config:
         differ in name, e.g. 'ar_attention_d64_L2_lr0.001_s42_1c3a0f9e'."""
         identity = json.dumps({k: v for k, v in asdict(self.resolved()).items() if k != "device"},
                               sort_keys=True)
-        return (f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}_"
-                + hashlib.sha1(identity.encode()).hexdigest()[:8])
+        digest = hashlib.sha1(identity.encode()).hexdigest()[:8]
+        return (f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}"
+                f"_s{self.seed}_{digest}")
 
 
 def resolve_device(device):
@@ -197,12 +198,14 @@ def make_documents(key):
     """The Data of a data_key (the last two are cached: a sweep's runs share theirs)."""
     c = dict(key)
     if c["task"] == "ar":
-        make = lambda n, split: tasks.make_ar(n, **{k: c[k] for k in AR_FIELDS}, seed=c["data_seed"],
-                                              split=split, holdout=c["holdout"])
+        make = lambda n, split: tasks.make_ar(n, **{k: c[k] for k in AR_FIELDS},
+                                              seed=c["data_seed"], split=split,
+                                              holdout=c["holdout"])
     else:
         grammar = tasks.PCFG(**{k: c[k] for k in PCFG_FIELDS}, seed=c["data_seed"])
         make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=c["holdout"],
-                                               seed=c["data_seed"], max_terminals=c["max_terminals"])
+                                               seed=c["data_seed"],
+                                               max_terminals=c["max_terminals"])
     # the SAME seed for every split: tasks.py mixes the split name into the document stream
     try:
         train, dev = make(c["train_size"], "train"), make(c["eval_size"], "dev")
@@ -210,9 +213,10 @@ def make_documents(key):
     except (RuntimeError, MemoryError) as e:    # e.g. the held-out matrix of a huge vocabulary
         if not (isinstance(e, MemoryError) or "alloc" in str(e).lower()):
             raise
-        raise ValueError(f"{c['task']} task with {c['train_size']} training documents: too large to "
-                         f"allocate ({' '.join(str(e).split())[:120]})") from None
-    novel, text = None, lambda ds: [row[:n].tobytes() for row, n in zip(ds.tokens.numpy(), ds.lengths)]
+        raise ValueError(f"{c['task']} task with {c['train_size']} training documents: too "
+                         f"large to allocate ({' '.join(str(e).split())[:120]})") from None
+    text = lambda ds: [row[:n].tobytes() for row, n in zip(ds.tokens.numpy(), ds.lengths)]
+    novel = None
     if c["task"] == "atr":                      # README, difference 8: documents unseen in training
         seen = set(text(train))
         novel = {name: torch.tensor([doc not in seen for doc in text(ds)])
@@ -235,8 +239,9 @@ def make_data(cfg, data=None):
         length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
         if length > cfg.n_positions:
             what = "learned positions" if cfg.pos_emb else "implicit filter positions"
-            raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s model "
-                             f"has {cfg.n_positions} {what}; raise n_positions or shorten the documents")
+            raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s "
+                             f"model has {cfg.n_positions} {what}; raise n_positions or shorten "
+                             "the documents")
     return data
 
 
@@ -333,9 +338,9 @@ def training_batches(cfg, data):
 # --- One training run: the loop, written out (as nanoGPT's train.py writes it).
 
 def train(cfg, *, data=None, log=None):
-    """Train one model with the paper's recipe. Returns (result, model); result: config, name, status
-    ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final (the final
-    model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
+    """Train one model with the paper's recipe. Returns (result, model); result: config, name,
+    status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final (the
+    final model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
     cfg = cfg.check().resolved()
     data = make_data(cfg, data)            # documents cfg's model cannot take fail here
     prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
@@ -364,7 +369,7 @@ def train(cfg, *, data=None, log=None):
         for group in optimizer.param_groups:                # the schedule
             group["lr"] = lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr)
         loss = answer_loss(model, *batch(step))             # forward
-        if not torch.isfinite(loss):                        # a NaN/inf would poison every later step
+        if not torch.isfinite(loss):                        # a NaN/inf poisons every later step
             error = FAILED.format(loss.item(), step, cfg.lr)
             log(f"FAILED: {error}")
             break
@@ -380,11 +385,13 @@ def run_record(cfg, model, history, steps_done, error, wall):
     history = [dict(h) for h in history if h["step"] <= steps_done]
     timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
     final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
-    return {"config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
-            "error": error, "n_params": sum(p.numel() for p in model.parameters()),
+    return {"config": asdict(cfg), "name": cfg.name(),
+            "status": "ok" if error is None else "failed", "error": error,
+            "n_params": sum(p.numel() for p in model.parameters()),
             "device": resolve_device(cfg.device), "final": final, "history": history,
             "wall_s": round(wall, 2), "steps_done": steps_done, "total_steps": cfg.total_steps(),
-            "steps_per_s": round(steps_done / max(wall, 1e-9), 2), "timeline_s": round(timeline_s, 3)}
+            "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
+            "timeline_s": round(timeline_s, 3)}
 
 
 # --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
@@ -443,7 +450,8 @@ def _rebuild(blob, device, fail):
             if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
                 raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
                                  f"{k}={b!r}")
-        if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in blob["state_dict"].values()):
+        weights = blob["state_dict"].values()
+        if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in weights):
             model.double()                                  # a float64 model comes back float64
         model.load_state_dict(blob["state_dict"])           # strict: the same keys and shapes
     except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -466,8 +474,9 @@ def save(model, cfg, path):
 
 
 def write_whole(path, data):
-    """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a kill
-    or a full disk leaves the old file and no temporary one; bytes it already holds: no write."""
+    """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a
+    kill or a full disk leaves the old file and no temporary one; bytes it already holds: no
+    write."""
     if os.path.isfile(path) and Path(path).read_bytes() == data:
         return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -487,7 +496,8 @@ def write_whole(path, data):
 def load(path, device="cpu"):
     """(model, cfg) from a checkpoint of save(), built from its config (exactly Config's fields,
     valid) that must agree with its build_args and weights; else a one-line CheckpointError. The
-    model and cfg.device are `device`'s, wherever it was trained (a GPU's checkpoint on a laptop)."""
+    model and cfg.device are `device`'s, wherever it was trained (a GPU's checkpoint on a
+    laptop)."""
     Config(device=device).check()                       # a bad device: a ValueError naming it
     fail = lambda what: CheckpointError(f"checkpoint {path}: {what}")
     if not os.path.isfile(path):
@@ -565,7 +575,7 @@ class Ensemble:
             self.exp_avg.lerp_(grad, 1 - beta1)
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(1e-8)
-            flat.addcdiv_(self.exp_avg * neg_step, denom)                  # p -= lr / bias1 * m / denom
+            flat.addcdiv_(self.exp_avg * neg_step, denom)          # p -= lr / bias1 * m / denom
         return losses
 
     def members(self):
