@@ -10,8 +10,9 @@ probability on 320 fresh documents every eval_every steps, step 0 included. On p
 evaluation documents not seen in training ("novel_acc"), generalisation runs decay by a cosine.
 
 Read in order: Config -> make_data -> lr_at, answer_loss, evaluate -> train, its loop written out
--> the timeline entry -> save/load. Below a marked line, and skippable: train_group, runs that
-differ only in lr and seed trained as one batched model (the Ensemble). Sweeps and reports: run.py.
+-> history_entry, one evaluation (what the driver's on_eval adds: run.py's timeline) -> save/load.
+Below a marked line, and skippable: train_group, runs that differ only in lr and seed trained as
+one batched model (the Ensemble). Sweeps, reports and the timeline's patching: run.py.
 
 Shape letters (the README's glossary): b documents (of a batch or a Dataset), l sequence length,
 v vocabulary, r runs trained as one model (an Ensemble).
@@ -21,6 +22,7 @@ Using it from Python:
     cfg = mechsm.Config(arch="attention", num_keys=16, num_values=16, num_pairs=4, d_model=32,
                         train_size=8000, epochs=1, lr=3e-3)
     result, model = mechsm.train(cfg)            # result["final"]["acc"], result["history"], ...
+    # run.py's timeline: mechsm.train(cfg, on_eval=run.timeline) adds Attrib@Value/Query per eval
     mechsm.save(model, cfg, "attn.pt"); model, cfg = mechsm.load("attn.pt")
 """
 
@@ -38,7 +40,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import interventions
 import models
 import tasks
 
@@ -337,10 +338,12 @@ def training_batches(cfg, data):
 
 # --- One training run: the loop, written out (as nanoGPT's train.py writes it).
 
-def train(cfg, *, data=None, log=None):
+def train(cfg, *, data=None, log=None, on_eval=None):
     """Train one model with the paper's recipe. Returns (result, model); result: config, name,
     status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final (the
-    final model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
+    final model's metrics), history (one entry per evaluation), wall_s, steps_done...
+    on_eval(model, data, cfg, step) -> dict: what the driver adds to each evaluation's entry
+    (run.py passes its timeline, the attribution pair); its seconds are summed in timeline_s."""
     cfg = cfg.check().resolved()
     data = make_data(cfg, data)            # documents cfg's model cannot take fail here
     prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
@@ -355,14 +358,19 @@ def train(cfg, *, data=None, log=None):
     for step in range(total + 1):
         if step % cfg.eval_every == 0 or step == total:     # evaluate, step 0 and the last included
             train_loss = (loss_sum / n_losses).item() if n_losses else None
-            entry = history_entry(model, data, cfg, step, train_loss)
+            entry = history_entry(model, data, cfg, step, train_loss, on_eval)
             history.append(entry)
             rate = step / max(time.time() - start, 1e-9)    # steps per second
             eta = f"{(total - step) / rate / 60:.1f} min" if step else "?"
-            attrib = ("" if "attrib_value" not in entry else " | attrib -" if entry["attrib_low_signal"]
-                      else f" | attrib V {entry['attrib_value']:.2f} Q {entry['attrib_query']:.2f}")
-            log(f"step {step}/{total} | loss {'-' if train_loss is None else f'{train_loss:.3f}'} | "
-                f"acc {entry['acc']:.3f}{attrib} | {rate:.1f} steps/s | ETA {eta}")
+            loss_text = "-" if train_loss is None else f"{train_loss:.3f}"
+            if "attrib_value" not in entry:                 # no timeline (on_eval) given
+                attrib = ""
+            elif entry["attrib_low_signal"]:
+                attrib = " | attrib -"
+            else:
+                attrib = f" | attrib V {entry['attrib_value']:.2f} Q {entry['attrib_query']:.2f}"
+            log(f"step {step}/{total} | loss {loss_text} | acc {entry['acc']:.3f}{attrib} | "
+                f"{rate:.1f} steps/s | ETA {eta}")
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break
@@ -394,19 +402,18 @@ def run_record(cfg, model, history, steps_done, error, wall):
             "timeline_s": round(timeline_s, 3)}
 
 
-# --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
+# --- One evaluation during training: the history's entry.
 
-def history_entry(model, data, cfg, step, train_loss):
-    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}; if cfg.timeline_docs, the
-    headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s."""
+def history_entry(model, data, cfg, step, train_loss, on_eval=None):
+    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}, then what
+    on_eval(model, data, cfg, step) returns (run.py: attrib_value/query/gap/low_signal, paper
+    Sec. 4) and the seconds it took, timeline_s."""
     lr = lr_at(step, cfg.total_steps(), cfg.warmup_frac, cfg.schedule, cfg.lr)
     entry = {"step": step, "lr": lr, "train_loss": train_loss, **evaluate_all(model, data)}
-    if cfg.timeline_docs:
+    if on_eval is not None:
         start = time.time()
-        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs,
-                                      threshold=cfg.gap_filter)
-        entry.update(attrib_value=head["value"], attrib_query=head["query"], attrib_gap=head["gap"],
-                     attrib_low_signal=head["low_signal"], timeline_s=time.time() - start)
+        timeline = on_eval(model, data, cfg, step)
+        entry.update(timeline, timeline_s=time.time() - start)
     return entry
 
 
@@ -587,10 +594,11 @@ class Ensemble:
         return self.modules
 
 
-def train_group(configs, *, data=None, log=None):
+def train_group(configs, *, data=None, log=None, on_eval=None):
     """Train configs that differ only in lr and seed as one Ensemble, in a loop like train()'s:
-    [(result, model)], each what train(cfg) returns (to rounding) plus "group": {"size", "index"};
-    wall_s is the group's. A member whose loss goes NaN/inf fails there; the others go on."""
+    [(result, model)], each what train(cfg, on_eval=on_eval) returns (to rounding) plus "group":
+    {"size", "index"}; wall_s is the group's. A member whose loss goes NaN/inf fails there; the
+    others go on."""
     cfgs = [c.check().resolved() for c in configs]
     if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
         raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
@@ -608,7 +616,7 @@ def train_group(configs, *, data=None, log=None):
         if step % cfg.eval_every == 0 or step == total:
             losses = (loss_sum / n_losses).tolist() if n_losses else [None] * r
             for c, member, history, loss in zip(cfgs, ens.members(), histories, losses):
-                history.append(history_entry(member, data, c, step, loss))
+                history.append(history_entry(member, data, c, step, loss, on_eval))
             rate, accs = step / max(time.time() - start, 1e-9), [h[-1]["acc"] for h in histories]
             log(f"step {step}/{total} | acc {' '.join(f'{a:.3f}' for a in accs)} | "
                 f"{rate:.1f} steps/s ({r * rate:.1f} model-steps/s)")

@@ -307,6 +307,16 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 
 # ===== One run: train, patch, record
 
+def timeline(model, data, cfg, step):
+    """mechsm.train's on_eval: at each evaluation the headline pair (paper Sec. 4) on
+    cfg.timeline_docs eval documents (0: none), so a record shows when its mechanism formed."""
+    if not cfg.timeline_docs:
+        return {}
+    head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
+    return {"attrib_value": head["value"], "attrib_query": head["query"], "attrib_gap": head["gap"],
+            "attrib_low_signal": head["low_signal"]}
+
+
 def patched(model, cfg, dataset):
     """A record's patching fields: the mechanism table, its summary, the effective attention."""
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
@@ -322,7 +332,7 @@ def patched(model, cfg, dataset):
 def one_run(cfg, out, patch=True, save=True):
     """One run: train `cfg` (mechsm.train, paper Sec. 4), patch the trained model (Sec. 3) and save
     it under OUT/ckpt/: its record, one JSON line of OUT/results.jsonl."""
-    record, model = mechsm.train(cfg)
+    record, model = mechsm.train(cfg, on_eval=timeline)
     return finish(record, model, out, patch, save)
 
 
@@ -817,8 +827,10 @@ def do_job(kind, payload, out, wants):
     patch a recorded run from its checkpoint: the records; none if it fails (a rerun retries it)."""
     try:
         if kind == "train":
-            return ([one_run(payload[0], out, **wants)] if len(payload) == 1 else
-                    [finish(record, model, out, **wants) for record, model in mechsm.train_group(payload)])
+            if len(payload) == 1:
+                return [one_run(payload[0], out, **wants)]
+            pairs = mechsm.train_group(payload, on_eval=timeline)
+            return [finish(record, model, out, **wants) for record, model in pairs]
         cfg, record = payload
         model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
                                    device=mechsm.resolve_device(cfg.device))

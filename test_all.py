@@ -2064,10 +2064,11 @@ def test_run_list_prints_every_experiment_with_paper_numbers_and_times(capsys):
 
 
 def test_timeline_equals_mechanism_on_the_same_checkpoint_and_flags_the_untrained_model(tmp_path):
-    """history[i]["attrib_*"] is the headline pair of interventions.mechanism on the same documents;
-    at step 0 the model has not learned to use the key, so the entry is flagged as too little signal."""
+    """history[i]["attrib_*"] (run.timeline, passed to mechsm.train as on_eval) is the headline pair of
+    interventions.mechanism on the same documents; at step 0 the model has not learned to use the key, so
+    the entry is flagged as too little signal. Without on_eval the recipe patches nothing."""
     cfg = replace(tiny(train_size=6400, eval_every=100, timeline_docs=32), arch="attention", lr=3e-3, d_model=32)
-    result, trained = mechsm.train(cfg, log=quiet)
+    result, trained = mechsm.train(cfg, log=quiet, on_eval=run_cli.timeline)
     first, last = result["history"][0], result["history"][-1]
     assert first["attrib_low_signal"] is True and abs(first["attrib_gap"]) <= cfg.gap_filter
     assert result["timeline_s"] < 0.1 * result["wall_s"]                    # the timeline stays cheap
@@ -2077,6 +2078,8 @@ def test_timeline_equals_mechanism_on_the_same_checkpoint_and_flags_the_untraine
     for key in ("value", "query"):
         assert math.isclose(full["headline"][key], last[f"attrib_{key}"], rel_tol=1e-6, abs_tol=1e-9), key
     assert full["low_signal"] == last["attrib_low_signal"]
+    plain, _ = mechsm.train(replace(cfg, steps=100), log=quiet)
+    assert not [k for h in plain["history"] for k in h if k.startswith("attrib")]
 
 
 def test_base_conv_positional_features_train_by_default():
