@@ -6,7 +6,7 @@ do (attention, Based: induction through the value token; Mamba: direct retrieval
 
 What `python run.py` does, in the order of this file's first half:
   1. EXPERIMENTS: the experiment's grid, each cell (a row at one width) at its chosen learning
-     rate (CHOSEN_LRS, from results/chosen_lrs.json), seed 0 (--replicates: every seed, as results/ holds);
+     rate (CHOSEN), seed 0 (--replicates: every seed, as results/ holds);
   2. one_run: each run trained (mechsm.py, paper Sec. 4), patched (interventions.py, Sec. 3), saved;
   3. the report: a row per cell, every seed counted, beside the paper's numbers;
   4. main: flags -> the grid -> sweep (one_run per run not yet in --out) -> report_grid.
@@ -101,10 +101,30 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # Each cell (a grid row at one width) has its own rate, chosen as the paper chooses: seed 0 trains at
 # the grid's rate x 3^k, k = -1, 0, 1 (2 significant digits), one step more when the best sits at an
 # end; the cell's rate is seed 0's best accuracy (ties: the rate nearest the grid's), its other seeds
-# train there (README, difference 18). CHOSEN_LRS (below the line): the cells whose choice is not the
-# grid's rate, read from results/chosen_lrs.json, which `--report results` writes from the records.
+# train there (README, difference 18).
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
              "atr-medium", "ar")   # the grids whose cells choose, in the order they were trained
+# What the quick grids train: {experiment: {cell: its chosen rate}} for the cells whose rate is not
+# the grid's (every other cell trains at QUICK_LRS'). A test recomputes each from results/ and names
+# the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
+CHOSEN = {
+    "ar-widths": {"attention (d 16)": 1.5e-3, "attention (d 128)": 1.7e-4, "base_conv (d 16)": 1e-3,
+                  "based (d 16)": 9e-3, "based (d 32)": 9e-3, "based (d 64)": 1e-3,
+                  "based (d 128)": 1e-3, "h3 (d 16)": 3.3e-4, "h3 (d 32)": 3.3e-4,
+                  "hyena (d 64)": 1e-3, "mamba (d 32)": 3e-2, "mamba (d 64)": 3.3e-3,
+                  "mamba (d 128)": 3.3e-3, "deltanet (d 16)": 3e-3},
+    "mamba-conv": {"mamba (d_conv 1, d 64)": 1.1e-3, "mamba (d_conv 2, d 64)": 1.1e-3,
+                   "mamba (d_conv 3, d 64)": 3.3e-3, "mamba (default conv, d 64)": 3.3e-3},
+    "based-ablation": {"based (long convs only, d 64)": 1e-3, "based (d_conv 1, d 64)": 1e-3,
+                       "based (default conv, d 64)": 1e-3, "based (d_conv 4, d 64)": 1e-3},
+    "ar-layers": {"mamba (1 layer, d 64)": 3.3e-3, "attention (1 layer, d 64)": 1.7e-4,
+                  "mamba (2 layers, d 64)": 3.3e-3},
+    "atr": {"mamba (d 64)": 3.3e-3, "h3 (d 64)": 3e-3, "based (d 64)": 9e-3,
+            "base_conv (d 64)": 9e-3},
+    "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 1.1e-3, "mamba (default conv, d 64)": 3.3e-3},
+    "ar": {"mamba (d 64)": 3.3e-3, "gated_deltanet (d 64)": 3.3e-4, "hyena (d 64)": 1e-3,
+           "based (d 64)": 1e-3, "mamba (256 keys, d 64)": 3.3e-3},
+}
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 run_score = lambda record: (record["status"] == "ok", record["final"].get("acc") or 0.0)   # a failed run never wins
 
@@ -276,7 +296,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
                        chosen_lrs=True, **fields_):
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run). The
-    quick grids train each cell at its CHOSEN_LRS rate (chosen_lrs=False: the grid's rate)."""
+    quick grids train each cell at its CHOSEN rate (chosen_lrs=False: the grid's rate)."""
     for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
         if value not in allowed:
             raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
@@ -292,7 +312,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     runs = spec["runs"] if archs is None else [r for r in spec["runs"] if r["arch"] in archs] + [
         dict(arch=a) for a in archs if a not in {r["arch"] for r in spec["runs"]}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
-    chosen = CHOSEN_LRS.get(name, {}) if preset == "quick" and chosen_lrs and not lrs else {}
+    chosen = CHOSEN.get(name, {}) if preset == "quick" and chosen_lrs and not lrs else {}
     configs = []
     for family in runs:
         arch, steps = family["arch"], pick(spec.get("steps", {}), family["arch"])
@@ -509,7 +529,7 @@ def main(argv=None):
 
 def choices_of(folder):
     """{experiment: {cell_name: rate}} of the LR_CHOICE grids: chosen_lr of each cell's seed-0 records
-    in `folder`, where decided and not the grid's rate (results/chosen_lrs.json)."""
+    in `folder`, where decided and not the grid's rate (for results/: what CHOSEN must say)."""
     out = {}
     for name in LR_CHOICE:
         seed0, spec = {}, EXPERIMENTS[name].quick                  # {cell_key: {lr: seed 0's record}}
@@ -524,12 +544,17 @@ def choices_of(folder):
     return out
 
 
-CHOSEN = os.path.join(HERE, "results", "chosen_lrs.json")
-CHOSEN_LRS = json.loads(Path(CHOSEN).read_text()) if os.path.isfile(CHOSEN) else {}   # {} in a fork without results/
+def stale_choices(folder):
+    """The CHOSEN entries that `folder`'s records choose otherwise, each a line saying what to write."""
+    found = choices_of(folder)
+    return [f"CHOSEN[{name!r}][{cell!r}]: {old or 'absent'} -> {new or 'absent (the grid rate)'}"
+            for name in dict.fromkeys([*CHOSEN, *found])
+            for cell in dict.fromkeys([*CHOSEN.get(name, {}), *found.get(name, {})])
+            if (old := CHOSEN.get(name, {}).get(cell)) != (new := found.get(name, {}).get(cell))]
 
 
 def cell_name(family, width):
-    """A grid cell's name in CHOSEN_LRS: 'mamba (d_conv 2, d 64)'."""
+    """A grid cell's name in CHOSEN: 'mamba (d_conv 2, d 64)'."""
     words = [describe(k, v) for k, v in family.items() if k not in ("arch", "num_values")]
     return f"{family['arch']} ({', '.join(filter(None, words + [f'd {width}']))})"
 
@@ -1463,8 +1488,8 @@ def report_folder(folder):
     if readme:
         mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
         mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
-        chosen = json.dumps(choices_of(folder), indent=1) + "\n"      # read by the catalogue (CHOSEN_LRS)
-        mechsm.write_whole(out_path(folder, "chosen_lrs.json"), chosen.encode())
+        for line in stale_choices(folder):       # the catalogue states the rates: run.py's to edit
+            print(f"warning: the records choose another rate; in run.py set {line}", file=sys.stderr)
     print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
 
 

@@ -2300,6 +2300,31 @@ def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose
                 assert rows[key]["best_lr"] == choice, (name, base.name())
 
 
+def test_the_catalogue_states_each_chosen_rate_and_a_test_names_the_entry_to_change(monkeypatch):
+    """run.CHOSEN, the rates the quick grids train, is what the committed records choose (choices_of over
+    results/); where they differ the failure names the entry to edit, and what to write in it."""
+    stale = run_cli.stale_choices(os.path.join(HERE, "results"))
+    assert not stale, "the records in results/ choose other rates; in run.py set " + "; ".join(stale)
+    monkeypatch.setitem(run_cli.CHOSEN, "ar", {**run_cli.CHOSEN["ar"], "mamba (d 64)": 1e-2})
+    assert run_cli.stale_choices(os.path.join(HERE, "results")) == ["CHOSEN['ar']['mamba (d 64)']: 0.01 -> 0.0033"]
+    mamba, = [c for c in run_cli.experiment_configs("ar", archs=["mamba"], seeds=[0]) if c.num_keys == 1024]
+    assert mamba.lr == 1e-2                                          # what the catalogue says is what runs
+
+
+def test_a_broken_chosen_lrs_json_neither_stops_help_nor_changes_a_rate(tmp_path):
+    """No rate is read from a file at import: a corrupt results/chosen_lrs.json (the file an older
+    --report wrote) leaves --help working and every rate of the catalogue as it was."""
+    for name in ("tasks.py", "models.py", "mechsm.py", "interventions.py", "run.py"):
+        shutil.copy(os.path.join(HERE, name), tmp_path)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "chosen_lrs.json").write_text('{"ar": {"mamba (d 64)": 0.5')     # torn
+    assert subprocess.run([sys.executable, "run.py", "--help"], cwd=tmp_path, capture_output=True).returncode == 0
+    rates = "import run; print([c.lr for n in run.EXPERIMENTS for c in run.experiment_configs(n, seeds=[0])])"
+    there = subprocess.run([sys.executable, "-c", rates], cwd=tmp_path, capture_output=True, text=True)
+    assert there.returncode == 0 and there.stdout.strip() == str(
+        [c.lr for n in run_cli.EXPERIMENTS for c in run_cli.experiment_configs(n, seeds=[0])])
+
+
 def test_checkpoint_writes_nothing_of_the_sweep_refuses_flags_and_checks_its_vocabulary(tmp_path, capsys):
     """--checkpoint on a sweep's own checkpoint leaves every file of the sweep as it was (its outputs go
     to OUT/checkpoint_eval/...), refuses flags it cannot honour, honours --eval-size, and refuses a
