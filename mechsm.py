@@ -33,7 +33,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,48 +52,56 @@ FAILED = "loss is {} at step {} (lr {:g}); run stopped"   # a failed run's error
 
 # --- Config: every knob of one run, flat, with the paper's values as defaults.
 
+def knob(default, help):
+    """A Config field: its default and, once, what it means (run.py's --help prints it)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Config:
     # task (tasks.py); data_seed fixes the language and its documents (shared by a sweep's models)
-    task: str = "ar"                 # "ar" | "atr"
-    num_keys: int = 4096             # AR: key vocabulary
-    num_values: int = 4096           # AR: value vocabulary
-    num_pairs: int = 16              # AR: key-value pairs per document
-    num_terminals: int = 20          # ATR: |Σ|
-    num_nonterminals: int = 40       # ATR: |N|
-    max_rhs_len: int = 5             # ATR: L_max (children per constituent, head included)
-    max_rules: int = 5               # ATR: R_max
-    max_depth: int = 10              # ATR: d_max
-    terminal_weight: int = 20        # ATR: r_Σ
-    max_terminals: int = 1024        # ATR: longer sentences are rejected (the paper: 1024)
-    holdout: float = 0.0             # fraction of (key, value) / (parent, child) pairs held out
-    data_seed: int = 42              # the language seed (grammar, held-out pairs, documents)
+    task: str = knob("ar", "ar or atr")
+    num_keys: int = knob(4096, "AR: key vocabulary")
+    num_values: int = knob(4096, "AR: value vocabulary")
+    num_pairs: int = knob(16, "AR: key-value pairs per document")
+    num_terminals: int = knob(20, "ATR: terminals |Σ| (paper: 20 or 8192)")
+    num_nonterminals: int = knob(40, "ATR: nonterminals |N|")
+    max_rhs_len: int = knob(5, "ATR: L_max, children per constituent, head included (paper: 5, 10)")
+    max_rules: int = knob(5, "ATR: R_max, rules per nonterminal")
+    max_depth: int = knob(10, "ATR: d_max")
+    terminal_weight: int = knob(20, "ATR: r_Σ, a terminal's weight against a nonterminal's 1")
+    max_terminals: int = knob(1024, "ATR: longer sentences are rejected (paper: 1024)")
+    holdout: float = knob(0.0, "fraction of (key, value) / (parent, child) pairs held out for a "
+                          "test split (paper: 0.2)")
+    data_seed: int = knob(42, "the language seed: grammar, held-out pairs, documents")
     # model (models.build_model)
-    arch: str = "attention"          # one of models.ARCHS
-    d_model: int = 64                # width
-    n_layers: int = 2
-    n_heads: int = 1
-    pos_emb: bool | None = None      # learned positions; None: the paper's (attention only)
-    n_positions: int = 1024          # size of the position table (the paper's l_max)
-    d_conv: int | None = None        # mamba's short conv (0 removes it); based/base_conv's kernel
-    long_only: bool = False          # based/base_conv: implicit long conv instead of the short conv
-    freeze_features: bool = False    # base_conv: its features Z frozen (README difference 13)
-    kernels: str = "fast"            # "fast" | "reference" (slow loop scan / direct convolutions)
+    arch: str = knob("attention", "one of models.ARCHS")
+    d_model: int = knob(64, "width")
+    n_layers: int = knob(2, "number of blocks")
+    n_heads: int = knob(1, "attention heads")
+    pos_emb: bool | None = knob(None, "learned positions; None (auto): the paper's, attention only")
+    n_positions: int = knob(1024, "size of the position table (the paper's l_max)")
+    d_conv: int | None = knob(None, "short-conv size of the archs that have one (mamba: 0 "
+                              "removes it; based/base_conv: its kernel)")
+    long_only: bool = knob(False, "based/base_conv: implicit long conv instead of the short conv")
+    freeze_features: bool = knob(False, "base_conv: its features Z frozen (README difference 13)")
+    kernels: str = knob("fast", "fast or reference (slow loop scan, direct convolutions)")
     # training (the paper's recipe)
-    lr: float = 1e-3                 # peak learning rate
-    batch_size: int = 32
-    train_size: int = 100_032        # documents in the fixed training set (3126 batches of 32)
-    epochs: int | None = None        # passes over the training set; None = 16 for AR, 32 for ATR
-    steps: int | None = None         # optimizer steps; overrides epochs (walked cyclically)
-    warmup_frac: float = 0.1         # linear warmup over int(warmup_frac * total) steps
-    schedule: str = "cosine"         # decay to 0: "cosine" | "linear" (README, difference 11)
-    seed: int = 42                   # model init seed (torch)
-    device: str = "auto"             # "auto" (cuda if available) | "cpu" | "cuda"
+    lr: float = knob(1e-3, "peak learning rate")
+    batch_size: int = knob(32, "batch size")
+    train_size: int = knob(100_032, "documents in the fixed training set (3126 batches of 32)")
+    epochs: int | None = knob(None, "passes over the training set; None: 16 for AR, 32 for ATR")
+    steps: int | None = knob(None, "optimizer steps; beats epochs (the training set cycles)")
+    warmup_frac: float = knob(0.1, "linear warmup over int(warmup_frac * total) steps")
+    schedule: str = knob("cosine", "decay to 0: cosine or linear (README, difference 11)")
+    seed: int = knob(42, "model init seed (torch)")
+    device: str = knob("auto", "auto (cuda if available), cpu or cuda")
     # evaluation
-    eval_every: int = 200            # steps between evaluations; the last step is always evaluated
-    eval_size: int = 320             # evaluation documents per split (the paper: 320)
-    timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs (0: off)
-    gap_filter: float = 0.01         # p_clean - p_corrupt <= this: "no signal" (ATR box plots: 0.1)
+    eval_every: int = knob(200, "steps between evaluations; the last step is always evaluated")
+    eval_size: int = knob(320, "evaluation documents per split (paper: 320)")
+    timeline_docs: int = knob(64, "Attrib@Value/Query during training on this many eval "
+                              "documents (0: off)")
+    gap_filter: float = knob(0.01, "p_clean - p_corrupt <= this: no signal (ATR box plots: 0.1)")
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
@@ -483,17 +491,18 @@ def save(model, cfg, path):
 def write_whole(path, data):
     """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a
     kill or a full disk leaves the old file and no temporary one; bytes it already holds: no
-    write."""
-    if os.path.isfile(path) and Path(path).read_bytes() == data:
+    write. A link is followed, as every tool follows it: the file it names is the one replaced."""
+    target = os.path.realpath(path)
+    if os.path.isfile(target) and Path(target).read_bytes() == data:
         return path
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.tmp{os.getpid()}"
     try:
-        with open(tmp, "xb") as f:            # "x": a new file, never one that a link points to
+        with open(tmp, "xb") as f:            # "x": a new file of its own
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)

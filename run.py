@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import types
+import typing
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing import get_context
@@ -690,62 +691,38 @@ def config_of(record):
     return mechsm.Config(**{k: v for k, v in record["config"].items() if k in DEFAULTS or k == "device"})
 
 
-def fits(value, spec):
-    """Whether `value` fits `spec`: a type, a test, {key: spec} (a missing key is None) or [spec]
-    (a list, each item fitting spec)."""
-    if isinstance(spec, dict):
-        return isinstance(value, dict) and all(fits(value.get(k), s) for k, s in spec.items())
-    if isinstance(spec, list):
-        return isinstance(value, list) and all(fits(v, spec[0]) for v in value)
-    return isinstance(value, spec) if isinstance(spec, type) else bool(spec(value))
+finite = lambda v: v is None or isinstance(v, (int, float)) and math.isfinite(v)   # a bool is an int
 
 
-# What the readers of a record use (tables, timeline, figures, heatmap), of their types.
-NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and v - v == 0
-REAL = lambda v: v is not None and NUM(v)
-NUMS = lambda d: isinstance(d, dict) and all(map(NUM, d.values()))
-MAYBE = lambda spec: lambda v: v is None or fits(v, spec)
-RECORD = {
-    "status": lambda v: v in ("ok", "failed"), "n_params": int, "wall_s": NUM,
-    "config": lambda c: fits(c, {"arch": str, "task": lambda v: v in mechsm.TASKS, "lr": REAL,
-                                 "d_model": int, "seed": int, "n_layers": int, "eval_size": int})
-    and all(v is None or isinstance(v, (str, int, float)) for v in c.values()),
-    "final": lambda f: isinstance(f, dict) and all(NUM(v) for k, v in f.items()
-                                                    if k.endswith(("acc", "prob", "loss"))),
-    "history": MAYBE([{"step": int, **dict.fromkeys(("acc", "loss", "train_loss", "attrib_value", "attrib_query"),
-                                                     NUM)}]),
-    "mechanism": MAYBE(lambda m: isinstance(m, dict) and fits(m.get("verdict"), MAYBE(str))
-                       and all(NUM(v) for k, v in m.items() if k not in ("verdict", "low_signal"))
-                       and len({"attrib_key", "attrib_value", "attrib_query"} & set(m)) in (0, 3)),
-    "mechanism_table": MAYBE({                           # interventions.mechanism's dict
-        "rows": [{"site": str, "label": str, "layer": NUM, "scores": NUMS}], "positions": [str],
-        **dict.fromkeys(("p_clean", "p_corrupt", "gap", "seconds"), NUM), "threshold": REAL,
-        "verdict": str, "low_signal": bool, "verdict_reason": MAYBE(str), "extra": MAYBE(NUMS),
-        "headline": MAYBE(lambda h: NUMS(h) and {"key", "value", "query"} <= set(h))}),
-    "effective": MAYBE({                                 # interventions.effective_record's dict
-        "query": lambda q: fits(q, [[REAL]]) and q and all(q),
-        "value": lambda v: fits(v, [REAL]) and v,
-        "positions": lambda p: isinstance(p, dict) and fits(list(p.values()), [int])}),
-    "provenance": MAYBE(dict),
-    "checkpoint": MAYBE(lambda p: isinstance(p, str) and not os.path.isabs(p)   # inside the folder
-                        and ".." not in p.split("/"))}
+def readable(record):
+    """Whether a line is a run record the reports can read: a status, a config naming its arch, and a
+    number wherever they read one (a string there would stop a report, a NaN or inf accuracy top a
+    table without a word)."""
+    try:
+        config, mechanism = record["config"], record.get("mechanism") or {}
+        numbers = [record["n_params"], record.get("wall_s"), *record["final"].values(),
+                   *(config[k] for k in ("lr", "seed", "d_model", "n_layers", "eval_size")),
+                   *(v for h in record.get("history") or () for v in h.values()),
+                   *(v for k, v in mechanism.items() if k != "verdict")]
+        return (record["status"] in ("ok", "failed") and isinstance(config["arch"], str)
+                and all(map(finite, numbers)))
+    except (TypeError, KeyError, AttributeError):      # not a dict, a field missing
+        return False
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out` (warn: say what is skipped)."""
+    """The run records of one results file, or of every results*.jsonl in the folder `out` (warn:
+    one warning per line skipped: torn, not JSON, or not what the reports read)."""
     records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
-    folder, pattern = (out, os.path.join(out, "results*.jsonl")) if os.path.isdir(out) else (os.path.dirname(out), out)
+    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
     for path in sorted(glob.glob(pattern)):
-        if why := outside(folder, path):
-            say(f"{why}; not read")
-            continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 try:
                     record = json.loads(line)
                 except (ValueError, RecursionError):      # a blank or torn line
                     record = None
-                if fits(record, RECORD):                  # not a hand-edited one
+                if readable(record):
                     records.append(record)
                     unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
                 elif line.strip():
@@ -769,21 +746,9 @@ def json_safe(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def outside(folder, path):
-    """Why path, in `folder`, is not the folder's (a link leaving it), else '': every read's and write's."""
-    real, target = os.path.realpath(folder), os.path.realpath(path)
-    return f"{path} links to {target}, outside {folder}" * (os.path.commonpath([real, target]) != real)
-
-
 def out_path(out, *parts):
-    """out/parts, its folders made, to be written; a ValueError (one line) where writing it would
-    change a file outside `out` (a symbolic link leaving it; a file hard-linked to other names)."""
+    """out/parts, to be written, its folder made (a link is followed, as every tool follows it)."""
     path = os.path.join(out, *parts)
-    if why := outside(out, path):
-        raise ValueError(f"{why}; not written (remove the link)")
-    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
-        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
-                         "which writing it would change too; not written (remove it or copy it)")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return path
 
@@ -900,16 +865,15 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
-    saved = lambda r: os.path.isfile(p := os.path.join(out, r.get("checkpoint") or "")) and not outside(out, p)
+    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
     tabled = lambda r: not patch or r.get("mechanism_table") is not None
     complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
-    [out_path(out, "ckpt", unique[k].name() + ".pt") for k in todo if save]   # a link out of it: refused now
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
-        log(f"sweep: {done[key]['name']} has no checkpoint in {out} (or a link out of it); trained again")
+        log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
@@ -925,14 +889,12 @@ def read_command(folder, name):
     if not os.path.exists(path):
         return None
     try:
-        c = None if (why := outside(folder, path)) else json.loads(Path(path).read_text(encoding="utf-8"))
-    except (ValueError, OSError, RecursionError):
-        c = None
-    if fits(c, {**dict.fromkeys(("command", "date", "machine", "load"), str), "wall_s": REAL,
-                "trained": int, "jobs": int}):
-        return c
-    print(f"warning: {why}; not read" if why else f"warning: {path}: not a command record (corrupt or hand-edited); "
-          "skipped", file=sys.stderr)
+        c = json.loads(Path(path).read_text(encoding="utf-8"))
+        if {"command", "date", "machine", "load", "trained", "jobs"} <= set(c) and math.isfinite(c["wall_s"]):
+            return c
+    except (ValueError, OSError, RecursionError, TypeError, KeyError):
+        pass
+    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
     return None
 
 
@@ -1171,27 +1133,14 @@ def build_parser():
     a("--choose-lr", switch=True, help="quick grids: choose each cell's rate as results/ did "
       "(seed 0 at the grid's rate x 3^k, k = -1, 0, 1, a step more past a best end), then train "
       "every seed there")
-    # model, task, training: each sets the Config field of its name (--layers: n_layers)
-    for flag, text in [
-            ("--layers", "number of blocks (paper: 2)"), ("--heads", "attention heads (paper: 1)"),
-            ("--d-conv", "short-conv size of the archs that have one (mamba: 0 removes it)"),
-            ("--num-keys", "AR keys (paper: 4096)"), ("--num-values", "AR values (paper: 4096)"),
-            ("--num-pairs", "AR key-value pairs per document (paper: 16)"),
-            ("--num-terminals", "ATR terminals |Σ| (paper: 20 or 8192)"),
-            ("--max-rhs-len", "ATR L_max (paper: 5, 10)"), ("--max-depth", "ATR d_max (paper: 10)"),
-            ("--holdout", "fraction of pairs held out for a test split (paper: 0.2)"),
-            ("--data-seed", "language seed: grammar, held-out pairs, documents (default 42)"),
-            ("--steps", "total optimizer steps (beats --epochs; the training set cycles)"),
-            ("--epochs", "passes over the training set (paper: 16 AR, 32 ATR)"),
-            ("--train-size", "documents in the fixed training set (paper: 100,032)"),
-            ("--batch-size", "batch size (paper: 32)"),
-            ("--eval-every", "steps between evaluations (paper: 200), and always the last"),
-            ("--eval-size", "evaluation documents (paper: 320)")]:
-        a(flag, float if flag == "--holdout" else int, zero=flag in ("--d-conv", "--holdout", "--data-seed"),
-          help=text)
-    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: per arch)")
-    a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
-    a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
+    for dest, f in FLAGS.items():          # a flag per Config field, its help the field's
+        flag, kind = "--" + dest.replace("_", "-"), f.type if f.type in (bool, float, int, str) else None
+        if kind is bool:
+            a(flag, switch=True, help=f.metadata["help"])
+        elif kind is None and bool in typing.get_args(f.type):        # pos_emb: True, False, None
+            a(flag, choices=list(SWITCH), help=f.metadata["help"])
+        else:
+            a(flag, kind or int, zero=zero_ok(f.name), help=f.metadata["help"])
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
     a("--jobs", int, help="runs trained in parallel (default: one per CPU core, 1 on cuda)")
     a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
@@ -1208,13 +1157,22 @@ def build_parser():
     return p
 
 
-# command-line flag -> Config field, for the flags that set one field of every run they apply to
-FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
-    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
-    "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
-TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),   # field -> its task
-           **dict.fromkeys(["num_terminals", "max_rhs_len", "max_depth"], "atr")}
-MIXER_FIELDS = ("d_conv", "long_only", "n_heads")   # apply only to the archs whose mixer takes them
+# A flag per Config field, set on every run it applies to (--layers: n_layers), but the fields
+# that the grid's lists (--arch, --d-model, --lr, --seeds), --task and --device set.
+FLAGS = {{"n_layers": "layers", "n_heads": "heads"}.get(f.name, f.name): f for f in fields(mechsm.Config)
+         if f.name not in ("task", "arch", "d_model", "lr", "seed", "device")}
+SWITCH = {"on": True, "off": False, "auto": None}
+TASK_OF = {**dict.fromkeys(mechsm.AR_FIELDS, "ar"),                # field -> the task that has it
+           **dict.fromkeys((*mechsm.PCFG_FIELDS, "max_terminals"), "atr")}
+MIXER_FIELDS = ("d_conv", "long_only", "n_heads", "freeze_features")   # only where a mixer takes it
+
+
+def zero_ok(name):
+    """Whether Config takes 0 for the field `name` (--d-conv 0: no conv; --steps 0: refused)."""
+    try:
+        return bool(replace(mechsm.Config(), **{name: 0}).check())
+    except ValueError:
+        return False
 # the options each command takes; any other option given with it is refused, never silently ignored
 COMMAND_OPTIONS = {"bench": {"device"}, **{c: {c} for c in ("list", "figures", "report")},
                    "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
@@ -1231,9 +1189,9 @@ def grid_runs(args, name, device):
                        ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
         if both:
             raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
-    given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
+    given = {dest: getattr(args, dest) for dest in FLAGS if getattr(args, dest) is not None}
     if "pos_emb" in given:
-        given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
+        given["pos_emb"] = SWITCH[given["pos_emb"]]
     configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
                                  archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
                                  seeds=args.seeds or (None if args.replicates or args.choose_lr
@@ -1243,7 +1201,7 @@ def grid_runs(args, name, device):
         given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []
     for flag, value in given.items():
-        field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
+        field, opt = FLAGS[flag].name, "--" + flag.replace("_", "-")
         hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS or field
                in models.mixer_options(c.arch) and not (field == "d_conv" and c.long_only) for c in configs]
         missed = sorted({c.arch + " (long convs only)" * c.long_only for c, h in zip(configs, hit) if not h})
@@ -1300,7 +1258,7 @@ def other_command(args):
 
 def sweep_plan(args, name, configs, device, notes):
     """(jobs, shard, group_size) of a training command, printed with the grid's size; --out checked
-    writable (and free of links out of it) before any training."""
+    writable before any training."""
     runs = len({run_key(asdict(c.resolved())) for c in configs})     # flags can make two alike
     for note in notes:
         print(note, file=sys.stderr)
@@ -1311,12 +1269,9 @@ def sweep_plan(args, name, configs, device, notes):
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     out = args.out or "out"
-    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
-             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
-    try:                       # before any training: --out unwritable, or a file linking out of it
-        for file in files:
-            out_path(out, file)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    try:                                               # before any training: --out unwritable
+        os.makedirs(out, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
