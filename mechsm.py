@@ -529,8 +529,8 @@ def load(path, device="cpu"):
 
 # ==================================================================================================
 # Below: many runs at once, a learner can skip it. Runs that differ only in lr and seed train as one
-# batched model (r times the work per kernel launch: run.py bench), each as train() trains it alone,
-# to rounding; test_all.py compares every member with its lone run.
+# batched model (r times the work per kernel launch: results/bench.txt, part 4), each as train()
+# trains it alone, to rounding; test_all.py compares every member with its lone run.
 # ==================================================================================================
 
 def group_key(cfg):

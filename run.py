@@ -20,7 +20,7 @@ and shards, the README summary, figures, the benchmark): nothing above needs it 
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
   python run.py --report results; --figures results   # re-render a results folder from its records
   python run.py --device cuda --preset paper       # the paper's grid on a GPU, a cell batched
-  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references
+  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against the references
 
 Shape letters: b batch, l sequence length, d d_model, e Mamba's inner width, n SSM state size,
 r runs trained as one batched model. Outputs under --out (default out/): results.jsonl (a JSON line
@@ -533,25 +533,19 @@ def choices_of(folder):
     in `folder`, where decided and not the grid's rate (for results/: what CHOSEN must say)."""
     out = {}
     for name in LR_CHOICE:
-        seed0, spec = {}, EXPERIMENTS[name].quick                  # {cell_key: {lr: seed 0's record}}
-        for r in latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)):
-            if r["config"]["seed"] == 0:
-                seed0.setdefault(cell_key(r["config"]), {})[r["config"]["lr"]] = r
+        done, spec = {run_key(r["config"]): r for r in folder_records(folder, False)[name]}, EXPERIMENTS[name].quick
         names = [cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
         for label, base in zip(names, experiment_configs(name, seeds=[0], chosen_lrs=False), strict=True):
-            lr = chosen_lr(base.lr, seed0.get(cell_key(asdict(base.resolved())), {}))[0]
-            if lr not in (None, base.lr):
+            if (lr := cell_choice(base, done)[0]) not in (None, base.lr):
                 out.setdefault(name, {})[label] = lr
     return out
 
 
-def stale_choices(folder):
-    """The CHOSEN entries that `folder`'s records choose otherwise, each a line saying what to write."""
-    found = choices_of(folder)
-    return [f"CHOSEN[{name!r}][{cell!r}]: {old or 'absent'} -> {new or 'absent (the grid rate)'}"
-            for name in dict.fromkeys([*CHOSEN, *found])
-            for cell in dict.fromkeys([*CHOSEN.get(name, {}), *found.get(name, {})])
-            if (old := CHOSEN.get(name, {}).get(cell)) != (new := found.get(name, {}).get(cell))]
+def cell_choice(cfg, done):
+    """chosen_lr of cfg's cell (cfg at the grid's rate) from its seed-0 records in `done` ({run_key:
+    record}): (its rate or None while undecided, the rates seed 0 must train next)."""
+    key = lambda k: run_key(asdict(replace(cfg, lr=rung(cfg.lr, k), seed=0).resolved()))
+    return chosen_lr(cfg.lr, {rung(cfg.lr, k): done[key(k)] for k in (-2, -1, 0, 1, 2) if key(k) in done})
 
 
 def cell_name(family, width):
@@ -613,34 +607,14 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS):
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
-# The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
-# part 3 (results/bench.txt, the other core busy with one job as in a 2-job sweep), scaled per grid.
-CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
-                   "mamba": 43.7, "deltanet": 79.2,
-                   "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
-
-
-def estimate_time(configs, jobs=1, shards=1):
-    """Rough CPU wall time (text) of training `configs`, split in `shards`, on `jobs` workers."""
-    total = 0.0
-    for cfg in (c.resolved() for c in configs):
-        tokens = 2 * cfg.num_pairs + 5 if cfg.task == "ar" else min(cfg.max_terminals, 64) + 5
-        rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 21 / tokens / max(1.0, cfg.d_model / 64)
-                * 2 / cfg.n_layers * 32 / cfg.batch_size)
-        total += cfg.total_steps() / rate
-    seconds = total / max(1, min(jobs, len(configs))) / shards
-    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
-
-
 def catalogue():
-    """`--list`: each experiment, its claim, the paper's numbers, each preset's runs and time."""
+    """`--list`: each experiment, its claim, the paper's numbers, each preset's runs."""
     lines = []
     for name, exp in EXPERIMENTS.items():
-        times = [f"{preset}: {len(configs)} runs, ~{estimate_time(configs, 2)}"
-                 for preset in PRESETS for configs in [experiment_configs(name, preset)]]
+        sizes = [f"{preset}: {len(experiment_configs(name, preset))} runs" for preset in PRESETS]
         numbers = "; ".join(f"{k} {v}" for k, v in exp.paper_numbers.items()) or "no number quoted"
         lines += [f"{name:<19} {exp.section}: {exp.finding}", f"{'':<19} paper: {numbers}",
-                  f"{'':<19} " + " | ".join(times) + " (2 CPU cores, 2 jobs)"]
+                  f"{'':<19} " + " | ".join(sizes)]
     return "\n".join(lines)
 
 
@@ -732,6 +706,11 @@ def read_results(out, warn=True):
     return records
 
 
+def folder_records(folder, warn=True):
+    """{experiment: its runs' latest records} from folder/<experiment>.jsonl ([]: none)."""
+    return {name: latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn)) for name in EXPERIMENTS}
+
+
 def latest(records):
     """Each run once, its last record, in the order first met."""
     return list({run_key(r["config"]): r for r in records}.values())
@@ -804,11 +783,9 @@ def choice_round(configs, out):
     try, or the cell's every seed at its chosen rate."""
     done, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, []
     for cell in make_groups(configs):                       # whole cells
-        at = lambda lr, seed=0: replace(cell[0], lr=lr, seed=seed)
-        seed0 = {rung(cell[0].lr, k): done[key] for k in (-2, -1, 0, 1, 2)
-                 if (key := run_key(asdict(at(rung(cell[0].lr, k)).resolved()))) in done}
-        lr, untried = chosen_lr(cell[0].lr, seed0)
-        todo += [at(r) for r in untried] if lr is None else [replace(c, lr=lr) for c in cell]
+        lr, untried = cell_choice(cell[0], done)
+        todo += [replace(cell[0], lr=r, seed=0) for r in untried] if lr is None else [
+            replace(c, lr=lr) for c in cell]
     return todo
 
 
@@ -1012,8 +989,7 @@ def summary_table(folder="results", names=None, rel=None):
     """The summary of the records in `folder`: the table, the notes under it, probes (names: those
     experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
     rel = os.path.relpath(folder, HERE) if rel is None else rel
-    records = {name: latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False))
-               for name in EXPERIMENTS}
+    records = folder_records(folder, warn=False)
     lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
              and name in (names or EXPERIMENTS)
@@ -1045,34 +1021,27 @@ def summary_table(folder="results", names=None, rel=None):
 # --- The command line
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError, refuses an unknown or repeated option, and reads the token
-    after an option that takes a value as its value, even one that starts with '-' (--lr -1e-3)."""
+    """argparse that raises ValueError (one line) and names a close match of an unknown option; a
+    token after an option that takes a value is its value, even one that starts with '-' (--lr -1)."""
 
     def error(self, message):
         raise ValueError(message)
 
     def parse_known_args(self, args=None, namespace=None):
-        args = list(sys.argv[1:] if args is None else args)
-        known, given, twice, i = self._option_string_actions, set(), [], 0
+        args, known, i = list(sys.argv[1:] if args is None else args), self._option_string_actions, 0
         end = args.index("--") if "--" in args else len(args)
         while i < end:
             token, name = args[i], args[i].split("=", 1)[0]
-            if token[:1] == "-" and token != "-":
-                if name not in known:
-                    close = difflib.get_close_matches(name, list(known), n=1)
-                    hint = f" (did you mean {close[0]}?)" if close else ""
-                    raise ValueError(f"unknown option {name}{hint}; see run.py --help")
-                twice += [name] if known[name].dest in given else []
-                given.add(known[name].dest)
-                if (known[name].nargs is None and "=" not in token and i + 1 < end
-                        and args[i + 1].split("=", 1)[0] not in known):
-                    args[i:i + 2], end = [f"{token}={args[i + 1]}"], end - 1   # its value, even -1e-3
+            if token[:1] == "-" and token != "-" and name not in known:
+                close = difflib.get_close_matches(name, list(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"unknown option {name}{hint}; see run.py --help")
+            if (name in known and known[name].nargs is None and "=" not in token and i + 1 < end
+                    and args[i + 1].split("=", 1)[0] not in known):
+                args[i:i + 2], end = [f"{token}={args[i + 1]}"], end - 1   # its value, even -1e-3
             i += 1
         namespace, extras = super().parse_known_args(args, namespace)
-        if twice:
-            raise ValueError(f"{twice[0]}: given twice; give it once (a comma list for several "
-                             "values)")
-        namespace.given = given                        # the options given, by their dest
+        namespace.given = {k for k, v in vars(namespace).items() if v is not None} - {"command"}
         return namespace, extras
 
 
@@ -1278,9 +1247,7 @@ def sweep_plan(args, name, configs, device, notes):
           f"{args.preset or 'quick'} | {runs} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = estimate_time(configs, jobs, shard[1])
-    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
-    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why})", file=sys.stderr)
     return jobs, shard, group_size
 
 
@@ -1433,8 +1400,7 @@ def results_readme(folder="results"):
 
 def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the READMEs too)."""
-    written = {name: records for name in EXPERIMENTS    # each experiment with a record to report
-               if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    written = {name: records for name, records in folder_records(folder).items() if records}
     for name, records in written.items():
         preset = max(PRESETS, key=lambda p: len({run_key(r["config"]) for r in records} & {  # the
             run_key(asdict(c.resolved())) for c in experiment_configs(name, p)}))     # records' grid
@@ -1443,8 +1409,6 @@ def report_folder(folder):
     if readme:
         mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
         mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
-        for line in stale_choices(folder):       # the catalogue states the rates: run.py's to edit
-            print(f"warning: the records choose another rate; in run.py set {line}", file=sys.stderr)
     print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
 
 
@@ -1460,8 +1424,7 @@ def redraw_figures(folder):
     except ImportError:
         print(FIGURES_HINT)
         return
-    found = {name: records for name in EXPERIMENTS   # each experiment with a record (as --report)
-             if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    found = {name: records for name, records in folder_records(folder).items() if records}
     for name, records in found.items():
         draw_figures(best_by_lr(records), name, folder)
     print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
@@ -1676,185 +1639,55 @@ def draw_figures(rows, name, folder):
     return out
 
 
-# --- `python run.py bench`: fast paths against references
-# Timed in the same run (medians of interleaved repeats). With OpenMP's spinning wait policy a busy
-# second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
+# --- `python run.py bench`: training steps/s, the fast kernels against kernels="reference"
+# Each fast kernel gives its slow twin's values and gradients (test_all.py checks it); this times
+# what that buys in training: medians of interleaved repeats, one thread as a sweep's workers run.
+# With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
+# 2 cores: run OMP_WAIT_POLICY=PASSIVE. results/bench.txt: a fuller bench of commit 48d5897.
 
-def make_step(model, data, device, forward=None, lr=1e-3):
-    """A closure: one training step of `model` (or an Ensemble, or `forward`) on all of `data`."""
-    batch = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
-    if isinstance(model, mechsm.Ensemble):
-        return lambda: model.train_step(*batch, [lr] * len(model.modules))
-    optimizer = mechsm.adamw(model, lr)
-
-    def step():
-        loss = mechsm.answer_loss(forward or model, *batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.sum().backward()
-        optimizer.step()
-        return loss
-    return step
+BENCH = {"full": dict(batch=32, steps=10, repeats=5, archs=None),
+         "tiny": dict(batch=4, steps=2, repeats=1, archs=("attention", "mamba"))}
 
 
-SIZES = {"full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128,
-                      toeplitz_mib=64, repeats=5, batch=32, steps=10, ks=(1, 7, 35), width=64),
-         "tiny": dict(lengths=(37, 64), b=2, tokens=128, e=8, n=4, d=8, toeplitz_mib=512, repeats=1,
-                      batch=4, steps=2, archs=("attention", "mamba"), ks=(1, 35), width=16)}
-
-
-def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4)):
-    """Run the parts (one thread on a CPU, as the workers), print their tables, return them."""
-    device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
-    env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
-               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size,
-               gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
-    print_fn("mechsm bench | " + " | ".join(f"{k} {v}" for k, v in env.items() if v is not None) + "\n")
-    result = dict(env=env)
-    torch.set_num_threads(env["threads"])
+def bench(device="auto", size="full", print_fn=print):
+    """Training steps/s of each arch (d 64, 2 layers, AdamW) at the quick and the paper's AR shape:
+    its fast kernels and readout-only head against kernels="reference" and the full head."""
+    device, sizes, threads = torch.device(mechsm.resolve_device(str(device))), BENCH[size], torch.get_num_threads()
+    rows, n = [], sizes["steps"]
+    torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            measures = (bench_scan, bench_conv, bench_train, bench_ensemble)
-            for part in parts:
-                for key, rows, title in measures[part - 1](device, SIZES[size]):
-                    print_table(title, rows, print_fn)
-                    result[key] = rows
+        for shape, pairs in (("quick", 8), ("paper", 16)):
+            data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
+            batch = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
+            for arch in sizes["archs"] or models.ARCHS:
+                fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
+                             for k in ("fast", "reference"))
+                full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
+                t = medians({"fast": train_steps(fast, fast, batch, n),
+                             "reference": train_steps(ref, full_head, batch, n)}, sizes["repeats"], device)
+                rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
+                                 reference_steps_s=n / t["reference"], speedup=t["reference"] / t["fast"]))
     finally:
         torch.set_num_threads(threads)
-    return result
+    print_fn(f"mechsm bench | torch {torch.__version__} | {device}, one thread on a CPU | "
+             f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}\n")
+    for row in [rows[0].keys(), *(r.values() for r in rows)]:
+        print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
+    return rows
 
 
-def bench_scan(device, sizes):
-    """1a: the plain scan h_t = a_t h_(t-1) + b_t, Mamba-shaped inputs; 1b: the selective scan."""
-    plain, selective, e, n = [], [], sizes["e"], sizes["n"]
-    for length in sizes["lengths"]:
-        b, g = max(1, min(sizes["b"], sizes["tokens"] // length)), torch.Generator().manual_seed(length)
-        # a fresh Mamba layer's: delta log-uniform in [1e-3, 1e-1], A = -(1..n), u, B, C normal
-        delta = torch.empty(b, length, e).uniform_(math.log(1e-3), math.log(0.1), generator=g).exp()
-        A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
-        u, B, C = (torch.randn(b, length, k, generator=g) for k in (e, n, n))
-        a, bu = torch.exp(delta[..., None] * A), (delta * u)[..., None] * B[:, :, None]   # a_t, b_t
-        g = torch.Generator().manual_seed(1)
-        plain += compare({"sequential": models.sequential_scan, "scan": models.scan,
-                          "parallel": models.parallel_scan_custom_grad}, (a, bu),
-                         torch.randn(a.shape, generator=g), sizes, device, L=length, B=b)
-        rows = compare({"reference": models.selective_scan_reference,
-                        "selective_scan": models.selective_scan}, (u, delta, A, B, C),
-                       torch.randn(u.shape, generator=g), sizes, device, L=length, B=b)
-        state = a.to(device, copy=True)      # the floor: one in-place pass over that state
-        floor = medians({"pass": lambda: state.mul_(1.0)}, max(3, sizes["repeats"]), device)["pass"]
-        selective += [dict(row, passes=row["ms"] / (1e3 * floor)) for row in rows]
-    return [("scan", plain, f"1a. Plain scan, Mamba-shaped a, b (B, L, {e}, {n}): `scan` (shipped, "
-             "picked per device) and `parallel_scan_custom_grad` against `sequential_scan` (plain "
-             "autograd)"),
-            ("selective_scan", selective, "1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + "
-             "delta_t B_t u_t, y = sum_n C h: `selective_scan` against `selective_scan_reference` "
-             "(materialised + plain loop); passes = forward+backward time in elementwise passes over "
-             "its (B, L, e, n) state (x.mul_(1.0), the floor)")]
+def train_steps(model, forward, batch, n):
+    """A closure: n AdamW steps (lr 1e-3) of `model`, its loss from forward(tokens, readout)."""
+    optimizer = mechsm.adamw(model, 1e-3)
 
-
-def compare(kernels, inputs, grad_out, sizes, device, **labels):
-    """Rows: forward+backward of each kernel(*inputs) timed, and its errors against the first's."""
-    inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
-    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
-
-    def forward_backward(kernel, xs):                          # [out, *grads]
-        xs = [x.detach().requires_grad_() for x in xs]
-        out = kernel(*xs)
-        return [out, *torch.autograd.grad(out, xs, grad_out.to(out.dtype))]
-    exact = forward_backward(kernels[first], [wide(x) for x in inputs])
-    times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()},
-                    sizes["repeats"], device)
-
-    def errors(got):
-        err = [(wide(x) - x64).abs().max() for x, x64 in zip(got, exact)]
-        rel = max(e / x64.abs().max().clamp(min=1e-30) for e, x64 in zip(err[1:], exact[1:]))
-        return dict(max_abs_err=err[0].item(), grad_rel_err=rel.item())
-    return [dict(labels, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
-                 **errors(forward_backward(kernel, inputs))) for name, kernel in kernels.items()]
-
-
-def bench_conv(device, sizes):
-    """2a: the long convolution u (B, L, d) * k (L, d); 2b: the short conv; 2c: H3's SSM kernel."""
-    conv, short, ssm, b, c = [], [], [], sizes["b"], 3 * sizes["width"]
-    budget = sizes["toeplitz_mib"] * 2**20 * (16 if device.type == "cuda" else 1)
-    for length in sizes["lengths"]:
-        d, g = max(1, min(sizes["d"], budget // (4 * length * length))), torch.Generator().manual_seed(length)
-        u, k, grad_out = (torch.randn(*shape, generator=g)
-                          for shape in ((b, length, d), (length, d), (b, length, d)))
-        conv += compare({"direct": models.direct_conv, "fft": models.fft_conv},
-                        (u, k / length ** 0.5), grad_out, sizes, device, L=length, B=b, D=d)
-    g = torch.Generator().manual_seed(0)
-    for length in sizes["lengths"][:2]:
-        x, w, bias, grad_out = (torch.randn(*shape, generator=g)
-                                for shape in ((b, length, c), (c, 1, 3), (c,), (b, length, c)))
-        kernels = {"reference": models.short_conv_reference, "short_conv": models.short_conv}
-        short += compare(kernels, (x, w, bias), grad_out, sizes, device, L=length, B=b, C=c)
-    for length in sizes["lengths"][:2]:
-        modes = [t.detach() for t in models.H3(sizes["width"]).to(device).diag_modes()]  # (h, n/2)
-        reference = lambda A, W, l=length: 2 * torch.einsum("hn,hnl->lh", W, torch.cumprod(
-            A[..., None].expand(*A.shape, l), dim=-1) / A[..., None]).real   # as H3.ssm_kernel's
-        kernels = {"reference": reference, "vandermonde": lambda A, W, l=length: models.vandermonde_kernel(A, W, l)}
-        (h, half), grad_out = modes[0].shape, torch.randn(length, modes[0].shape[0], generator=g)
-        ssm += compare(kernels, modes, grad_out, sizes, device, L=length, H=h, modes=half)
-    return [("conv", conv, "2a. Long convolution, forward+backward: fft_conv against direct_conv "
-             "(an explicit Toeplitz sum)"),
-            ("short_conv", short, "2b. Short causal conv SC_3 (Hyena's, C = 3 x width), "
-             "forward+backward: short_conv against short_conv_reference (a shifted copy per tap)"),
-            ("ssm_kernel", ssm, "2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward "
-             "from the modes: vandermonde_kernel against the reference's cumprod under autograd")]
-
-
-def bench_train(device, sizes):
-    """3: training steps/s at the quick and the paper's AR shape, the fast path against the slow."""
-    rows, n = [], sizes["steps"]
-    for shape, pairs in (("quick", 8), ("paper", 16)):
-        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
-        for arch in sizes.get("archs") or models.ARCHS:
-            fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
-                         for k in ("fast", "reference"))
-            full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
-            steps = {"fast": make_step(fast, data, device), "reference": make_step(ref, data, device, full_head)}
-            t = medians({k: lambda s=s: [s() for _ in range(n)][-1].item() for k, s in steps.items()},
-                        sizes["repeats"], device)
-            rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
-                             reference_steps_s=n / t["reference"], speedup=t["reference"] / t["fast"]))
-    return [("train", rows, f"3. Training steps/s (d 64, 2 layers, batch {sizes['batch']}, AdamW): "
-             "fast kernels and readout-only head against kernels='reference' and the full-vocabulary head")]
-
-
-def bench_ensemble(device, sizes):
-    """4: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
-    data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0), []
-    for arch in sizes.get("archs") or models.ARCHS:
-        for k in sizes["ks"]:
-            members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
-            group, alone = make_step(mechsm.Ensemble(members), data, device), [make_step(m, data, device) for m in members]
-            t = medians({"group": lambda: group().sum().item(), "separate": lambda: [s().item() for s in alone]},
-                        sizes["repeats"], device)
-            group_ops, separate_ops = ops_per_call(group) / k, ops_per_call(alone[0])
-            rows.append(dict(arch=arch, k=k, group_steps_s=k / t["group"], separate_steps_s=k / t["separate"],
-                             speedup=t["separate"] / t["group"], group_ops=group_ops, separate_ops=separate_ops,
-                             ops_ratio=group_ops / separate_ops))
-    return [("ensemble", rows, f"4. K runs (width {sizes['width']}) as one batched model against K models "
-             "one after another: model-steps/s, and operators dispatched per model-step (torch.profiler), "
-             "optimizer included")]
-
-
-# Operators that only make a view or read metadata: no kernel on any device, not counted as work.
-VIEW_OPS = frozenset("aten::" + name for name in (
-    "view as_strided _reshape_alias reshape t transpose permute expand squeeze unsqueeze select slice detach "
-    "alias empty empty_strided empty_like movedim unflatten flatten split split_with_sizes chunk unbind narrow "
-    "_unsafe_view view_as lift_fresh resolve_conj resolve_neg item _local_scalar_dense result_type").split())
-
-
-def ops_per_call(fn):
-    """Operators doing work in fn()'s second call: its innermost aten:: events less VIEW_OPS."""
-    fn()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
-    outer = {e.cpu_parent.id for e in events if e.cpu_parent and e.cpu_parent.name.startswith("aten::")}
-    return sum(1 for e in events if e.id not in outer and e.name not in VIEW_OPS)
+    def steps():
+        for _ in range(n):
+            loss = mechsm.answer_loss(forward, *batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        return loss.item()
+    return steps
 
 
 def medians(fns, repeats, device):
@@ -1869,16 +1702,6 @@ def medians(fns, repeats, device):
             sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts[1:]) for name, ts in times.items()}
-
-
-def print_table(title, rows, print_fn):
-    """Print dict rows (the same keys) under a title as aligned columns."""
-    fmt = lambda v: (f"{v:.1e}" if 0 < abs(v) < 0.01 else f"{v:,.2f}") if isinstance(v, float) else \
-        f"{v:,}" if isinstance(v, int) else str(v)
-    cells = [list(rows[0])] + [[fmt(v) for v in row.values()] for row in rows]
-    widths = [max(map(len, column)) for column in zip(*cells)]
-    print_fn("\n".join([title, *("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths))
-                                 for line in cells), ""]))
 
 
 if __name__ == "__main__":
