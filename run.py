@@ -676,7 +676,7 @@ def readable(record):
         config, mechanism = record["config"], record.get("mechanism") or {}
         numbers = [record["n_params"], record.get("wall_s"), *record["final"].values(),
                    *(config[k] for k in ("lr", "seed", "d_model", "n_layers", "eval_size")),
-                   *(v for h in record.get("history") or () for v in h.values()),
+                   *(v for h in record.get("history") or () for v in (h["step"], *h.values())),
                    *(v for k, v in mechanism.items() if k != "verdict")]
         return (record["status"] in ("ok", "failed") and isinstance(config["arch"], str)
                 and all(map(finite, numbers)))
