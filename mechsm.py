@@ -10,8 +10,9 @@ probability on 320 fresh documents every eval_every steps, step 0 included. On p
 evaluation documents not seen in training ("novel_acc"), generalisation runs decay by a cosine.
 
 Read in order: Config -> make_data -> lr_at, answer_loss, evaluate -> train, its loop written out
--> the timeline entry -> save/load. Below a marked line, and skippable: train_group, runs that
-differ only in lr and seed trained as one batched model (the Ensemble). Sweeps and reports: run.py.
+-> history_entry, one evaluation (what the driver's on_eval adds: run.py's timeline) -> save/load.
+Below a marked line, and skippable: train_group, runs that differ only in lr and seed trained as
+one batched model (the Ensemble). Sweeps, reports and the timeline's patching: run.py.
 
 Shape letters (the README's glossary): b documents (of a batch or a Dataset), l sequence length,
 v vocabulary, r runs trained as one model (an Ensemble).
@@ -21,6 +22,7 @@ Using it from Python:
     cfg = mechsm.Config(arch="attention", num_keys=16, num_values=16, num_pairs=4, d_model=32,
                         train_size=8000, epochs=1, lr=3e-3)
     result, model = mechsm.train(cfg)            # result["final"]["acc"], result["history"], ...
+    # run.py's timeline: mechsm.train(cfg, on_eval=run.timeline) adds Attrib@Value/Query per eval
     mechsm.save(model, cfg, "attn.pt"); model, cfg = mechsm.load("attn.pt")
 """
 
@@ -31,14 +33,13 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import interventions
 import models
 import tasks
 
@@ -51,55 +52,67 @@ FAILED = "loss is {} at step {} (lr {:g}); run stopped"   # a failed run's error
 
 # --- Config: every knob of one run, flat, with the paper's values as defaults.
 
+def knob(default, help):
+    """A Config field: its default and, once, what it means (run.py's --help prints it)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Config:
     # task (tasks.py); data_seed fixes the language and its documents (shared by a sweep's models)
-    task: str = "ar"                 # "ar" | "atr"
-    num_keys: int = 4096             # AR: key vocabulary
-    num_values: int = 4096           # AR: value vocabulary
-    num_pairs: int = 16              # AR: key-value pairs per document
-    num_terminals: int = 20          # ATR: |Σ|
-    num_nonterminals: int = 40       # ATR: |N|
-    max_rhs_len: int = 5             # ATR: L_max (children per constituent, head included)
-    max_rules: int = 5               # ATR: R_max
-    max_depth: int = 10              # ATR: d_max
-    terminal_weight: int = 20        # ATR: r_Σ
-    max_terminals: int = 1024        # ATR: longer sentences are rejected (the paper: 1024)
-    holdout: float = 0.0             # fraction of (key, value) / (parent, child) pairs held out
-    data_seed: int = 42              # the language seed (grammar, held-out pairs, documents)
+    task: str = knob("ar", "ar or atr")
+    num_keys: int = knob(4096, "AR: key vocabulary")
+    num_values: int = knob(4096, "AR: value vocabulary")
+    num_pairs: int = knob(16, "AR: key-value pairs per document")
+    num_terminals: int = knob(20, "ATR: terminals |Σ| (paper: 20 or 8192)")
+    num_nonterminals: int = knob(40, "ATR: nonterminals |N|")
+    max_rhs_len: int = knob(5, "ATR: L_max, children per constituent, head included (paper: 5, 10)")
+    max_rules: int = knob(5, "ATR: R_max, rules per nonterminal")
+    max_depth: int = knob(10, "ATR: d_max")
+    terminal_weight: int = knob(20, "ATR: r_Σ, a terminal's weight against a nonterminal's 1")
+    max_terminals: int = knob(1024, "ATR: longer sentences are rejected (paper: 1024)")
+    holdout: float = knob(0.0, "fraction of (key, value) / (parent, child) pairs held out for a "
+                          "test split (paper: 0.2)")
+    data_seed: int = knob(42, "the language seed: grammar, held-out pairs, documents")
     # model (models.build_model)
-    arch: str = "attention"          # one of models.ARCHS
-    d_model: int = 64                # width
-    n_layers: int = 2
-    n_heads: int = 1
-    pos_emb: bool | None = None      # learned positions; None: the paper's (attention only)
-    n_positions: int = 1024          # size of the position table (the paper's l_max)
-    d_conv: int | None = None        # mamba's short conv (0 removes it); based/base_conv's kernel
-    long_only: bool = False          # based/base_conv: implicit long conv instead of the short conv
-    freeze_features: bool = False    # base_conv: its features Z frozen (README difference 13)
-    kernels: str = "fast"            # "fast" | "reference" (slow loop scan / direct convolutions)
+    arch: str = knob("attention", "one of models.ARCHS")
+    d_model: int = knob(64, "width")
+    n_layers: int = knob(2, "number of blocks")
+    n_heads: int = knob(1, "attention heads")
+    pos_emb: bool | None = knob(None, "learned positions; None (auto): the paper's, attention only")
+    n_positions: int = knob(1024, "size of the position table (the paper's l_max)")
+    d_conv: int | None = knob(None, "short-conv size of the archs that have one (mamba: 0 "
+                              "removes it; based/base_conv: its kernel)")
+    long_only: bool = knob(False, "based/base_conv: implicit long conv instead of the short conv")
+    freeze_features: bool = knob(False, "base_conv: its features Z frozen (README difference 13)")
+    kernels: str = knob("fast", "fast or reference (slow loop scan, direct convolutions)")
     # training (the paper's recipe)
-    lr: float = 1e-3                 # peak learning rate
-    batch_size: int = 32
-    train_size: int = 100_032        # documents in the fixed training set (3126 batches of 32)
-    epochs: int | None = None        # passes over the training set; None = 16 for AR, 32 for ATR
-    steps: int | None = None         # optimizer steps; overrides epochs (walked cyclically)
-    warmup_frac: float = 0.1         # linear warmup over int(warmup_frac * total) steps
-    schedule: str = "cosine"         # decay to 0: "cosine" | "linear" (README, difference 11)
-    seed: int = 42                   # model init seed (torch)
-    device: str = "auto"             # "auto" (cuda if available) | "cpu" | "cuda"
+    lr: float = knob(1e-3, "peak learning rate")
+    batch_size: int = knob(32, "batch size")
+    train_size: int = knob(100_032, "documents in the fixed training set (3126 batches of 32)")
+    epochs: int | None = knob(None, "passes over the training set; None: 16 for AR, 32 for ATR")
+    steps: int | None = knob(None, "optimizer steps; beats epochs (the training set cycles)")
+    warmup_frac: float = knob(0.1, "linear warmup over int(warmup_frac * total) steps")
+    schedule: str = knob("cosine", "decay to 0: cosine or linear (README, difference 11)")
+    seed: int = knob(42, "model init seed (torch)")
+    device: str = knob("auto", "auto (cuda if available), cpu or cuda")
     # evaluation
-    eval_every: int = 200            # steps between evaluations; the last step is always evaluated
-    eval_size: int = 320             # evaluation documents per split (the paper: 320)
-    timeline_docs: int = 64          # Attrib@Value/Query on this many eval docs (0: off)
-    gap_filter: float = 0.01         # p_clean - p_corrupt <= this: "no signal" (ATR box plots: 0.1)
+    eval_every: int = knob(200, "steps between evaluations; the last step is always evaluated")
+    eval_size: int = knob(320, "evaluation documents per split (paper: 320)")
+    timeline_docs: int = knob(64, "Attrib@Value/Query during training on this many eval "
+                              "documents (0: off)")
+    gap_filter: float = knob(0.01, "p_clean - p_corrupt <= this: no signal (ATR box plots: 0.1)")
 
     def check(self):
         """Raise ValueError with one line naming the field and what is allowed. Returns self."""
-        whole = lambda low, high=2**31: lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
-        real = lambda low, high: lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)  # not a string
-                                            and math.isfinite(v) and low <= v < high)
-        size, SIZE = whole(1), "a positive integer below 2**31"     # a larger size overflows deep inside torch
+        def whole(low, high=2**31):     # sizes: a larger one overflows deep inside torch
+            return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
+
+        def real(low, high):            # a real number (not a bool, not a string), finite
+            return lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool)
+                              and math.isfinite(v) and low <= v < high)
+
+        size, SIZE = whole(1), "a positive integer below 2**31"
         fraction, FRACTION = real(0, 1), "a number in [0, 1)"
         rules = [         # (fields, test, what is allowed), checked in this order
             ("task", lambda v: v in TASKS, " or ".join(TASKS)),
@@ -114,13 +127,16 @@ class Config:
             ("epochs steps", lambda v: v is None or size(v), SIZE + " or None"),
             ("n_heads", lambda v: self.d_model % v == 0, f"a divisor of d_model={self.d_model}"),
             ("lr", lambda v: real(0, math.inf)(v) and v != 0, "a positive finite number"),
-            ("train_size", lambda v: v >= self.batch_size, f"at least batch_size={self.batch_size}"),
+            ("train_size", lambda v: v >= self.batch_size,
+             f"at least batch_size={self.batch_size}"),
             ("warmup_frac holdout", fraction, FRACTION),
             ("schedule", lambda v: v in SCHEDULES, " or ".join(SCHEDULES)),
             ("kernels", lambda v: v in ("fast", "reference"), "fast or reference"),
-            ("pos_emb", lambda v: v is None or isinstance(v, bool), "True, False or None (auto: attention only)"),
+            ("pos_emb", lambda v: v is None or isinstance(v, bool),
+             "True, False or None (auto: attention only)"),
             ("long_only freeze_features", lambda v: isinstance(v, bool), "True or False"),
-            ("d_conv", lambda v: v is None or whole(0)(v), "a non-negative integer below 2**31 or None"),
+            ("d_conv", lambda v: v is None or whole(0)(v),
+             "a non-negative integer below 2**31 or None"),
             ("seed data_seed", whole(0, 2**63), "a non-negative integer below 2**63"),
             ("device", lambda v: (v in DEVICES or str(v).startswith("cuda:")) and resolve_device(v),
              " or ".join(DEVICES))]     # resolve_device: its own line for a missing CUDA device
@@ -142,9 +158,11 @@ class Config:
     def name(self):
         """A short human name, its suffix 8 hex digits of every field but device: runs that differ
         differ in name, e.g. 'ar_attention_d64_L2_lr0.001_s42_1c3a0f9e'."""
-        identity = json.dumps({k: v for k, v in asdict(self.resolved()).items() if k != "device"}, sort_keys=True)
-        return (f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}_s{self.seed}_"
-                + hashlib.sha1(identity.encode()).hexdigest()[:8])
+        identity = json.dumps({k: v for k, v in asdict(self.resolved()).items() if k != "device"},
+                              sort_keys=True)
+        digest = hashlib.sha1(identity.encode()).hexdigest()[:8]
+        return (f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}"
+                f"_s{self.seed}_{digest}")
 
 
 def resolve_device(device):
@@ -189,12 +207,14 @@ def make_documents(key):
     """The Data of a data_key (the last two are cached: a sweep's runs share theirs)."""
     c = dict(key)
     if c["task"] == "ar":
-        make = lambda n, split: tasks.make_ar(n, **{k: c[k] for k in AR_FIELDS}, seed=c["data_seed"],
-                                              split=split, holdout=c["holdout"])
+        make = lambda n, split: tasks.make_ar(n, **{k: c[k] for k in AR_FIELDS},
+                                              seed=c["data_seed"], split=split,
+                                              holdout=c["holdout"])
     else:
         grammar = tasks.PCFG(**{k: c[k] for k in PCFG_FIELDS}, seed=c["data_seed"])
         make = lambda n, split: tasks.make_atr(n, grammar, split=split, holdout=c["holdout"],
-                                               seed=c["data_seed"], max_terminals=c["max_terminals"])
+                                               seed=c["data_seed"],
+                                               max_terminals=c["max_terminals"])
     # the SAME seed for every split: tasks.py mixes the split name into the document stream
     try:
         train, dev = make(c["train_size"], "train"), make(c["eval_size"], "dev")
@@ -202,9 +222,10 @@ def make_documents(key):
     except (RuntimeError, MemoryError) as e:    # e.g. the held-out matrix of a huge vocabulary
         if not (isinstance(e, MemoryError) or "alloc" in str(e).lower()):
             raise
-        raise ValueError(f"{c['task']} task with {c['train_size']} training documents: too large to "
-                         f"allocate ({' '.join(str(e).split())[:120]})") from None
-    novel, text = None, lambda ds: [row[:n].tobytes() for row, n in zip(ds.tokens.numpy(), ds.lengths)]
+        raise ValueError(f"{c['task']} task with {c['train_size']} training documents: too "
+                         f"large to allocate ({' '.join(str(e).split())[:120]})") from None
+    text = lambda ds: [row[:n].tobytes() for row, n in zip(ds.tokens.numpy(), ds.lengths)]
+    novel = None
     if c["task"] == "atr":                      # README, difference 8: documents unseen in training
         seen = set(text(train))
         novel = {name: torch.tensor([doc not in seen for doc in text(ds)])
@@ -227,8 +248,9 @@ def make_data(cfg, data=None):
         length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
         if length > cfg.n_positions:
             what = "learned positions" if cfg.pos_emb else "implicit filter positions"
-            raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s model "
-                             f"has {cfg.n_positions} {what}; raise n_positions or shorten the documents")
+            raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s "
+                             f"model has {cfg.n_positions} {what}; raise n_positions or shorten "
+                             "the documents")
     return data
 
 
@@ -300,7 +322,8 @@ def adamw(model, lr):
     CPU; the same update up to rounding) when every parameter is floating-point on cpu or cuda."""
     params = list(model.parameters())
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=fused or None)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                             fused=fused or None)
 
 
 def training_batches(cfg, data):
@@ -323,10 +346,12 @@ def training_batches(cfg, data):
 
 # --- One training run: the loop, written out (as nanoGPT's train.py writes it).
 
-def train(cfg, *, data=None, log=None):
-    """Train one model with the paper's recipe. Returns (result, model); result: config, name, status
-    ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final (the final
-    model's metrics), history (one entry per evaluation), wall_s, steps_done..."""
+def train(cfg, *, data=None, log=None, on_eval=None):
+    """Train one model with the paper's recipe. Returns (result, model); result: config, name,
+    status ("ok", or "failed": a NaN/inf loss stops the run), error, n_params, device, final (the
+    final model's metrics), history (one entry per evaluation), wall_s, steps_done...
+    on_eval(model, data, cfg, step) -> dict: what the driver adds to each evaluation's entry
+    (run.py passes its timeline, the attribution pair); its seconds are summed in timeline_s."""
     cfg = cfg.check().resolved()
     data = make_data(cfg, data)            # documents cfg's model cannot take fail here
     prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
@@ -341,21 +366,26 @@ def train(cfg, *, data=None, log=None):
     for step in range(total + 1):
         if step % cfg.eval_every == 0 or step == total:     # evaluate, step 0 and the last included
             train_loss = (loss_sum / n_losses).item() if n_losses else None
-            entry = history_entry(model, data, cfg, step, train_loss)
+            entry = history_entry(model, data, cfg, step, train_loss, on_eval)
             history.append(entry)
             rate = step / max(time.time() - start, 1e-9)    # steps per second
             eta = f"{(total - step) / rate / 60:.1f} min" if step else "?"
-            attrib = ("" if "attrib_value" not in entry else " | attrib -" if entry["attrib_low_signal"]
-                      else f" | attrib V {entry['attrib_value']:.2f} Q {entry['attrib_query']:.2f}")
-            log(f"step {step}/{total} | loss {'-' if train_loss is None else f'{train_loss:.3f}'} | "
-                f"acc {entry['acc']:.3f}{attrib} | {rate:.1f} steps/s | ETA {eta}")
+            loss_text = "-" if train_loss is None else f"{train_loss:.3f}"
+            if "attrib_value" not in entry:                 # no timeline (on_eval) given
+                attrib = ""
+            elif entry["attrib_low_signal"]:
+                attrib = " | attrib -"
+            else:
+                attrib = f" | attrib V {entry['attrib_value']:.2f} Q {entry['attrib_query']:.2f}"
+            log(f"step {step}/{total} | loss {loss_text} | acc {entry['acc']:.3f}{attrib} | "
+                f"{rate:.1f} steps/s | ETA {eta}")
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break
         for group in optimizer.param_groups:                # the schedule
             group["lr"] = lr_at(step, total, cfg.warmup_frac, cfg.schedule, cfg.lr)
         loss = answer_loss(model, *batch(step))             # forward
-        if not torch.isfinite(loss):                        # a NaN/inf would poison every later step
+        if not torch.isfinite(loss):                        # a NaN/inf poisons every later step
             error = FAILED.format(loss.item(), step, cfg.lr)
             log(f"FAILED: {error}")
             break
@@ -371,25 +401,27 @@ def run_record(cfg, model, history, steps_done, error, wall):
     history = [dict(h) for h in history if h["step"] <= steps_done]
     timeline_s = sum(h.pop("timeline_s", 0.0) for h in history)
     final = {k: v for k, v in (history[-1] if history else {}).items() if k != "lr"}
-    return {"config": asdict(cfg), "name": cfg.name(), "status": "ok" if error is None else "failed",
-            "error": error, "n_params": sum(p.numel() for p in model.parameters()),
+    return {"config": asdict(cfg), "name": cfg.name(),
+            "status": "ok" if error is None else "failed", "error": error,
+            "n_params": sum(p.numel() for p in model.parameters()),
             "device": resolve_device(cfg.device), "final": final, "history": history,
             "wall_s": round(wall, 2), "steps_done": steps_done, "total_steps": cfg.total_steps(),
-            "steps_per_s": round(steps_done / max(wall, 1e-9), 2), "timeline_s": round(timeline_s, 3)}
+            "steps_per_s": round(steps_done / max(wall, 1e-9), 2),
+            "timeline_s": round(timeline_s, 3)}
 
 
-# --- The timeline entry: one evaluation during training, with the attribution pair (paper Sec. 4).
+# --- One evaluation during training: the history's entry.
 
-def history_entry(model, data, cfg, step, train_loss):
-    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}; if cfg.timeline_docs, the
-    headline pair on that many eval docs: attrib_value/query/gap/low_signal, timeline_s."""
+def history_entry(model, data, cfg, step, train_loss, on_eval=None):
+    """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}, then what
+    on_eval(model, data, cfg, step) returns (run.py: attrib_value/query/gap/low_signal, paper
+    Sec. 4) and the seconds it took, timeline_s."""
     lr = lr_at(step, cfg.total_steps(), cfg.warmup_frac, cfg.schedule, cfg.lr)
     entry = {"step": step, "lr": lr, "train_loss": train_loss, **evaluate_all(model, data)}
-    if cfg.timeline_docs:
+    if on_eval is not None:
         start = time.time()
-        head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
-        entry.update(attrib_value=head["value"], attrib_query=head["query"], attrib_gap=head["gap"],
-                     attrib_low_signal=head["low_signal"], timeline_s=time.time() - start)
+        timeline = on_eval(model, data, cfg, step)
+        entry.update(timeline, timeline_s=time.time() - start)
     return entry
 
 
@@ -431,8 +463,10 @@ def _rebuild(blob, device, fail):
         for k in dict.fromkeys([*ours, *theirs]):           # an option one side lacks: None
             a, b = ours.get(k), theirs.get(k)                   # (or False: off)
             if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
-                raise ValueError(f"the config builds {k}={a!r}, the weights were built with {k}={b!r}")
-        if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in blob["state_dict"].values()):
+                raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
+                                 f"{k}={b!r}")
+        weights = blob["state_dict"].values()
+        if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in weights):
             model.double()                                  # a float64 model comes back float64
         model.load_state_dict(blob["state_dict"])           # strict: the same keys and shapes
     except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
@@ -455,18 +489,20 @@ def save(model, cfg, path):
 
 
 def write_whole(path, data):
-    """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a kill
-    or a full disk leaves the old file and no temporary one; bytes it already holds: no write."""
-    if os.path.isfile(path) and Path(path).read_bytes() == data:
+    """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a
+    kill or a full disk leaves the old file and no temporary one; bytes it already holds: no
+    write. A link is followed, as every tool follows it: the file it names is the one replaced."""
+    target = os.path.realpath(path)
+    if os.path.isfile(target) and Path(target).read_bytes() == data:
         return path
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.tmp{os.getpid()}"
     try:
-        with open(tmp, "xb") as f:            # "x": a new file, never one that a link points to
+        with open(tmp, "xb") as f:            # "x": a new file of its own
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)
@@ -476,7 +512,8 @@ def write_whole(path, data):
 def load(path, device="cpu"):
     """(model, cfg) from a checkpoint of save(), built from its config (exactly Config's fields,
     valid) that must agree with its build_args and weights; else a one-line CheckpointError. The
-    model and cfg.device are `device`'s, wherever it was trained (a GPU's checkpoint on a laptop)."""
+    model and cfg.device are `device`'s, wherever it was trained (a GPU's checkpoint on a
+    laptop)."""
     Config(device=device).check()                       # a bad device: a ValueError naming it
     fail = lambda what: CheckpointError(f"checkpoint {path}: {what}")
     if not os.path.isfile(path):
@@ -492,8 +529,8 @@ def load(path, device="cpu"):
 
 # ==================================================================================================
 # Below: many runs at once, a learner can skip it. Runs that differ only in lr and seed train as one
-# batched model (r times the work per kernel launch: run.py bench), each as train() trains it alone,
-# to rounding; test_all.py compares every member with its lone run.
+# batched model (r times the work per kernel launch: results/bench.txt, part 4), each as train()
+# trains it alone, to rounding; test_all.py compares every member with its lone run.
 # ==================================================================================================
 
 def group_key(cfg):
@@ -502,11 +539,12 @@ def group_key(cfg):
 
 
 class Ensemble:
-    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their parameters are the
-    rows of ONE (r, n_params) leaf, their logits a vmap of functional_call on one base module, the summed loss gives
-    each row its member's gradient, and train_step applies torch.optim.AdamW's single-tensor update (0.9, 0.999,
-    eps 1e-8, no weight decay) op for op, an lr per member. A member whose loss is not finite fails at that step:
-    its row steps by 0 from then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
+    """r models of one arch and shape trained as one (PyTorch's model-ensembling tutorial): their
+    parameters are the rows of ONE (r, n_params) leaf, their logits a vmap of functional_call on one
+    base module, the summed loss gives each row its member's gradient, and train_step applies
+    torch.optim.AdamW's single-tensor update (0.9, 0.999, eps 1e-8, no weight decay) op for op, an
+    lr per member. A member whose loss is not finite fails at that step: its row steps by 0 from
+    then on (so does a frozen or unused parameter, as torch's AdamW skips it)."""
 
     def __init__(self, modules):
         self.modules, self.base = list(modules), modules[0]
@@ -553,7 +591,7 @@ class Ensemble:
             self.exp_avg.lerp_(grad, 1 - beta1)
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (self.exp_avg_sq.sqrt() / bias2 ** 0.5).add_(1e-8)
-            flat.addcdiv_(self.exp_avg * neg_step, denom)                  # p -= lr / bias1 * m / denom
+            flat.addcdiv_(self.exp_avg * neg_step, denom)          # p -= lr / bias1 * m / denom
         return losses
 
     def members(self):
@@ -565,10 +603,11 @@ class Ensemble:
         return self.modules
 
 
-def train_group(configs, *, data=None, log=None):
+def train_group(configs, *, data=None, log=None, on_eval=None):
     """Train configs that differ only in lr and seed as one Ensemble, in a loop like train()'s:
-    [(result, model)], each what train(cfg) returns (to rounding) plus "group": {"size", "index"};
-    wall_s is the group's. A member whose loss goes NaN/inf fails there; the others go on."""
+    [(result, model)], each what train(cfg, on_eval=on_eval) returns (to rounding) plus "group":
+    {"size", "index"}; wall_s is the group's. A member whose loss goes NaN/inf fails there; the
+    others go on."""
     cfgs = [c.check().resolved() for c in configs]
     if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
         raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
@@ -586,7 +625,7 @@ def train_group(configs, *, data=None, log=None):
         if step % cfg.eval_every == 0 or step == total:
             losses = (loss_sum / n_losses).tolist() if n_losses else [None] * r
             for c, member, history, loss in zip(cfgs, ens.members(), histories, losses):
-                history.append(history_entry(member, data, c, step, loss))
+                history.append(history_entry(member, data, c, step, loss, on_eval))
             rate, accs = step / max(time.time() - start, 1e-9), [h[-1]["acc"] for h in histories]
             log(f"step {step}/{total} | acc {' '.join(f'{a:.3f}' for a in accs)} | "
                 f"{rate:.1f} steps/s ({r * rate:.1f} model-steps/s)")

@@ -7,13 +7,14 @@ HookPoint on every tensor an intervention may patch (README, difference 10). Sec
 Mixer; 2 slow reference kernels; 3 the mixers; 4 TransformerBlock, the LM and its init, registry,
 build_model; 5 fast kernels, each equal to a reference of 2.
 
-Shape letters (the README's glossary): b batch, l sequence length (t, s: positions in it), d d_model,
-v vocabulary, h heads, w head width (d/h), e Mamba's inner width (2d), n SSM state size, f Based's
-feature dim, c conv channels (an effective_map's: heads or channels, each of width w), o Hyena's
-filter width, r runs trained as one model (mechsm.Ensemble).
+Shape letters (the README's glossary): b batch, l sequence length (t, s: positions in it),
+d d_model, v vocabulary, h heads, w head width (d/h), e Mamba's inner width (2d), n SSM state size,
+f Based's feature dim, c conv channels (an effective_map's: heads or channels, each of width w),
+o Hyena's filter width, r runs trained as one model (mechsm.Ensemble).
 """
 
 import contextlib
+import difflib
 import inspect
 import math
 import re
@@ -123,11 +124,13 @@ def short_conv_reference(x, weight, bias=None):
 
 def delta_rule_recurrent(q, k, v, beta, log_alpha=None):
     """The delta rule as a loop over tokens. q, k, v (b, l, h, w), beta (b, l, h) -> o (b, l, h, w):
-    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k). Gated (log_alpha
-    (b, l, h)): S_{t-1} first decays to alpha_t S_{t-1} (fla/ops/gated_delta_rule/naive.py)."""
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(d_k).
+    Gated (log_alpha (b, l, h)): S_{t-1} first decays to alpha_t S_{t-1}
+    (fla/ops/gated_delta_rule/naive.py)."""
     b, l, h, dk = k.shape
     S = k.new_zeros(b, h, dk, v.shape[-1])  # S_{-1} = 0: (b, h, w, w)
-    alpha = torch.ones_like(beta) if log_alpha is None else log_alpha.exp()  # x 1: exact, DeltaNet's
+    # DeltaNet's alpha is 1: multiplying by it is exact
+    alpha = torch.ones_like(beta) if log_alpha is None else log_alpha.exp()
     outputs = []
     for q_t, k_t, v_t, beta_t, alpha_t in zip(*(t.unbind(1) for t in (q, k, v, beta, alpha))):
         S = alpha_t[..., None, None] * S                                           # decay
@@ -198,8 +201,9 @@ class Attention(Mixer):
 
 
 def hyena_positional_features(n_positions):
-    """Z (n_positions, 3), the input of Hyena's and BaseConv's filters: Z[t] = (t/(P-1), cos a_t,
-    -sin a_t), a_t = 2 pi 1e-4 t/P, P = n_positions (Hyena's features, one band), never rescaled to l."""
+    """Z (n_positions, 3), the input of Hyena's and BaseConv's filters:
+    Z[t] = (t/(P-1), cos a_t, -sin a_t), a_t = 2 pi 1e-4 t/P, P = n_positions (Hyena's features,
+    one band), never rescaled to l."""
     t = torch.arange(n_positions, dtype=torch.float32)
     angle = 2 * math.pi * 1e-4 * t / n_positions
     return torch.stack([t / (n_positions - 1), torch.cos(angle), -torch.sin(angle)], dim=1)
@@ -208,7 +212,8 @@ def hyena_positional_features(n_positions):
 class BaseConv(Mixer):
     """BaseConv (zoology/mixers/base_conv.py): y = c * p + u, p = u W_p^T + b_p, c = SC(u) (a short
     conv of kernel_size >= 1) or, for kernel_size=-1, LC(u; kappa) + u, kappa (l, d) a ReLU MLP of
-    features Z. Layers alternate kernel sizes 3 and -1; d_conv sets every layer's, long_only: all -1."""
+    features Z. Layers alternate kernel sizes 3 and -1; d_conv sets every layer's; long_only:
+    all -1."""
     INTERNAL_SITES = ["hook_conv", "hook_gated"]
     D_CONV = range(1, 2**31)
     MAP_SITE = "hook_gated"
@@ -216,7 +221,8 @@ class BaseConv(Mixer):
     def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=None, long_only=False,
                  n_positions=1024, freeze_features=False, **options):
         super().__init__(reference)
-        self.kernel_size = kernel_size = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
+        kernel_size = -1 if long_only else d_conv if d_conv is not None else [3, -1][layer_idx % 2]
+        self.kernel_size = kernel_size
         self.projection = nn.Linear(d_model, d_model)
         self.hook_proj, self.hook_conv, self.hook_gated = HookPoint(), HookPoint(), HookPoint()
         if kernel_size == -1:  # Z trained as in the paper (README, difference 13) unless frozen
@@ -236,13 +242,15 @@ class BaseConv(Mixer):
         return self.hook_gated(self.hook_conv(c) * p) + u
 
     def effective_map(self, u):
-        """The conv's kernel (kappa + identity, or the short conv's taps) gated by p, per channel, on v = u (b,d,l,1).
-        The short conv's bias adds p_t * bias, which reads no position: it is not in M."""
+        """The conv's kernel (kappa + identity, or the short conv's taps) gated by p, per channel,
+        on v = u (b,d,l,1). The short conv's bias adds p_t * bias, which reads no position: it is
+        not in M."""
         a = self.capture(u, "hook_proj", *["hook_filter"] * (self.kernel_size == -1))
         if self.kernel_size == -1:
             kernel = torch.cat([a["hook_filter"][:1] + 1, a["hook_filter"][1:]])   # LC(u) + u
         else:  # tap j of `size` looks size-1-j steps back
-            kernel = F.pad(self.conv.weight[:, 0].flip(-1).t(), (0, 0, 0, u.shape[1]))[:u.shape[1]]  # (l,d)
+            taps = self.conv.weight[:, 0].flip(-1).t()                           # (size, d)
+            kernel = F.pad(taps, (0, 0, 0, u.shape[1]))[:u.shape[1]]              # (l, d)
         return toeplitz(kernel, a["hook_proj"]), u.transpose(1, 2)[..., None]
 
 
@@ -251,7 +259,8 @@ def taylor_features(a):
     vec(a a^T) / sqrt(2f)], so that phi(q).phi(k) = 1 + s + s^2/2 ~ exp(s), s = q.k / sqrt(f)."""
     f = a.shape[-1]
     outer = (a[..., :, None] * a[..., None, :]).flatten(-2)  # (..., f*f), a_m a_n at index m*f + n
-    return torch.cat([torch.ones_like(a[..., :1]), a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
+    ones = torch.ones_like(a[..., :1])
+    return torch.cat([ones, a / f ** 0.25, outer / (math.sqrt(2) * math.sqrt(f))], dim=-1)
 
 
 class BasedAttention(Mixer):
@@ -261,11 +270,14 @@ class BasedAttention(Mixer):
     INTERNAL_SITES = ["hook_phi_q", "hook_phi_k", "hook_y"]
     MAP_SITE = "hook_y"
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, n_heads=1, feature_dim=8,
+                 **options):
         super().__init__(reference)
         self.n_heads, self.feature_dim, self.eps = n_heads, feature_dim, 1e-12
-        self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False) for _ in "qk")
-        self.proj_v, self.proj_o = (nn.Linear(d_model, d_model, bias=False) for _ in "vo")
+        self.proj_q, self.proj_k = (nn.Linear(d_model, feature_dim * n_heads, bias=False)
+                                    for _ in "qk")
+        self.proj_v = nn.Linear(d_model, d_model, bias=False)
+        self.proj_o = nn.Linear(d_model, d_model, bias=False)
         self.hook_q, self.hook_k = HookPoint(), HookPoint()              # (b,l,h,f)
         self.hook_phi_q, self.hook_phi_k = HookPoint(), HookPoint()      # (b,l,h,1+f+f^2)
         self.hook_v, self.hook_y = HookPoint(), HookPoint()              # (b,l,h,w); y (b,l,d)
@@ -279,13 +291,15 @@ class BasedAttention(Mixer):
         v = self.hook_v(self.proj_v(x).view(b, l, h, d // h))
         phi_q, phi_k = self.hook_phi_q(taylor_features(q)), self.hook_phi_k(taylor_features(k))
         kernel = torch.einsum("bthf,bshf->bhts", phi_q, phi_k)  # (b,l,h,1+f+f^2) twice -> (b,h,l,l)
-        pattern = self.hook_pattern(kernel * torch.ones(l, l, dtype=torch.bool, device=x.device).tril())  # causal
+        causal = torch.ones(l, l, dtype=torch.bool, device=x.device).tril()
+        pattern = self.hook_pattern(kernel * causal)
         num = torch.einsum("bhts,bshw->bthw", pattern, v)       # (b,l,h,w)
         den = pattern.sum(-1).transpose(1, 2)[..., None]        # (b,h,l) -> (b,l,h,1); >= (t+1)/2
         return self.proj_o(self.hook_y((num / (den + self.eps)).reshape(b, l, d)))
 
     def effective_map(self, x):
-        """The normalised pattern phi(q_t).phi(k_s) / (sum_s' phi(q_t).phi(k_s') + eps) per head on v."""
+        """The normalised pattern, per head on v:
+        phi(q_t).phi(k_s) / (sum_s' phi(q_t).phi(k_s') + eps)."""
         a = self.capture(x, "hook_pattern", "hook_v")
         pattern = a["hook_pattern"]                                             # (b,h,l,l)
         return pattern / (pattern.sum(-1, keepdim=True) + self.eps), a["hook_v"].transpose(1, 2)
@@ -298,7 +312,8 @@ class H3(Mixer):
     INTERNAL_SITES = ["hook_shift_out", "hook_ssm_out"]
     MAP_SITE = "hook_o"
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024, h3_head_dim=2, **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, h3_d_state=1024,
+                 h3_head_dim=2, **options):
         super().__init__(reference)
         d, n, w, h = d_model, h3_d_state, h3_head_dim, d_model // h3_head_dim
         if d % w or n % 2:
@@ -369,14 +384,17 @@ class H3(Mixer):
         z = long_conv(kv.reshape(b, l, h * w * w), per_signal, self.reference).view(b, l, h, w, w)
         z = self.hook_ssm_out(z + self.diag_D[:, None, None] * kv)  # (b, l, h, w, w)
         o = self.hook_o(torch.einsum("blhi,blhij->blhj", q.view(b, l, h, w), z))  # read out with q
-        return self.output_linear(self.hook_y(o.transpose(2, 3).reshape(b, l, d)))  # channel j*h + head
+        y = o.transpose(2, 3).reshape(b, l, d)                  # channel j*h + head
+        return self.output_linear(self.hook_y(y))
 
     def effective_map(self, x):
-        """Per head, (q_t . k~_s) (K^d[t-s] + D^d [t = s]) on v (b,h,l,w); the shift SSM is inside k~."""
+        """Per head, (q_t . k~_s) (K^d[t-s] + D^d [t = s]) on v (b,h,l,w);
+        the shift SSM is inside k~."""
         b, l, d = x.shape
         a = self.capture(x, "hook_q", "hook_k_tilde", "hook_v", "hook_ssm_kernel")
         q, k, v = (a[n].view(b, l, self.n_heads, -1) for n in ("hook_q", "hook_k_tilde", "hook_v"))
-        kernel = torch.cat([a["hook_ssm_kernel"][:1] + self.diag_D, a["hook_ssm_kernel"][1:]])  # (l,h)
+        ssm_kernel = a["hook_ssm_kernel"]                                            # (l,h)
+        kernel = torch.cat([ssm_kernel[:1] + self.diag_D, ssm_kernel[1:]])          # (l,h)
         scores = torch.einsum("bthi,bshi->bhts", q, k)                               # (b,h,l,l)
         return scores * toeplitz(kernel), v.transpose(1, 2)
 
@@ -387,13 +405,14 @@ class HyenaFilter(nn.Module):
 
     def __init__(self, d_model, order, n_positions):
         super().__init__()
-        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (n_positions, 3), trained
+        self.z = nn.Parameter(hyena_positional_features(n_positions))      # (n_positions, 3)
         self.register_buffer("tau", torch.linspace(0, 1, n_positions))     # (n_positions,) tau_t
         self.lin1 = nn.Linear(3, order)
         self.lin2, self.lin3 = nn.Linear(order, order), nn.Linear(order, order)
         self.lin_out = nn.Linear(order, d_model, bias=False)
         self.freq = nn.Parameter(torch.ones(order))  # omega, ONE for all three sines, as upstream
-        # alpha: decay rates 15.35..3.07 per channel (window 1e-2 at 30%..150% of n_positions), fixed
+        # alpha: fixed decay rates 15.35..3.07 per channel (window 1e-2 at 30%..150% of
+        # n_positions)
         target = math.log(1e-2)
         self.register_buffer("decay", torch.linspace(target / 1.5, target / 0.3, d_model).abs())
 
@@ -407,7 +426,8 @@ class HyenaFilter(nn.Module):
 
 class Hyena(Mixer):
     """Hyena, order 2 (zoology/mixers/hyena.py): [x1 | x2 | v] = SC(x W_in + b_in) (kernel size 3),
-    s = v x1, y = LC(s; h) + 0 beta s (the paper's; hyena_skip: beta s), out = (y x2) W_out + b_out."""
+    s = v x1, y = LC(s; h) + 0 beta s (the paper's; hyena_skip: beta s),
+    out = (y x2) W_out + b_out."""
     FIXED_LENGTH = True     # its implicit filter is a table of n_positions rows
     INTERNAL_SITES = ["hook_short", "hook_longconv"]
     DOWN_SCALED = "out_proj"
@@ -441,7 +461,8 @@ class Hyena(Mixer):
         return self.out_proj(self.hook_postgate(y * x2))
 
     def effective_map(self, x):
-        """The filter h (+ the skip beta at lag 0) gated by x2, per channel, on v = s = v x1 (b,d,l,1)."""
+        """The filter h (+ the skip beta at lag 0) gated by x2, per channel,
+        on v = s = v x1 (b,d,l,1)."""
         a = self.capture(x, "hook_short", "hook_filter", "hook_pregate")
         skip = self.skip if self.use_skip else 0 * self.skip
         kernel = torch.cat([a["hook_filter"][:1] + skip, a["hook_filter"][1:]])     # (l, d)
@@ -476,7 +497,8 @@ class Mamba(Mixer):
     BLOCK = MambaBlock
     DOWN_SCALED = "out_proj"
 
-    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16, expand=2, **options):
+    def __init__(self, d_model, layer_idx, n_layers, reference=False, d_conv=4, d_state=16,
+                 expand=2, **options):
         super().__init__(reference)
         e, n = expand * d_model, d_state
         self.d_conv, self.d_state = 4 if d_conv is None else d_conv, d_state
@@ -488,7 +510,8 @@ class Mamba(Mixer):
             nn.Conv1d(e, e, 4, groups=e)   # other weight stays as in the runs of results/
         self.x_proj = nn.Linear(e, self.dt_rank + 2 * n, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, e)
-        # W_dt ~ U(+-1/sqrt(dt_rank)); b_dt = softplus^-1(Delta_0), Delta_0 log-uniform in [1e-3, 1e-1]
+        # W_dt ~ U(+-1/sqrt(dt_rank)); b_dt = softplus^-1(Delta_0),
+        # Delta_0 log-uniform in [1e-3, 1e-1]
         nn.init.uniform_(self.dt_proj.weight, -self.dt_rank ** -0.5, self.dt_rank ** -0.5)
         dt = torch.exp(torch.empty(e).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
         with torch.no_grad():
@@ -517,9 +540,10 @@ class Mamba(Mixer):
         return self.out_proj(self.hook_y(y * self.hook_gate(F.silu(z))))  # (b,l,e) -> (b,l,d)
 
     def effective_map(self, x):
-        """The selective scan as a matrix per channel e ("The Hidden Attention of Mamba Models", Ali,
-        Zimerman, Wolf 2024), with D and the gate: on v = u (b,e,l,1),
-        M[e, t, s] = SiLU(z_t) (sum_n C_t exp(A (Delta_{s+1} + .. + Delta_t)) B_s Delta_s + D [t = s])."""
+        """The selective scan as a matrix per channel e ("The Hidden Attention of Mamba Models",
+        Ali, Zimerman, Wolf 2024), with D and the gate: on v = u (b,e,l,1),
+        M[e, t, s] = SiLU(z_t) (sum_n C_t exp(A (Delta_{s+1} + .. + Delta_t)) B_s Delta_s
+                                + D [t = s])."""
         a = self.capture(x, "hook_u", "hook_delta", "hook_B", "hook_C", "hook_gate")
         u, delta, l = a["hook_u"], a["hook_delta"], x.shape[1]
         cum = delta.cumsum(1).transpose(1, 2)                                        # (b, e, l)
@@ -527,7 +551,8 @@ class Mamba(Mixer):
         A = -torch.exp(self.A_log)                                                   # (e, n)
         decay = ((cum[..., :, None] - cum[..., None, :])[..., None] * A[:, None, None]).masked_fill(
             future, float("-inf")).exp()                                             # (b,e,l,l,n)
-        M = torch.einsum("betsn,btn,bsn->bets", decay, a["hook_C"], a["hook_B"])  # L . C B^T (b,e,l,l)
+        # L . C B^T (b,e,l,l)
+        M = torch.einsum("betsn,btn,bsn->bets", decay, a["hook_C"], a["hook_B"])
         M = M * delta.transpose(1, 2)[:, :, None]                                  # x Delta_s
         M = M + torch.diag_embed(self.D[:, None].expand(-1, l))                     # + D [t = s]
         return M * a["hook_gate"].transpose(1, 2)[..., None], u.transpose(1, 2)[..., None]
@@ -539,14 +564,16 @@ def l2_normalize(x):
 
 
 class DeltaNet(Mixer):
-    """DeltaNet (fla/layers/delta_net.py; 1 head, size-4 convs, beta, no gate: README, difference 15):
-    q, k, v = SiLU(SC(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta); the delta rule
-    stores key -> value pairs; per-head RMSNorm (one weight); W_o. d_conv: conv size (default 4)."""
+    """DeltaNet (fla/layers/delta_net.py; 1 head, size-4 convs, beta, no gate: README,
+    difference 15): q, k, v = SiLU(SC(x W)), q, k L2-normalised per head; beta = sigmoid(x W_beta);
+    the delta rule stores key -> value pairs; per-head RMSNorm (one weight); W_o.
+    d_conv: conv size (default 4)."""
     D_CONV = range(2**31)   # 0 removes the convs
     INTERNAL_SITES = ["hook_k", "hook_v", "hook_o"]
     MAP_SITE = "hook_o"
 
-    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None, **options):
+    def __init__(self, d_model, layer_idx=0, n_layers=2, reference=False, *, n_heads=1, d_conv=None,
+                 **options):
         super().__init__(reference)
         d, h = d_model, n_heads
         self.n_heads, self.conv_size = h, 4 if d_conv is None else d_conv
@@ -566,7 +593,8 @@ class DeltaNet(Mixer):
         weight = torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.b_proj)])
         qkv, beta = F.linear(x, weight).split([3 * d, h], -1)  # (b,l,3d), (b,l,h)
         if self.conv_size > 0:
-            qkv = self.short_conv(qkv, torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight]))
+            weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
+            qkv = self.short_conv(qkv, weight)
         q, k, v = (t.unflatten(-1, (h, -1)) for t in F.silu(qkv).split(d, dim=-1))  # (b,l,h,w) each
         q, k, v = self.hook_q(l2_normalize(q)), self.hook_k(l2_normalize(k)), self.hook_v(v)
         beta = self.hook_beta(torch.sigmoid(beta))
@@ -585,17 +613,19 @@ class DeltaNet(Mixer):
         output for the values V = I, value j the unit vector e_j."""
         a = self.capture(x, "hook_q", "hook_k", "hook_v", "hook_beta")
         b, l, h, _ = a["hook_q"].shape
-        eye = torch.eye(l, dtype=x.dtype, device=x.device).expand(b, h, l, l).transpose(1, 2)  # (b,l,h,l)
+        eye = torch.eye(l, dtype=x.dtype, device=x.device)
+        eye = eye.expand(b, h, l, l).transpose(1, 2)                              # (b,l,h,l)
         M = delta_rule_parallel(a["hook_q"], a["hook_k"], eye, a["hook_beta"], *self.log_decay(x))
-        return M.transpose(1, 2), a["hook_v"].transpose(1, 2)                      # (b,h,l,l), (b,h,l,w)
+        return M.transpose(1, 2), a["hook_v"].transpose(1, 2)          # (b,h,l,l), (b,h,l,w)
 
 
 class GatedDeltaNet(DeltaNet):
     """Gated DeltaNet (Yang, Kautz, Hatamizadeh, ICLR 2025; fla/layers/gated_deltanet.py): DeltaNet
-    whose state decays, S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T (S as value x key),
-    alpha_t = exp(-exp(A_log) softplus(x W_a + dt_bias)) per head (Mamba-2's), and whose output is
-    gated: RMSNorm(o) * SiLU(x W_g) (fla's FusedRMSNormGated). fla's head widths are 0.75d (keys) and
-    1.5d (values); ours d and d, one head by default, as our DeltaNet (README, difference 15)."""
+    whose state decays, S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T
+    (S as value x key), alpha_t = exp(-exp(A_log) softplus(x W_a + dt_bias)) per head (Mamba-2's),
+    and whose output is gated: RMSNorm(o) * SiLU(x W_g) (fla's FusedRMSNormGated). fla's head
+    widths are 0.75d (keys) and 1.5d (values); ours d and d, one head by default, as our DeltaNet
+    (README, difference 15)."""
 
     def __init__(self, d_model, *args, n_heads=1, d_conv=None, **options):
         super().__init__(d_model, *args, n_heads=n_heads, d_conv=d_conv, **options)
@@ -603,8 +633,10 @@ class GatedDeltaNet(DeltaNet):
         self.a_proj, self.g_proj = nn.Linear(d, h, bias=False), nn.Linear(d, d, bias=False)
         self.A_log = nn.Parameter(torch.empty(h).uniform_(0, 16).log())  # exp(A_log) ~ U(0, 16)
         dt = torch.exp(torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt), as Mamba's
-        self.hook_log_alpha, self.hook_gate = HookPoint(), HookPoint()  # (b,l,h); SiLU(x W_g) (b,l,d)
+        # softplus^-1(dt), as Mamba's
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        # log alpha (b,l,h); SiLU(x W_g) (b,l,d)
+        self.hook_log_alpha, self.hook_gate = HookPoint(), HookPoint()
 
     def log_decay(self, x):
         """(log alpha (b, l, h),): log alpha_t = -exp(A_log) softplus(x W_a + dt_bias) < 0."""
@@ -615,7 +647,7 @@ class GatedDeltaNet(DeltaNet):
         return self.o_norm(o) * gate
 
 
-# ============================================ 4. TransformerBlock, the LM and its init (zoology/model.py)
+# ================================= 4. TransformerBlock, the LM and its init (zoology/model.py)
 
 class TransformerBlock(nn.Module):
     """Pre-norm block over the residual stream r: r += mixer(LN1(r)); r += MLP(LN2(r))."""
@@ -669,32 +701,36 @@ class LM(nn.Module):
                         weight.div_(math.sqrt(n_layers))
 
     def forward(self, tokens, readout=None):
-        """tokens (b, l) integer ids of the vocabulary -> logits (b, l, v), or (b, v) at readout (b,)
-        positions. Speed: with readout, the last block's MLP sees those rows only (~1/6 of a
+        """tokens (b, l) integer ids of the vocabulary -> logits (b, l, v), or (b, v) at readout
+        (b,) positions. Speed: with readout, the last block's MLP sees those rows only (~1/6 of a
         Transformer step on AR), unless something hooks its side (it would see (b, 1, d))."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
                 or tokens.is_complex() or tokens.dtype == torch.bool:
-            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(f"tokens must be a (batch, length) tensor of integer token ids; got {got}.")
+            got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
+                   else type(tokens).__name__)
+            raise ValueError("tokens must be a (batch, length) tensor of integer token ids; "
+                             f"got {got}.")
         if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
             try:                          # the range read on a CPU only: no GPU sync
                 low, high = (x.item() for x in torch.aminmax(tokens))
             except RuntimeError:          # vmap over the tokens: no .item()
                 low, high = 0, 0
             if low < 0 or high >= self.embed.num_embeddings:
-                raise ValueError(f"tokens must be ids in [0, {self.embed.num_embeddings}) (the model's "
-                                 f"vocabulary); got {low if low < 0 else high}.")
+                raise ValueError(f"tokens must be ids in [0, {self.embed.num_embeddings}) "
+                                 f"(the model's vocabulary); got {low if low < 0 else high}.")
         l = tokens.shape[1]
         r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
         if self.pos_emb is not None:
             if l > self.pos_emb.num_embeddings:
-                raise ValueError(f"sequence length {l} exceeds n_positions={self.pos_emb.num_embeddings}.")
+                raise ValueError(f"sequence length {l} exceeds "
+                                 f"n_positions={self.pos_emb.num_embeddings}.")
             r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
         last, hooks = self.blocks[-1] if len(self.blocks) else None, nn.modules.module
         mlp_side = ([last.ln2, *last.mlp.modules(), last.hook_resid_post]
                     if readout is not None and isinstance(last, TransformerBlock) else [])
-        rows_only = mlp_side and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                                      or any(m._forward_hooks or m._forward_pre_hooks for m in mlp_side))
+        hooked = (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                  or any(m._forward_hooks or m._forward_pre_hooks for m in mlp_side))
+        rows_only = mlp_side and not hooked
         for block in self.blocks[:-1] if rows_only else self.blocks:
             r = block(r)                                           # (b,l,d)
         if rows_only:
@@ -708,17 +744,23 @@ class LM(nn.Module):
 
 
 def check_dataset(model, dataset, name="dataset"):
-    """ValueError unless dataset has the model's vocabulary and task (model.task, from mechsm.load)."""
-    if not all(hasattr(dataset, a) for a in ("task", "vocab_size", "tokens", "positions", "answers")):
+    """ValueError unless dataset has the model's vocabulary and task
+    (model.task, from mechsm.load)."""
+    needed = ("task", "vocab_size", "tokens", "positions", "answers")
+    if not all(hasattr(dataset, a) for a in needed):
         raise ValueError(f"{name} must be a tasks.Dataset (e.g. mechsm.make_data(cfg).eval); "
                          f"got {type(dataset).__name__}.")
     embed = getattr(model, "embed", None)
-    vocab = getattr(model, "build_args", {}).get("vocab_size", getattr(embed, "num_embeddings", None))
-    if (task := getattr(model, "task", None)) is not None and dataset.task != task:
-        raise ValueError(f"{name} holds {dataset.task} documents, but the model was trained on {task}.")
+    built = getattr(model, "build_args", {})
+    vocab = built.get("vocab_size", getattr(embed, "num_embeddings", None))
+    task = getattr(model, "task", None)
+    if task is not None and dataset.task != task:
+        raise ValueError(f"{name} holds {dataset.task} documents, but the model was trained "
+                         f"on {task}.")
     if vocab is not None and dataset.vocab_size != vocab:
-        raise ValueError(f"{name} has a vocabulary of {dataset.vocab_size} tokens ({dataset.task}), but the "
-                         f"model's has {vocab}: the data is not the task the model was built for.")
+        raise ValueError(f"{name} has a vocabulary of {dataset.vocab_size} tokens "
+                         f"({dataset.task}), but the model's has {vocab}: the data is not the "
+                         "task the model was built for.")
 
 
 def count_parameters(model, trainable_only=False):
@@ -727,34 +769,40 @@ def count_parameters(model, trainable_only=False):
 
 
 def based_layer(d_model, layer_idx, n_layers, reference=False, **options):
-    """based: BaseConv on even layers (kernel size 3, or d_conv, or long), linear attention on odd."""
+    """based: BaseConv on even layers (kernel size 3, or d_conv, or long),
+    linear attention on odd ones."""
     mixer = BaseConv if layer_idx % 2 == 0 else BasedAttention
     return mixer(d_model, layer_idx, n_layers, reference, **options)
 
 
-based_layer.builds, based_layer.D_CONV = (BaseConv, BasedAttention), BaseConv.D_CONV   # its **options
+# its **options
+based_layer.builds, based_layer.D_CONV = (BaseConv, BasedAttention), BaseConv.D_CONV
 
 ARCHS = {}          # arch name -> one-line description (run.py's help, mechsm.Config's check)
-MIXER_CLASSES = {}  # arch name -> Mixer subclass or factory, called as (d_model, layer_idx, n_layers, ...)
-MIXER_OPTIONS = {}  # arch name -> the keywords (with defaults) its mixer takes: build_model's **options
+# arch name -> Mixer subclass or factory, called as (d_model, layer_idx, n_layers, ...)
+MIXER_CLASSES = {}
+# arch name -> the keywords (with defaults) its mixer takes: build_model's **options
+MIXER_OPTIONS = {}
 
 
 def register(name, mixer, description):
-    """Make `mixer` buildable as arch `name`: a Mixer subclass, or a factory called like one (it gets
-    the Mixer class attributes it does not set, so MIXER_CLASSES[name].POS_EMB etc. always exist).
-    A factory's options are its keywords and those of the classes it builds (its `builds`)."""
+    """Make `mixer` buildable as arch `name`: a Mixer subclass, or a factory called like one (it
+    gets the Mixer class attributes it does not set, so MIXER_CLASSES[name].POS_EMB etc. always
+    exist). A factory's options are its keywords and those of the classes it builds
+    (its `builds`)."""
     if not (isinstance(name, str) and name.isidentifier() and name not in MIXER_CLASSES):
         raise ValueError(f"register: the arch name must be a new identifier; got {name!r}.")
     for attr, default in vars(Mixer).items():
         if attr.isupper() and not hasattr(mixer, attr):
             setattr(mixer, attr, default)
     MIXER_CLASSES[name], ARCHS[name] = mixer, description
-    MIXER_OPTIONS[name] = frozenset(p.name for f in (mixer, *getattr(mixer, "builds", ()))
-                                    for p in inspect.signature(f).parameters.values()
-                                    if p.default is not p.empty) - {"layer_idx", "n_layers", "reference"}
+    keywords = frozenset(p.name for f in (mixer, *getattr(mixer, "builds", ()))
+                         for p in inspect.signature(f).parameters.values()
+                         if p.default is not p.empty)
+    MIXER_OPTIONS[name] = keywords - {"layer_idx", "n_layers", "reference"}
 
 
-# The built-in architectures (the paper's six, then DeltaNet and Gated DeltaNet), in the order of tables.
+# The built-in architectures (the paper's six, then DeltaNet and Gated DeltaNet), in table order.
 register("attention", Attention, "causal softmax multi-head attention (zoology MHA) + MLP")
 register("base_conv", BaseConv, "a projection gated by short and implicit long convs + MLP")
 register("based", based_layer, "BaseConv alternating with Taylor-feature linear attention + MLP")
@@ -767,12 +815,13 @@ BUILT_IN_ARCHS = tuple(ARCHS)
 
 
 def mixer_options(arch=None):
-    """The keywords arch's mixer takes, or those of every registered mixer (build_model's **options)."""
+    """The keywords arch's mixer takes, or those of every registered mixer
+    (build_model's **options)."""
     return MIXER_OPTIONS[arch] if arch else frozenset().union(*MIXER_OPTIONS.values())
 
 
-def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024, n_heads=1,
-                d_conv=None, long_only=False, kernels="fast", seed=None, **options):
+def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024,
+                n_heads=1, d_conv=None, long_only=False, kernels="fast", seed=None, **options):
     """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: the
     mixer's POS_EMB); d_conv: short-conv size; long_only: long convs only; kernels: "fast" or
     "reference"; seed: the init's own RNG. Bad arguments: a one-line ValueError naming the first."""
@@ -780,7 +829,8 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
     mixer, sizes = MIXER_CLASSES[arch], MIXER_CLASSES[arch].D_CONV
     whole = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low
-    sizes_text = sizes and (f"{sizes.start}..{sizes.stop - 1}" if sizes.stop < 2**31 else f">= {sizes.start}")
+    sizes_text = sizes and (f"{sizes.start}..{sizes.stop - 1}" if sizes.stop < 2**31
+                            else f">= {sizes.start}")
     for name, value, ok, allowed in [
             ("vocab_size", vocab_size, whole(vocab_size, 1), "a positive int"),
             ("d_model", d_model, whole(d_model, 1), "a positive int"),
@@ -789,33 +839,45 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
              f"a positive int dividing d_model={d_model}"),
             ("n_positions", n_positions, whole(n_positions, 2), "an int >= 2"),
             ("kernels", kernels, kernels in ("fast", "reference"), "'fast' or 'reference'"),
-            ("d_conv", d_conv, d_conv is None or sizes is None or whole(d_conv, 0) and d_conv in sizes,
+            ("d_conv", d_conv,
+             d_conv is None or sizes is None or whole(d_conv, 0) and d_conv in sizes,
              f"an int {sizes_text} for {arch}"),
-            ("long_only", long_only, not (long_only and d_conv is not None), "False when d_conv is set")]:
+            ("long_only", long_only, not (long_only and d_conv is not None),
+             "False when d_conv is set")]:
         if not ok:
             raise ValueError(f"{name} must be {allowed}; got {value!r}.")
     unknown = sorted(set(options).difference(*MIXER_OPTIONS.values()))
     if unknown:
         known = sorted({"pos_emb", "kernels", "seed"}.union(*MIXER_OPTIONS.values()))
-        raise ValueError(f"build_model: unknown option {unknown[0]!r}; expected one of {', '.join(known)}")
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = (f" (did you mean {close[0]!r}?)" if close
+                else f"; expected one of {', '.join(known)}")
+        raise ValueError(f"build_model: unknown option {unknown[0]!r}{hint}")
     pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
-    build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
-                      n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,
-                      kernels=kernels, seed=seed, **options)
+    build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+                      pos_emb=pos_emb, n_positions=n_positions, n_heads=n_heads, d_conv=d_conv,
+                      long_only=long_only, kernels=kernels, seed=seed, **options)
     Block = mixer.BLOCK or TransformerBlock
     with torch.random.fork_rng(devices=[], enabled=seed is not None):
         if seed is not None:
             torch.manual_seed(seed)
         try:  # drawn in this order: the mixers layer by layer, the embeddings, LM's init pass
-            blocks = [Block(d_model, mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
-                                           d_conv=d_conv, long_only=long_only, n_positions=n_positions,
-                                           **options)) for i in range(n_layers)]
+            blocks = []
+            for i in range(n_layers):       # each block's mixer, then its MLP
+                layer = mixer(d_model, i, n_layers, kernels == "reference", n_heads=n_heads,
+                              d_conv=d_conv, long_only=long_only, n_positions=n_positions,
+                              **options)
+                blocks.append(Block(d_model, layer))
             model = LM(vocab_size, d_model, blocks, pos_emb=pos_emb, n_positions=n_positions)
         except (RuntimeError, MemoryError) as e:  # an allocation failure: bad input, not a crash
-            if not (isinstance(e, MemoryError) or re.search(r"alloc|out\s+of\s+memory", str(e), re.I)):
+            text = " ".join(str(e).split())
+            if not (isinstance(e, MemoryError) or re.search("alloc|out of memory", text, re.I)):
                 raise
-            raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}, d_conv={d_conv}: "
-                             f"the {arch} model is too large to allocate") from None
+            asked = re.search(r"allocate (\d+) bytes", text)
+            size = f" (one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB)" if asked else ""
+            raise ValueError(f"vocab_size={vocab_size}, d_model={d_model}, n_layers={n_layers}, "
+                             f"d_conv={d_conv}: the {arch} model is too large to allocate{size}"
+                             ) from None
     model.build_args = build_args
     return model
 
@@ -841,8 +903,9 @@ def _fold_into_batch(info, in_dims, tensors):
 
 
 def parallel_scan(a, b):
-    """sequential_scan by odd-even reduction: steps 2k, 2k+1 compose into one affine map, h -> (a_{2k+1} a_{2k}) h
-    + (a_{2k+1} b_{2k} + b_{2k+1}); solve for the odd positions recursively, then h_2k = a_2k h_{2k-1} + b_2k.
+    """sequential_scan by odd-even reduction: steps 2k, 2k+1 compose into one affine map,
+    h -> (a_{2k+1} a_{2k}) h + (a_{2k+1} b_{2k} + b_{2k+1}); solve for the odd positions
+    recursively, then h_2k = a_2k h_{2k-1} + b_2k.
     Speed: ~log2(l) levels of whole-tensor ops on a GPU instead of l steps, O(l) work."""
     length = a.shape[1]
     if length == 1:
@@ -858,9 +921,10 @@ def parallel_scan(a, b):
 
 
 class _ParallelScanFn(torch.autograd.Function):
-    """parallel_scan whose backward is parallel_scan right to left (autograd keeps ~2.5x more tensors): with
-    g = dL/dh, the gradient into h_t is c_t = g_t + a_{t+1} c_{t+1}, reversed in time (s = l-1-t) the scan
-    c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s}; then dL/db_t = c_t, dL/da_t = c_t h_{t-1}. vmap: folded into b."""
+    """parallel_scan whose backward is parallel_scan right to left (autograd keeps ~2.5x more
+    tensors): with g = dL/dh, the gradient into h_t is c_t = g_t + a_{t+1} c_{t+1}, reversed in
+    time (s = l-1-t) the scan c'_s = a'_s c'_{s-1} + g'_s with a'_s = a_{l-s};
+    then dL/db_t = c_t, dL/da_t = c_t h_{t-1}. vmap: folded into b."""
 
     @staticmethod
     def forward(a, b):
@@ -917,10 +981,12 @@ def row_chunks(shape, floats=1 << 17, most=8):
 
 
 class _SelectiveScanLoopFn(torch.autograd.Function):
-    """selective_scan_reference, one in-place op per step, a batch slice at a time (row_chunks: in cache), only
-    the inputs saved (the backward recomputes the states in cache). Backward: g_t = C_t dy_t + decay_{t+1} g_{t+1}
-    in place, then batched: dC_t = sum_e dy_t h_t, dB_t = sum_e Δ_t u_t g_t, d(Δ_t u_t) = sum_n g_t B_t,
-    d(Δ_t A) = g_t h_{t-1} decay_t -> dA, dΔ. ~15 in-cache passes (unsliced: ~33 over memory, 3.5x slower)."""
+    """selective_scan_reference, one in-place op per step, a batch slice at a time (row_chunks:
+    in cache), only the inputs saved (the backward recomputes the states in cache).
+    Backward: g_t = C_t dy_t + decay_{t+1} g_{t+1} in place, then batched:
+    dC_t = sum_e dy_t h_t, dB_t = sum_e Δ_t u_t g_t, d(Δ_t u_t) = sum_n g_t B_t,
+    d(Δ_t A) = g_t h_{t-1} decay_t -> dA, dΔ. ~15 in-cache passes (unsliced: ~33 over memory,
+    3.5x slower)."""
 
     @staticmethod
     def forward(u, delta, A, B, C, most):
@@ -929,7 +995,8 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
             for rows in row_chunks((*u.shape, A.shape[-1]), most=most):
                 A_rows = A if A.dim() == 2 else A[rows]
                 _, states = _selective_states(u[rows], delta[rows], A_rows, B[rows])
-                y[rows] = (states * C[rows][:, :, None, :]).sum(-1)  # sum_n C_t h_t (1.5-2.5x bmm's)
+                # sum_n C_t h_t (1.5-2.5x faster than bmm)
+                y[rows] = (states * C[rows][:, :, None, :]).sum(-1)
         return y
 
     @staticmethod
@@ -947,7 +1014,8 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
                 per_row = A.dim() == 3  # A (b, e, n): dL/dA per row
                 A_rows, grad_A_rows = (A[rows], grad_A[rows]) if per_row else (A, grad_A)
                 dy, du, d_delta = grad_y[rows], u[rows] * delta[rows], delta[rows]
-                decay, states = _selective_states(u[rows], d_delta, A_rows, B[rows])  # (r,l,e,n) each
+                # (r,l,e,n) each
+                decay, states = _selective_states(u[rows], d_delta, A_rows, B[rows])
                 g = dy[..., None] * C[rows][:, :, None, :]  # C_t dy_t (r,l,e,n), becomes g
                 g_t, a = g.unbind(1), decay.unbind(1)
                 for t in range(u.shape[1] - 2, -1, -1):
@@ -960,14 +1028,16 @@ class _SelectiveScanLoopFn(torch.autograd.Function):
                 g.mul_(decay)
                 # multiply and sum, not einsum (bmm/gemv over e: 3-15x slower)
                 grad_A_rows += (g * d_delta[..., None]).sum(1 if per_row else (0, 1))
-                grad_delta[rows] = (g * (A_rows[:, None] if per_row else A_rows)).sum(-1).addcmul_(grad_drive, u[rows])
+                grad_delta_A = (g * (A_rows[:, None] if per_row else A_rows)).sum(-1)
+                grad_delta[rows] = grad_delta_A.addcmul_(grad_drive, u[rows])
                 grad_u[rows] = grad_drive * d_delta
         return grad_u, grad_delta, grad_A, grad_B, grad_C, None
 
     @staticmethod
     def vmap(info, in_dims, u, delta, A, B, C, most):
         r = info.batch_size
-        u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))  # (r*b, l, .)
+        # (r*b, l, .) each
+        u, delta, B, C = _fold_into_batch(info, in_dims[:2] + in_dims[3:], (u, delta, B, C))
         if in_dims[2] is not None:  # one A per member: one per row
             A = A.movedim(in_dims[2], 0).repeat_interleave(u.shape[0] // r, dim=0)  # (r*b, e, n)
         y = _SelectiveScanLoopFn.apply(u, delta, A, B, C, 2)  # 2 slices: few ops per member
@@ -978,11 +1048,13 @@ def selective_scan(u, delta, A, B, C, reference=False):
     """_SelectiveScanLoopFn on a CPU, else the reference through parallel_scan_custom_grad."""
     if u.is_cpu and not reference:
         return _SelectiveScanLoopFn.apply(u, delta, A, B, C, 8)  # in at most 8 slices
-    return selective_scan_reference(u, delta, A, B, C, sequential_scan if reference else parallel_scan_custom_grad)
+    plain_scan = sequential_scan if reference else parallel_scan_custom_grad
+    return selective_scan_reference(u, delta, A, B, C, plain_scan)
 
 
 def _powers(A, length):
-    """A^0 .. A^(l-1): (h, n/2) complex -> (h, n/2, l) by doubling, P[k:2k] = P[:k] A^k (complex cumprod: ~5x slower)."""
+    """A^0 .. A^(l-1): (h, n/2) complex -> (h, n/2, l) by doubling, P[k:2k] = P[:k] A^k
+    (a complex cumprod: ~5x slower)."""
     P = A.new_empty(*A.shape, length)
     P[..., 0] = 1
     k, A_k = 1, A                                                           # A_k = A^k
@@ -994,9 +1066,10 @@ def _powers(A, length):
 
 
 class _VandermondeFn(torch.autograd.Function):
-    """K (l, h) = 2 Re sum_modes W A^lag, hand-written backward: only A, W saved (autograd keeps ~10 (h, n/2, l) tensors),
-    each direction one complex bmm over the powers P: K^T = 2 Re (W^T P), dW = 2 conj(P G), dA = 2 conj(W P G')
-    with G = dL/dK^T, G'[lag] = (lag+1) G[lag+1]. vmap: the members are more heads."""
+    """K (l, h) = 2 Re sum_modes W A^lag, hand-written backward: only A, W saved (autograd keeps
+    ~10 (h, n/2, l) tensors), each direction one complex bmm over the powers P:
+    K^T = 2 Re (W^T P), dW = 2 conj(P G), dA = 2 conj(W P G') with G = dL/dK^T,
+    G'[lag] = (lag+1) G[lag+1]. vmap: the members are more heads."""
 
     @staticmethod
     def forward(A, W, length):
@@ -1015,7 +1088,8 @@ class _VandermondeFn(torch.autograd.Function):
         G_next = F.pad(G[:, 1:] * lags, (0, 1))  # G'[lag] = (lag+1) G[lag+1]
         both = torch.stack([G, G_next], -1).to(A.dtype)                     # (h, l, 2)
         S, T = torch.bmm(_powers(A, ctx.length), both).unbind(-1)            # (h, n/2) each
-        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None   # conj() is lazy, copied slowly later
+        # conj() is lazy, copied slowly later
+        return 2 * (W * T).conj_physical(), 2 * S.conj_physical(), None
 
     @staticmethod
     def vmap(info, in_dims, A, W, length):
@@ -1023,11 +1097,13 @@ class _VandermondeFn(torch.autograd.Function):
         return K.unflatten(1, (info.batch_size, -1)), 1  # (l, r, h), members at dim 1
 
 
-vandermonde_kernel = _VandermondeFn.apply  # H3's diagonal-SSM kernel (l, h) from modes A, W (h, n/2) complex
+# H3's diagonal-SSM kernel (l, h) from modes A, W (h, n/2) complex
+vandermonde_kernel = _VandermondeFn.apply
 
 
 def fft_conv(u, k):
-    """direct_conv by real FFT, O(l log l), zero-padded to 2l (no wrap-around), length on the contiguous axis."""
+    """direct_conv by real FFT, O(l log l), zero-padded to 2l (no wrap-around),
+    length on the contiguous axis."""
     length, n = u.shape[1], 2 * u.shape[1]
     work = torch.promote_types(u.dtype, torch.float32)    # no half-precision FFT on CPU
     u_f = torch.fft.rfft(u.to(work).transpose(1, 2), n=n)  # (b, d, l+1) complex
@@ -1040,30 +1116,43 @@ def long_conv(u, k, reference=False):
 
 
 def short_conv(x, weight, bias=None):
-    """short_conv_reference as `size` multiply-adds over one padded copy of x (~2x F.conv1d's CPU speed)."""
+    """short_conv_reference as `size` multiply-adds over one padded copy of x
+    (~2x F.conv1d's CPU speed)."""
     length, kernel = x.shape[1], weight.shape[-1]
     padded = F.pad(x, (0, 0, kernel - 1, 0))  # (b, l+size-1, c): size-1 zeros in front
     taps = weight[:, 0].t()  # (size, c); tap j looks size-1-j steps back
-    y = padded[:, :length] * taps[0] if bias is None else torch.addcmul(bias, padded[:, :length], taps[0])
+    first = padded[:, :length]
+    y = first * taps[0] if bias is None else torch.addcmul(bias, first, taps[0])
     for j in range(1, kernel):
         y = torch.addcmul(y, padded[:, j:j + length], taps[j])      # y += w_j x_{t-(size-1)+j}
     return y                                                        # (b, l, c)
 
 
+def decay_matrix(log_alpha):
+    """D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t (G = cumsum log alpha), 0 above
+    the diagonal: how much of what was written at j survives at t.
+    log_alpha (b, l, h) -> (b, h, l, l)."""
+    G = log_alpha.transpose(1, 2).cumsum(-1)                                       # (b, h, l)
+    future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
+    return (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()
+
+
 def delta_rule_parallel(q, k, v, beta, log_alpha=None):
-    """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T, u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j)
-    u_j, one unit-triangular solve (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k).
-    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by D, the decay."""
+    """delta_rule_recurrent with no loop: with S_t = sum_{j<=t} k_j u_j^T,
+    u_t = beta_t v_t - beta_t sum_{j<t} (k_t.k_j) u_j, one unit-triangular solve
+    (I + strict_tril(diag(beta) K K^T)) U = diag(beta) V; o = tril(Q K^T) U / sqrt(d_k).
+    Gated: S_t = sum_{j<=t} D[t, j] k_j u_j^T, so both K K^T and Q K^T are weighted by
+    D = decay_matrix."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                               # (b, h, l, w)
     beta = beta.transpose(1, 2)[..., None]                                         # (b, h, l, 1)
-    gram, scores = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)  # (b, h, l, l): k_t . k_j, q_t . k_j
-    if log_alpha is not None:  # D[t, j] = alpha_{j+1} ... alpha_t = exp(G_t - G_j) for j <= t, 0 above the diagonal
-        G = log_alpha.transpose(1, 2).cumsum(-1)                            # (b, h, l): G = cumsum log alpha
-        future = torch.ones(G.shape[-1], G.shape[-1], dtype=torch.bool, device=G.device).triu(1)
-        decay = (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()  # D (b, h, l, l)
+    # (b, h, l, l): k_t . k_j, q_t . k_j
+    gram, scores = k @ k.transpose(-1, -2), q @ k.transpose(-1, -2)
+    if log_alpha is not None:
+        decay = decay_matrix(log_alpha)
         gram, scores = gram * decay, scores * decay
     system = torch.tril(beta * gram, diagonal=-1)  # (b,h,l,l); unit diagonal
     work = torch.promote_types(v.dtype, torch.float32)  # the solver has no half-precision kernels
     u = torch.linalg.solve_triangular(system.to(work), (beta * v).to(work), upper=False,
                                       unitriangular=True).to(v.dtype)               # (b, h, l, w)
-    return (torch.tril(scores) @ u / math.sqrt(k.shape[-1])).transpose(1, 2)  # (b, h, l, w) -> (b, l, h, w)
+    o = torch.tril(scores) @ u / math.sqrt(k.shape[-1])                           # (b, h, l, w)
+    return o.transpose(1, 2)                                                       # (b, l, h, w)

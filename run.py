@@ -6,7 +6,7 @@ do (attention, Based: induction through the value token; Mamba: direct retrieval
 
 What `python run.py` does, in the order of this file's first half:
   1. EXPERIMENTS: the experiment's grid, each cell (a row at one width) at its chosen learning
-     rate (CHOSEN_LRS, from results/chosen_lrs.json), seed 0 (--replicates: every seed, as results/ holds);
+     rate (CHOSEN), seed 0 (--replicates: every seed, as results/ holds);
   2. one_run: each run trained (mechsm.py, paper Sec. 4), patched (interventions.py, Sec. 3), saved;
   3. the report: a row per cell, every seed counted, beside the paper's numbers;
   4. main: flags -> the grid -> sweep (one_run per run not yet in --out) -> report_grid.
@@ -20,7 +20,7 @@ and shards, the README summary, figures, the benchmark): nothing above needs it 
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
   python run.py --report results; --figures results   # re-render a results folder from its records
   python run.py --device cuda --preset paper       # the paper's grid on a GPU, a cell batched
-  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against their references
+  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against the references
 
 Shape letters: b batch, l sequence length, d d_model, e Mamba's inner width, n SSM state size,
 r runs trained as one batched model. Outputs under --out (default out/): results.jsonl (a JSON line
@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 import types
+import typing
 from concurrent.futures import BrokenExecutor, ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, fields, replace
 from multiprocessing import get_context
@@ -101,10 +102,30 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # Each cell (a grid row at one width) has its own rate, chosen as the paper chooses: seed 0 trains at
 # the grid's rate x 3^k, k = -1, 0, 1 (2 significant digits), one step more when the best sits at an
 # end; the cell's rate is seed 0's best accuracy (ties: the rate nearest the grid's), its other seeds
-# train there (README, difference 18). CHOSEN_LRS (below the line): the cells whose choice is not the
-# grid's rate, read from results/chosen_lrs.json, which `--report results` writes from the records.
+# train there (README, difference 18).
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
              "atr-medium", "ar")   # the grids whose cells choose, in the order they were trained
+# What the quick grids train: {experiment: {cell: its chosen rate}} for the cells whose rate is not
+# the grid's (every other cell trains at QUICK_LRS'). A test recomputes each from results/ and names
+# the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
+CHOSEN = {
+    "ar-widths": {"attention (d 16)": 1.5e-3, "attention (d 128)": 1.7e-4, "base_conv (d 16)": 1e-3,
+                  "based (d 16)": 9e-3, "based (d 32)": 9e-3, "based (d 64)": 1e-3,
+                  "based (d 128)": 1e-3, "h3 (d 16)": 3.3e-4, "h3 (d 32)": 3.3e-4,
+                  "hyena (d 64)": 1e-3, "mamba (d 32)": 3e-2, "mamba (d 64)": 3.3e-3,
+                  "mamba (d 128)": 3.3e-3, "deltanet (d 16)": 3e-3},
+    "mamba-conv": {"mamba (d_conv 1, d 64)": 1.1e-3, "mamba (d_conv 2, d 64)": 1.1e-3,
+                   "mamba (d_conv 3, d 64)": 3.3e-3, "mamba (default conv, d 64)": 3.3e-3},
+    "based-ablation": {"based (long convs only, d 64)": 1e-3, "based (d_conv 1, d 64)": 1e-3,
+                       "based (default conv, d 64)": 1e-3, "based (d_conv 4, d 64)": 1e-3},
+    "ar-layers": {"mamba (1 layer, d 64)": 3.3e-3, "attention (1 layer, d 64)": 1.7e-4,
+                  "mamba (2 layers, d 64)": 3.3e-3},
+    "atr": {"mamba (d 64)": 3.3e-3, "h3 (d 64)": 3e-3, "based (d 64)": 9e-3,
+            "base_conv (d 64)": 9e-3},
+    "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 1.1e-3, "mamba (default conv, d 64)": 3.3e-3},
+    "ar": {"mamba (d 64)": 3.3e-3, "gated_deltanet (d 64)": 3.3e-4, "hyena (d 64)": 1e-3,
+           "based (d 64)": 1e-3, "mamba (256 keys, d 64)": 3.3e-3},
+}
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 run_score = lambda record: (record["status"] == "ok", record["final"].get("acc") or 0.0)   # a failed run never wins
 
@@ -276,7 +297,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
                        chosen_lrs=True, **fields_):
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run). The
-    quick grids train each cell at its CHOSEN_LRS rate (chosen_lrs=False: the grid's rate)."""
+    quick grids train each cell at its CHOSEN rate (chosen_lrs=False: the grid's rate)."""
     for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
         if value not in allowed:
             raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
@@ -292,7 +313,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     runs = spec["runs"] if archs is None else [r for r in spec["runs"] if r["arch"] in archs] + [
         dict(arch=a) for a in archs if a not in {r["arch"] for r in spec["runs"]}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
-    chosen = CHOSEN_LRS.get(name, {}) if preset == "quick" and chosen_lrs and not lrs else {}
+    chosen = CHOSEN.get(name, {}) if preset == "quick" and chosen_lrs and not lrs else {}
     configs = []
     for family in runs:
         arch, steps = family["arch"], pick(spec.get("steps", {}), family["arch"])
@@ -306,6 +327,16 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
 
 
 # ===== One run: train, patch, record
+
+def timeline(model, data, cfg, step):
+    """mechsm.train's on_eval: at each evaluation the headline pair (paper Sec. 4) on
+    cfg.timeline_docs eval documents (0: none), so a record shows when its mechanism formed."""
+    if not cfg.timeline_docs:
+        return {}
+    head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
+    return {"attrib_value": head["value"], "attrib_query": head["query"], "attrib_gap": head["gap"],
+            "attrib_low_signal": head["low_signal"]}
+
 
 def patched(model, cfg, dataset):
     """A record's patching fields: the mechanism table, its summary, the minimal circuit, the
@@ -324,7 +355,7 @@ def patched(model, cfg, dataset):
 def one_run(cfg, out, patch=True, save=True):
     """One run: train `cfg` (mechsm.train, paper Sec. 4), patch the trained model (Sec. 3) and save
     it under OUT/ckpt/: its record, one JSON line of OUT/results.jsonl."""
-    record, model = mechsm.train(cfg)
+    record, model = mechsm.train(cfg, on_eval=timeline)
     return finish(record, model, out, patch, save)
 
 
@@ -549,27 +580,26 @@ def main(argv=None):
 
 def choices_of(folder):
     """{experiment: {cell_name: rate}} of the LR_CHOICE grids: chosen_lr of each cell's seed-0 records
-    in `folder`, where decided and not the grid's rate (results/chosen_lrs.json)."""
+    in `folder`, where decided and not the grid's rate (for results/: what CHOSEN must say)."""
     out = {}
     for name in LR_CHOICE:
-        seed0, spec = {}, EXPERIMENTS[name].quick                  # {cell_key: {lr: seed 0's record}}
-        for r in latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)):
-            if r["config"]["seed"] == 0:
-                seed0.setdefault(cell_key(r["config"]), {})[r["config"]["lr"]] = r
+        done, spec = {run_key(r["config"]): r for r in folder_records(folder, False)[name]}, EXPERIMENTS[name].quick
         names = [cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
         for label, base in zip(names, experiment_configs(name, seeds=[0], chosen_lrs=False), strict=True):
-            lr = chosen_lr(base.lr, seed0.get(cell_key(asdict(base.resolved())), {}))[0]
-            if lr not in (None, base.lr):
+            if (lr := cell_choice(base, done)[0]) not in (None, base.lr):
                 out.setdefault(name, {})[label] = lr
     return out
 
 
-CHOSEN = os.path.join(HERE, "results", "chosen_lrs.json")
-CHOSEN_LRS = json.loads(Path(CHOSEN).read_text()) if os.path.isfile(CHOSEN) else {}   # {} in a fork without results/
+def cell_choice(cfg, done):
+    """chosen_lr of cfg's cell (cfg at the grid's rate) from its seed-0 records in `done` ({run_key:
+    record}): (its rate or None while undecided, the rates seed 0 must train next)."""
+    key = lambda k: run_key(asdict(replace(cfg, lr=rung(cfg.lr, k), seed=0).resolved()))
+    return chosen_lr(cfg.lr, {rung(cfg.lr, k): done[key(k)] for k in (-2, -1, 0, 1, 2) if key(k) in done})
 
 
 def cell_name(family, width):
-    """A grid cell's name in CHOSEN_LRS: 'mamba (d_conv 2, d 64)'."""
+    """A grid cell's name in CHOSEN: 'mamba (d_conv 2, d 64)'."""
     words = [describe(k, v) for k, v in family.items() if k not in ("arch", "num_values")]
     return f"{family['arch']} ({', '.join(filter(None, words + [f'd {width}']))})"
 
@@ -635,34 +665,14 @@ def row_label(cfg, configs, fields_=LABEL_FIELDS):
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
-# The planner. Training steps/s of one CPU thread at the quick AR shape (V = 8,195), `run.py bench`
-# part 3 (results/bench.txt, the other core busy with one job as in a 2-job sweep), scaled per grid.
-CPU_STEPS_PER_S = {"attention": 130.3, "base_conv": 136.5, "based": 133.1, "h3": 39.9, "hyena": 85.6,
-                   "mamba": 43.7, "deltanet": 79.2,
-                   "gated_deltanet": 72.0}  # not in bench.txt: 0.91x DeltaNet's, measured side by side
-
-
-def estimate_time(configs, jobs=1, shards=1):
-    """Rough CPU wall time (text) of training `configs`, split in `shards`, on `jobs` workers."""
-    total = 0.0
-    for cfg in (c.resolved() for c in configs):
-        tokens = 2 * cfg.num_pairs + 5 if cfg.task == "ar" else min(cfg.max_terminals, 64) + 5
-        rate = (CPU_STEPS_PER_S.get(cfg.arch, 20.0) * 21 / tokens / max(1.0, cfg.d_model / 64)
-                * 2 / cfg.n_layers * 32 / cfg.batch_size)
-        total += cfg.total_steps() / rate
-    seconds = total / max(1, min(jobs, len(configs))) / shards
-    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
-
-
 def catalogue():
-    """`--list`: each experiment, its claim, the paper's numbers, each preset's runs and time."""
+    """`--list`: each experiment, its claim, the paper's numbers, each preset's runs."""
     lines = []
     for name, exp in EXPERIMENTS.items():
-        times = [f"{preset}: {len(configs)} runs, ~{estimate_time(configs, 2)}"
-                 for preset in PRESETS for configs in [experiment_configs(name, preset)]]
+        sizes = [f"{preset}: {len(experiment_configs(name, preset))} runs" for preset in PRESETS]
         numbers = "; ".join(f"{k} {v}" for k, v in exp.paper_numbers.items()) or "no number quoted"
         lines += [f"{name:<19} {exp.section}: {exp.finding}", f"{'':<19} paper: {numbers}",
-                  f"{'':<19} " + " | ".join(times) + " (2 CPU cores, 2 jobs)"]
+                  f"{'':<19} " + " | ".join(sizes)]
     return "\n".join(lines)
 
 
@@ -713,62 +723,38 @@ def config_of(record):
     return mechsm.Config(**{k: v for k, v in record["config"].items() if k in DEFAULTS or k == "device"})
 
 
-def fits(value, spec):
-    """Whether `value` fits `spec`: a type, a test, {key: spec} (a missing key is None) or [spec]
-    (a list, each item fitting spec)."""
-    if isinstance(spec, dict):
-        return isinstance(value, dict) and all(fits(value.get(k), s) for k, s in spec.items())
-    if isinstance(spec, list):
-        return isinstance(value, list) and all(fits(v, spec[0]) for v in value)
-    return isinstance(value, spec) if isinstance(spec, type) else bool(spec(value))
+finite = lambda v: v is None or isinstance(v, (int, float)) and math.isfinite(v)   # a bool is an int
 
 
-# What the readers of a record use (tables, timeline, figures, heatmap), of their types.
-NUM = lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and v - v == 0
-REAL = lambda v: v is not None and NUM(v)
-NUMS = lambda d: isinstance(d, dict) and all(map(NUM, d.values()))
-MAYBE = lambda spec: lambda v: v is None or fits(v, spec)
-RECORD = {
-    "status": lambda v: v in ("ok", "failed"), "n_params": int, "wall_s": NUM,
-    "config": lambda c: fits(c, {"arch": str, "task": lambda v: v in mechsm.TASKS, "lr": REAL,
-                                 "d_model": int, "seed": int, "n_layers": int, "eval_size": int})
-    and all(v is None or isinstance(v, (str, int, float)) for v in c.values()),
-    "final": lambda f: isinstance(f, dict) and all(NUM(v) for k, v in f.items()
-                                                    if k.endswith(("acc", "prob", "loss"))),
-    "history": MAYBE([{"step": int, **dict.fromkeys(("acc", "loss", "train_loss", "attrib_value", "attrib_query"),
-                                                     NUM)}]),
-    "mechanism": MAYBE(lambda m: isinstance(m, dict) and fits(m.get("verdict"), MAYBE(str))
-                       and all(NUM(v) for k, v in m.items() if k not in ("verdict", "low_signal"))
-                       and len({"attrib_key", "attrib_value", "attrib_query"} & set(m)) in (0, 3)),
-    "mechanism_table": MAYBE({                           # interventions.mechanism's dict
-        "rows": [{"site": str, "label": str, "layer": NUM, "scores": NUMS}], "positions": [str],
-        **dict.fromkeys(("p_clean", "p_corrupt", "gap", "seconds"), NUM), "threshold": REAL,
-        "verdict": str, "low_signal": bool, "verdict_reason": MAYBE(str), "extra": MAYBE(NUMS),
-        "headline": MAYBE(lambda h: NUMS(h) and {"key", "value", "query"} <= set(h))}),
-    "effective": MAYBE({                                 # interventions.effective_record's dict
-        "query": lambda q: fits(q, [[REAL]]) and q and all(q),
-        "value": lambda v: fits(v, [REAL]) and v,
-        "positions": lambda p: isinstance(p, dict) and fits(list(p.values()), [int])}),
-    "provenance": MAYBE(dict),
-    "checkpoint": MAYBE(lambda p: isinstance(p, str) and not os.path.isabs(p)   # inside the folder
-                        and ".." not in p.split("/"))}
+def readable(record):
+    """Whether a line is a run record the reports can read: a status, a config naming its arch, and a
+    number wherever they read one (a string there would stop a report, a NaN or inf accuracy top a
+    table without a word)."""
+    try:
+        config, mechanism = record["config"], record.get("mechanism") or {}
+        numbers = [record["n_params"], record.get("wall_s"), *record["final"].values(),
+                   *(config[k] for k in ("lr", "seed", "d_model", "n_layers", "eval_size")),
+                   *(v for h in record.get("history") or () for v in (h["step"], *h.values())),
+                   *(v for k, v in mechanism.items() if k != "verdict")]
+        return (record["status"] in ("ok", "failed") and isinstance(config["arch"], str)
+                and all(map(finite, numbers)))
+    except (TypeError, KeyError, AttributeError):      # not a dict, a field missing
+        return False
 
 
 def read_results(out, warn=True):
-    """The run records of one results file, or of every results*.jsonl in the folder `out` (warn: say what is skipped)."""
+    """The run records of one results file, or of every results*.jsonl in the folder `out` (warn:
+    one warning per line skipped: torn, not JSON, or not what the reports read)."""
     records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
-    folder, pattern = (out, os.path.join(out, "results*.jsonl")) if os.path.isdir(out) else (os.path.dirname(out), out)
+    pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
     for path in sorted(glob.glob(pattern)):
-        if why := outside(folder, path):
-            say(f"{why}; not read")
-            continue
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 try:
                     record = json.loads(line)
                 except (ValueError, RecursionError):      # a blank or torn line
                     record = None
-                if fits(record, RECORD):                  # not a hand-edited one
+                if readable(record):
                     records.append(record)
                     unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
                 elif line.strip():
@@ -776,6 +762,11 @@ def read_results(out, warn=True):
     if unknown:
         say(f"{out}: config fields this code lacks, ignored (the runs without them): {', '.join(sorted(unknown))}")
     return records
+
+
+def folder_records(folder, warn=True):
+    """{experiment: its runs' latest records} from folder/<experiment>.jsonl ([]: none)."""
+    return {name: latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn)) for name in EXPERIMENTS}
 
 
 def latest(records):
@@ -792,21 +783,9 @@ def json_safe(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def outside(folder, path):
-    """Why path, in `folder`, is not the folder's (a link leaving it), else '': every read's and write's."""
-    real, target = os.path.realpath(folder), os.path.realpath(path)
-    return f"{path} links to {target}, outside {folder}" * (os.path.commonpath([real, target]) != real)
-
-
 def out_path(out, *parts):
-    """out/parts, its folders made, to be written; a ValueError (one line) where writing it would
-    change a file outside `out` (a symbolic link leaving it; a file hard-linked to other names)."""
+    """out/parts, to be written, its folder made (a link is followed, as every tool follows it)."""
     path = os.path.join(out, *parts)
-    if why := outside(out, path):
-        raise ValueError(f"{why}; not written (remove the link)")
-    if os.path.isfile(path) and os.stat(path).st_nlink > 1:
-        raise ValueError(f"{path} is hard-linked to {os.stat(path).st_nlink - 1} other name(s), "
-                         "which writing it would change too; not written (remove it or copy it)")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return path
 
@@ -862,11 +841,9 @@ def choice_round(configs, out):
     try, or the cell's every seed at its chosen rate."""
     done, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, []
     for cell in make_groups(configs):                       # whole cells
-        at = lambda lr, seed=0: replace(cell[0], lr=lr, seed=seed)
-        seed0 = {rung(cell[0].lr, k): done[key] for k in (-2, -1, 0, 1, 2)
-                 if (key := run_key(asdict(at(rung(cell[0].lr, k)).resolved()))) in done}
-        lr, untried = chosen_lr(cell[0].lr, seed0)
-        todo += [at(r) for r in untried] if lr is None else [replace(c, lr=lr) for c in cell]
+        lr, untried = cell_choice(cell[0], done)
+        todo += [replace(cell[0], lr=r, seed=0) for r in untried] if lr is None else [
+            replace(c, lr=lr) for c in cell]
     return todo
 
 
@@ -875,8 +852,10 @@ def do_job(kind, payload, out, wants):
     patch a recorded run from its checkpoint: the records; none if it fails (a rerun retries it)."""
     try:
         if kind == "train":
-            return ([one_run(payload[0], out, **wants)] if len(payload) == 1 else
-                    [finish(record, model, out, **wants) for record, model in mechsm.train_group(payload)])
+            if len(payload) == 1:
+                return [one_run(payload[0], out, **wants)]
+            pairs = mechsm.train_group(payload, on_eval=timeline)
+            return [finish(record, model, out, **wants) for record, model in pairs]
         cfg, record = payload
         model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
                                    device=mechsm.resolve_device(cfg.device))
@@ -921,16 +900,15 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
     mine = [key for j, key in enumerate(unique) if j % n == i]
     done = {run_key(r["config"]): r for r in read_results(out)}
-    saved = lambda r: os.path.isfile(p := os.path.join(out, r.get("checkpoint") or "")) and not outside(out, p)
+    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
     tabled = lambda r: not patch or r.get("mechanism_table") is not None
     complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
-    [out_path(out, "ckpt", unique[k].name() + ".pt") for k in todo if save]   # a link out of it: refused now
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
-        log(f"sweep: {done[key]['name']} has no checkpoint in {out} (or a link out of it); trained again")
+        log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     results = out_path(out, results_name(shard))
@@ -946,14 +924,12 @@ def read_command(folder, name):
     if not os.path.exists(path):
         return None
     try:
-        c = None if (why := outside(folder, path)) else json.loads(Path(path).read_text(encoding="utf-8"))
-    except (ValueError, OSError, RecursionError):
-        c = None
-    if fits(c, {**dict.fromkeys(("command", "date", "machine", "load"), str), "wall_s": REAL,
-                "trained": int, "jobs": int}):
-        return c
-    print(f"warning: {why}; not read" if why else f"warning: {path}: not a command record (corrupt or hand-edited); "
-          "skipped", file=sys.stderr)
+        c = json.loads(Path(path).read_text(encoding="utf-8"))
+        if {"command", "date", "machine", "load", "trained", "jobs"} <= set(c) and math.isfinite(c["wall_s"]):
+            return c
+    except (ValueError, OSError, RecursionError, TypeError, KeyError):
+        pass
+    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
     return None
 
 
@@ -1072,8 +1048,7 @@ def summary_table(folder="results", names=None, rel=None):
     """The summary of the records in `folder`: the table, the notes under it, probes (names: those
     experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
     rel = os.path.relpath(folder, HERE) if rel is None else rel
-    records = {name: latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False))
-               for name in EXPERIMENTS}
+    records = folder_records(folder, warn=False)
     lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
              and name in (names or EXPERIMENTS)
@@ -1105,34 +1080,27 @@ def summary_table(folder="results", names=None, rel=None):
 # --- The command line
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError, refuses an unknown or repeated option, and reads the token
-    after an option that takes a value as its value, even one that starts with '-' (--lr -1e-3)."""
+    """argparse that raises ValueError (one line) and names a close match of an unknown option; a
+    token after an option that takes a value is its value, even one that starts with '-' (--lr -1)."""
 
     def error(self, message):
         raise ValueError(message)
 
     def parse_known_args(self, args=None, namespace=None):
-        args = list(sys.argv[1:] if args is None else args)
-        known, given, twice, i = self._option_string_actions, set(), [], 0
+        args, known, i = list(sys.argv[1:] if args is None else args), self._option_string_actions, 0
         end = args.index("--") if "--" in args else len(args)
         while i < end:
             token, name = args[i], args[i].split("=", 1)[0]
-            if token[:1] == "-" and token != "-":
-                if name not in known:
-                    close = difflib.get_close_matches(name, list(known), n=1)
-                    hint = f" (did you mean {close[0]}?)" if close else ""
-                    raise ValueError(f"unknown option {name}{hint}; see run.py --help")
-                twice += [name] if known[name].dest in given else []
-                given.add(known[name].dest)
-                if (known[name].nargs is None and "=" not in token and i + 1 < end
-                        and args[i + 1].split("=", 1)[0] not in known):
-                    args[i:i + 2], end = [f"{token}={args[i + 1]}"], end - 1   # its value, even -1e-3
+            if token[:1] == "-" and token != "-" and name not in known:
+                close = difflib.get_close_matches(name, list(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ValueError(f"unknown option {name}{hint}; see run.py --help")
+            if (name in known and known[name].nargs is None and "=" not in token and i + 1 < end
+                    and args[i + 1].split("=", 1)[0] not in known):
+                args[i:i + 2], end = [f"{token}={args[i + 1]}"], end - 1   # its value, even -1e-3
             i += 1
         namespace, extras = super().parse_known_args(args, namespace)
-        if twice:
-            raise ValueError(f"{twice[0]}: given twice; give it once (a comma list for several "
-                             "values)")
-        namespace.given = given                        # the options given, by their dest
+        namespace.given = {k for k, v in vars(namespace).items() if v is not None} - {"command"}
         return namespace, extras
 
 
@@ -1193,27 +1161,14 @@ def build_parser():
     a("--choose-lr", switch=True, help="quick grids: choose each cell's rate as results/ did "
       "(seed 0 at the grid's rate x 3^k, k = -1, 0, 1, a step more past a best end), then train "
       "every seed there")
-    # model, task, training: each sets the Config field of its name (--layers: n_layers)
-    for flag, text in [
-            ("--layers", "number of blocks (paper: 2)"), ("--heads", "attention heads (paper: 1)"),
-            ("--d-conv", "short-conv size of the archs that have one (mamba: 0 removes it)"),
-            ("--num-keys", "AR keys (paper: 4096)"), ("--num-values", "AR values (paper: 4096)"),
-            ("--num-pairs", "AR key-value pairs per document (paper: 16)"),
-            ("--num-terminals", "ATR terminals |Σ| (paper: 20 or 8192)"),
-            ("--max-rhs-len", "ATR L_max (paper: 5, 10)"), ("--max-depth", "ATR d_max (paper: 10)"),
-            ("--holdout", "fraction of pairs held out for a test split (paper: 0.2)"),
-            ("--data-seed", "language seed: grammar, held-out pairs, documents (default 42)"),
-            ("--steps", "total optimizer steps (beats --epochs; the training set cycles)"),
-            ("--epochs", "passes over the training set (paper: 16 AR, 32 ATR)"),
-            ("--train-size", "documents in the fixed training set (paper: 100,032)"),
-            ("--batch-size", "batch size (paper: 32)"),
-            ("--eval-every", "steps between evaluations (paper: 200), and always the last"),
-            ("--eval-size", "evaluation documents (paper: 320)")]:
-        a(flag, float if flag == "--holdout" else int, zero=flag in ("--d-conv", "--holdout", "--data-seed"),
-          help=text)
-    a("--pos-emb", choices=["on", "off", "auto"], help="learned positions (auto: per arch)")
-    a("--long-only", switch=True, help="based/base_conv: long conv instead of the short conv")
-    a("--schedule", choices=mechsm.SCHEDULES, help="decay after the 10%% warmup (paper: cosine)")
+    for dest, f in FLAGS.items():          # a flag per Config field, its help the field's
+        flag, kind = "--" + dest.replace("_", "-"), f.type if f.type in (bool, float, int, str) else None
+        if kind is bool:
+            a(flag, switch=True, help=f.metadata["help"])
+        elif kind is None and bool in typing.get_args(f.type):        # pos_emb: True, False, None
+            a(flag, choices=list(SWITCH), help=f.metadata["help"])
+        else:
+            a(flag, kind or int, zero=zero_ok(f.name), help=f.metadata["help"])
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
     a("--jobs", int, help="runs trained in parallel (default: one per CPU core, 1 on cuda)")
     a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
@@ -1230,13 +1185,22 @@ def build_parser():
     return p
 
 
-# command-line flag -> Config field, for the flags that set one field of every run they apply to
-FIELD_FLAGS = {"layers": "n_layers", "heads": "n_heads", **{name: name for name in (
-    "pos_emb d_conv long_only num_keys num_values num_pairs num_terminals max_rhs_len max_depth "
-    "holdout data_seed steps epochs train_size batch_size schedule eval_every eval_size").split()}}
-TASK_OF = {**dict.fromkeys(["num_keys", "num_values", "num_pairs"], "ar"),   # field -> its task
-           **dict.fromkeys(["num_terminals", "max_rhs_len", "max_depth"], "atr")}
-MIXER_FIELDS = ("d_conv", "long_only", "n_heads")   # apply only to the archs whose mixer takes them
+# A flag per Config field, set on every run it applies to (--layers: n_layers), but the fields
+# that the grid's lists (--arch, --d-model, --lr, --seeds), --task and --device set.
+FLAGS = {{"n_layers": "layers", "n_heads": "heads"}.get(f.name, f.name): f for f in fields(mechsm.Config)
+         if f.name not in ("task", "arch", "d_model", "lr", "seed", "device")}
+SWITCH = {"on": True, "off": False, "auto": None}
+TASK_OF = {**dict.fromkeys(mechsm.AR_FIELDS, "ar"),                # field -> the task that has it
+           **dict.fromkeys((*mechsm.PCFG_FIELDS, "max_terminals"), "atr")}
+MIXER_FIELDS = ("d_conv", "long_only", "n_heads", "freeze_features")   # only where a mixer takes it
+
+
+def zero_ok(name):
+    """Whether Config takes 0 for the field `name` (--d-conv 0: no conv; --steps 0: refused)."""
+    try:
+        return bool(replace(mechsm.Config(), **{name: 0}).check())
+    except ValueError:
+        return False
 # the options each command takes; any other option given with it is refused, never silently ignored
 COMMAND_OPTIONS = {"bench": {"device"}, **{c: {c} for c in ("list", "figures", "report")},
                    "checkpoint": {"checkpoint", "device", "out", "eval_size", "no_interventions"}}
@@ -1253,9 +1217,9 @@ def grid_runs(args, name, device):
                        ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
         if both:
             raise ValueError(f"{a} and {b}: give one of them ({b} decides what {a} would)")
-    given = {flag: getattr(args, flag) for flag in FIELD_FLAGS if getattr(args, flag) is not None}
+    given = {dest: getattr(args, dest) for dest in FLAGS if getattr(args, dest) is not None}
     if "pos_emb" in given:
-        given["pos_emb"] = {"on": True, "off": False, "auto": None}[given["pos_emb"]]
+        given["pos_emb"] = SWITCH[given["pos_emb"]]
     configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
                                  archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
                                  seeds=args.seeds or (None if args.replicates or args.choose_lr
@@ -1265,7 +1229,7 @@ def grid_runs(args, name, device):
         given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []
     for flag, value in given.items():
-        field, opt = FIELD_FLAGS[flag], "--" + flag.replace("_", "-")
+        field, opt = FLAGS[flag].name, "--" + flag.replace("_", "-")
         hit = [c.task == TASK_OF[field] if field in TASK_OF else field not in MIXER_FIELDS or field
                in models.mixer_options(c.arch) and not (field == "d_conv" and c.long_only) for c in configs]
         missed = sorted({c.arch + " (long convs only)" * c.long_only for c, h in zip(configs, hit) if not h})
@@ -1322,7 +1286,7 @@ def other_command(args):
 
 def sweep_plan(args, name, configs, device, notes):
     """(jobs, shard, group_size) of a training command, printed with the grid's size; --out checked
-    writable (and free of links out of it) before any training."""
+    writable before any training."""
     runs = len({run_key(asdict(c.resolved())) for c in configs})     # flags can make two alike
     for note in notes:
         print(note, file=sys.stderr)
@@ -1333,21 +1297,16 @@ def sweep_plan(args, name, configs, device, notes):
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
     out = args.out or "out"
-    files = [results_name(shard), *(name + end for end in (".jsonl", ".md", ".command.json")),
-             *(f"{name}_{kind}.png" for kind in FIGURE_KINDS), *["ckpt/"] * (not args.no_save)]
-    try:                       # before any training: --out unwritable, or a file linking out of it
-        for file in files:
-            out_path(out, file)
-        tempfile.TemporaryFile(dir=out).close()         # a new file of its own: follows no link
+    try:                                               # before any training: --out unwritable
+        os.makedirs(out, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
         raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
           f"{args.preset or 'quick'} | {runs} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
-    hours = estimate_time(configs, jobs, shard[1])
-    expected = f" | expected ~{hours} on a 2-core CPU" if device == "cpu" else ""
-    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why}){expected}", file=sys.stderr)
+    print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why})", file=sys.stderr)
     return jobs, shard, group_size
 
 
@@ -1519,8 +1478,7 @@ def results_readme(folder="results"):
 
 def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the READMEs too)."""
-    written = {name: records for name in EXPERIMENTS    # each experiment with a record to report
-               if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    written = {name: records for name, records in folder_records(folder).items() if records}
     for name, records in written.items():
         preset = max(PRESETS, key=lambda p: len({run_key(r["config"]) for r in records} & {  # the
             run_key(asdict(c.resolved())) for c in experiment_configs(name, p)}))     # records' grid
@@ -1529,8 +1487,6 @@ def report_folder(folder):
     if readme:
         mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
         mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
-        chosen = json.dumps(choices_of(folder), indent=1) + "\n"      # read by the catalogue (CHOSEN_LRS)
-        mechsm.write_whole(out_path(folder, "chosen_lrs.json"), chosen.encode())
     print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
 
 
@@ -1546,8 +1502,7 @@ def redraw_figures(folder):
     except ImportError:
         print(FIGURES_HINT)
         return
-    found = {name: records for name in EXPERIMENTS   # each experiment with a record (as --report)
-             if (records := latest(read_results(os.path.join(folder, f"{name}.jsonl"))))}
+    found = {name: records for name, records in folder_records(folder).items() if records}
     for name, records in found.items():
         draw_figures(best_by_lr(records, not EXPERIMENTS[name].probe), name, folder)
     print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
@@ -1762,185 +1717,55 @@ def draw_figures(rows, name, folder):
     return out
 
 
-# --- `python run.py bench`: fast paths against references
-# Timed in the same run (medians of interleaved repeats). With OpenMP's spinning wait policy a busy
-# second process made the loop kernels 20-30x slower on 2 cores: run OMP_WAIT_POLICY=PASSIVE.
+# --- `python run.py bench`: training steps/s, the fast kernels against kernels="reference"
+# Each fast kernel gives its slow twin's values and gradients (test_all.py checks it); this times
+# what that buys in training: medians of interleaved repeats, one thread as a sweep's workers run.
+# With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
+# 2 cores: run OMP_WAIT_POLICY=PASSIVE. results/bench.txt: a fuller bench of commit 48d5897.
 
-def make_step(model, data, device, forward=None, lr=1e-3):
-    """A closure: one training step of `model` (or an Ensemble, or `forward`) on all of `data`."""
-    batch = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
-    if isinstance(model, mechsm.Ensemble):
-        return lambda: model.train_step(*batch, [lr] * len(model.modules))
-    optimizer = mechsm.adamw(model, lr)
-
-    def step():
-        loss = mechsm.answer_loss(forward or model, *batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.sum().backward()
-        optimizer.step()
-        return loss
-    return step
+BENCH = {"full": dict(batch=32, steps=10, repeats=5, archs=None),
+         "tiny": dict(batch=4, steps=2, repeats=1, archs=("attention", "mamba"))}
 
 
-SIZES = {"full": dict(lengths=(37, 256, 1024, 4096), b=32, tokens=8192, e=128, n=16, d=128,
-                      toeplitz_mib=64, repeats=5, batch=32, steps=10, ks=(1, 7, 35), width=64),
-         "tiny": dict(lengths=(37, 64), b=2, tokens=128, e=8, n=4, d=8, toeplitz_mib=512, repeats=1,
-                      batch=4, steps=2, archs=("attention", "mamba"), ks=(1, 35), width=16)}
-
-
-def bench(device="auto", size="full", print_fn=print, parts=(1, 2, 3, 4)):
-    """Run the parts (one thread on a CPU, as the workers), print their tables, return them."""
-    device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
-    env = dict(torch=torch.__version__, device=str(device), threads=1 if device.type == "cpu" else threads,
-               omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(unset)"), size=size,
-               gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
-    print_fn("mechsm bench | " + " | ".join(f"{k} {v}" for k, v in env.items() if v is not None) + "\n")
-    result = dict(env=env)
-    torch.set_num_threads(env["threads"])
+def bench(device="auto", size="full", print_fn=print):
+    """Training steps/s of each arch (d 64, 2 layers, AdamW) at the quick and the paper's AR shape:
+    its fast kernels and readout-only head against kernels="reference" and the full head."""
+    device, sizes, threads = torch.device(mechsm.resolve_device(str(device))), BENCH[size], torch.get_num_threads()
+    rows, n = [], sizes["steps"]
+    torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            measures = (bench_scan, bench_conv, bench_train, bench_ensemble)
-            for part in parts:
-                for key, rows, title in measures[part - 1](device, SIZES[size]):
-                    print_table(title, rows, print_fn)
-                    result[key] = rows
+        for shape, pairs in (("quick", 8), ("paper", 16)):
+            data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
+            batch = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
+            for arch in sizes["archs"] or models.ARCHS:
+                fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
+                             for k in ("fast", "reference"))
+                full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
+                t = medians({"fast": train_steps(fast, fast, batch, n),
+                             "reference": train_steps(ref, full_head, batch, n)}, sizes["repeats"], device)
+                rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
+                                 reference_steps_s=n / t["reference"], speedup=t["reference"] / t["fast"]))
     finally:
         torch.set_num_threads(threads)
-    return result
+    print_fn(f"mechsm bench | torch {torch.__version__} | {device}, one thread on a CPU | "
+             f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}\n")
+    for row in [rows[0].keys(), *(r.values() for r in rows)]:
+        print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
+    return rows
 
 
-def bench_scan(device, sizes):
-    """1a: the plain scan h_t = a_t h_(t-1) + b_t, Mamba-shaped inputs; 1b: the selective scan."""
-    plain, selective, e, n = [], [], sizes["e"], sizes["n"]
-    for length in sizes["lengths"]:
-        b, g = max(1, min(sizes["b"], sizes["tokens"] // length)), torch.Generator().manual_seed(length)
-        # a fresh Mamba layer's: delta log-uniform in [1e-3, 1e-1], A = -(1..n), u, B, C normal
-        delta = torch.empty(b, length, e).uniform_(math.log(1e-3), math.log(0.1), generator=g).exp()
-        A = -torch.arange(1, n + 1, dtype=torch.float32).repeat(e, 1)
-        u, B, C = (torch.randn(b, length, k, generator=g) for k in (e, n, n))
-        a, bu = torch.exp(delta[..., None] * A), (delta * u)[..., None] * B[:, :, None]   # a_t, b_t
-        g = torch.Generator().manual_seed(1)
-        plain += compare({"sequential": models.sequential_scan, "scan": models.scan,
-                          "parallel": models.parallel_scan_custom_grad}, (a, bu),
-                         torch.randn(a.shape, generator=g), sizes, device, L=length, B=b)
-        rows = compare({"reference": models.selective_scan_reference,
-                        "selective_scan": models.selective_scan}, (u, delta, A, B, C),
-                       torch.randn(u.shape, generator=g), sizes, device, L=length, B=b)
-        state = a.to(device, copy=True)      # the floor: one in-place pass over that state
-        floor = medians({"pass": lambda: state.mul_(1.0)}, max(3, sizes["repeats"]), device)["pass"]
-        selective += [dict(row, passes=row["ms"] / (1e3 * floor)) for row in rows]
-    return [("scan", plain, f"1a. Plain scan, Mamba-shaped a, b (B, L, {e}, {n}): `scan` (shipped, "
-             "picked per device) and `parallel_scan_custom_grad` against `sequential_scan` (plain "
-             "autograd)"),
-            ("selective_scan", selective, "1b. Mamba's selective scan h_t = exp(delta_t A) h_(t-1) + "
-             "delta_t B_t u_t, y = sum_n C h: `selective_scan` against `selective_scan_reference` "
-             "(materialised + plain loop); passes = forward+backward time in elementwise passes over "
-             "its (B, L, e, n) state (x.mul_(1.0), the floor)")]
+def train_steps(model, forward, batch, n):
+    """A closure: n AdamW steps (lr 1e-3) of `model`, its loss from forward(tokens, readout)."""
+    optimizer = mechsm.adamw(model, 1e-3)
 
-
-def compare(kernels, inputs, grad_out, sizes, device, **labels):
-    """Rows: forward+backward of each kernel(*inputs) timed, and its errors against the first's."""
-    inputs, grad_out, first = [x.to(device) for x in inputs], grad_out.to(device), list(kernels)[0]
-    wide = lambda x: x.to(torch.complex128 if x.is_complex() else torch.float64)  # H3's are complex
-
-    def forward_backward(kernel, xs):                          # [out, *grads]
-        xs = [x.detach().requires_grad_() for x in xs]
-        out = kernel(*xs)
-        return [out, *torch.autograd.grad(out, xs, grad_out.to(out.dtype))]
-    exact = forward_backward(kernels[first], [wide(x) for x in inputs])
-    times = medians({name: lambda k=k: forward_backward(k, inputs) for name, k in kernels.items()},
-                    sizes["repeats"], device)
-
-    def errors(got):
-        err = [(wide(x) - x64).abs().max() for x, x64 in zip(got, exact)]
-        rel = max(e / x64.abs().max().clamp(min=1e-30) for e, x64 in zip(err[1:], exact[1:]))
-        return dict(max_abs_err=err[0].item(), grad_rel_err=rel.item())
-    return [dict(labels, kernel=name, ms=1e3 * times[name], speedup=times[first] / times[name],
-                 **errors(forward_backward(kernel, inputs))) for name, kernel in kernels.items()]
-
-
-def bench_conv(device, sizes):
-    """2a: the long convolution u (B, L, d) * k (L, d); 2b: the short conv; 2c: H3's SSM kernel."""
-    conv, short, ssm, b, c = [], [], [], sizes["b"], 3 * sizes["width"]
-    budget = sizes["toeplitz_mib"] * 2**20 * (16 if device.type == "cuda" else 1)
-    for length in sizes["lengths"]:
-        d, g = max(1, min(sizes["d"], budget // (4 * length * length))), torch.Generator().manual_seed(length)
-        u, k, grad_out = (torch.randn(*shape, generator=g)
-                          for shape in ((b, length, d), (length, d), (b, length, d)))
-        conv += compare({"direct": models.direct_conv, "fft": models.fft_conv},
-                        (u, k / length ** 0.5), grad_out, sizes, device, L=length, B=b, D=d)
-    g = torch.Generator().manual_seed(0)
-    for length in sizes["lengths"][:2]:
-        x, w, bias, grad_out = (torch.randn(*shape, generator=g)
-                                for shape in ((b, length, c), (c, 1, 3), (c,), (b, length, c)))
-        kernels = {"reference": models.short_conv_reference, "short_conv": models.short_conv}
-        short += compare(kernels, (x, w, bias), grad_out, sizes, device, L=length, B=b, C=c)
-    for length in sizes["lengths"][:2]:
-        modes = [t.detach() for t in models.H3(sizes["width"]).to(device).diag_modes()]  # (h, n/2)
-        reference = lambda A, W, l=length: 2 * torch.einsum("hn,hnl->lh", W, torch.cumprod(
-            A[..., None].expand(*A.shape, l), dim=-1) / A[..., None]).real   # as H3.ssm_kernel's
-        kernels = {"reference": reference, "vandermonde": lambda A, W, l=length: models.vandermonde_kernel(A, W, l)}
-        (h, half), grad_out = modes[0].shape, torch.randn(length, modes[0].shape[0], generator=g)
-        ssm += compare(kernels, modes, grad_out, sizes, device, L=length, H=h, modes=half)
-    return [("conv", conv, "2a. Long convolution, forward+backward: fft_conv against direct_conv "
-             "(an explicit Toeplitz sum)"),
-            ("short_conv", short, "2b. Short causal conv SC_3 (Hyena's, C = 3 x width), "
-             "forward+backward: short_conv against short_conv_reference (a shifted copy per tap)"),
-            ("ssm_kernel", ssm, "2c. H3's diagonal-SSM kernel K = 2 Re sum W A^lag, forward+backward "
-             "from the modes: vandermonde_kernel against the reference's cumprod under autograd")]
-
-
-def bench_train(device, sizes):
-    """3: training steps/s at the quick and the paper's AR shape, the fast path against the slow."""
-    rows, n = [], sizes["steps"]
-    for shape, pairs in (("quick", 8), ("paper", 16)):
-        data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
-        for arch in sizes.get("archs") or models.ARCHS:
-            fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
-                         for k in ("fast", "reference"))
-            full_head = lambda t, readout, m=ref: m(t)[torch.arange(len(t), device=device), readout]
-            steps = {"fast": make_step(fast, data, device), "reference": make_step(ref, data, device, full_head)}
-            t = medians({k: lambda s=s: [s() for _ in range(n)][-1].item() for k, s in steps.items()},
-                        sizes["repeats"], device)
-            rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
-                             reference_steps_s=n / t["reference"], speedup=t["reference"] / t["fast"]))
-    return [("train", rows, f"3. Training steps/s (d 64, 2 layers, batch {sizes['batch']}, AdamW): "
-             "fast kernels and readout-only head against kernels='reference' and the full-vocabulary head")]
-
-
-def bench_ensemble(device, sizes):
-    """4: K runs as one batched model (mechsm.Ensemble) against K models, stepped one by one."""
-    data, rows = mechsm.tasks.make_ar(sizes["batch"], seed=0), []
-    for arch in sizes.get("archs") or models.ARCHS:
-        for k in sizes["ks"]:
-            members = [models.build_model(arch, data.vocab_size, sizes["width"], 2, seed=s).to(device) for s in range(k)]
-            group, alone = make_step(mechsm.Ensemble(members), data, device), [make_step(m, data, device) for m in members]
-            t = medians({"group": lambda: group().sum().item(), "separate": lambda: [s().item() for s in alone]},
-                        sizes["repeats"], device)
-            group_ops, separate_ops = ops_per_call(group) / k, ops_per_call(alone[0])
-            rows.append(dict(arch=arch, k=k, group_steps_s=k / t["group"], separate_steps_s=k / t["separate"],
-                             speedup=t["separate"] / t["group"], group_ops=group_ops, separate_ops=separate_ops,
-                             ops_ratio=group_ops / separate_ops))
-    return [("ensemble", rows, f"4. K runs (width {sizes['width']}) as one batched model against K models "
-             "one after another: model-steps/s, and operators dispatched per model-step (torch.profiler), "
-             "optimizer included")]
-
-
-# Operators that only make a view or read metadata: no kernel on any device, not counted as work.
-VIEW_OPS = frozenset("aten::" + name for name in (
-    "view as_strided _reshape_alias reshape t transpose permute expand squeeze unsqueeze select slice detach "
-    "alias empty empty_strided empty_like movedim unflatten flatten split split_with_sizes chunk unbind narrow "
-    "_unsafe_view view_as lift_fresh resolve_conj resolve_neg item _local_scalar_dense result_type").split())
-
-
-def ops_per_call(fn):
-    """Operators doing work in fn()'s second call: its innermost aten:: events less VIEW_OPS."""
-    fn()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
-    outer = {e.cpu_parent.id for e in events if e.cpu_parent and e.cpu_parent.name.startswith("aten::")}
-    return sum(1 for e in events if e.id not in outer and e.name not in VIEW_OPS)
+    def steps():
+        for _ in range(n):
+            loss = mechsm.answer_loss(forward, *batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        return loss.item()
+    return steps
 
 
 def medians(fns, repeats, device):
@@ -1955,16 +1780,6 @@ def medians(fns, repeats, device):
             sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts[1:]) for name, ts in times.items()}
-
-
-def print_table(title, rows, print_fn):
-    """Print dict rows (the same keys) under a title as aligned columns."""
-    fmt = lambda v: (f"{v:.1e}" if 0 < abs(v) < 0.01 else f"{v:,.2f}") if isinstance(v, float) else \
-        f"{v:,}" if isinstance(v, int) else str(v)
-    cells = [list(rows[0])] + [[fmt(v) for v in row.values()] for row in rows]
-    widths = [max(map(len, column)) for column in zip(*cells)]
-    print_fn("\n".join([title, *("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths))
-                                 for line in cells), ""]))
 
 
 if __name__ == "__main__":

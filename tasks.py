@@ -34,7 +34,6 @@ MAX_TERMINALS = 1024           # the reference rejects sentences of more than 10
 MAX_TRIES = 1000               # consecutive rejections before we call a setting impossible
 SPLITS = {None: 0, "train": 1, "dev": 2, "test": 3}
 _DOCS, _HELDOUT = 0, 1         # RNG stream tags: documents vs the held-out-pair matrix
-_is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)  # not "8", 8.0 or True
 
 
 def _seed(*parts):
@@ -101,8 +100,9 @@ class Dataset:
 
 def sample_distinct_slow(rows, m, size, gen):
     """Reference: each row is the first m entries of a fresh random permutation of range(size)."""
-    return torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(rows)]) if rows else \
-        torch.zeros(0, m, dtype=torch.long)
+    if rows == 0:
+        return torch.zeros(0, m, dtype=torch.long)
+    return torch.stack([torch.randperm(size, generator=gen)[:m] for _ in range(rows)])
 
 
 def sample_distinct(rows, m, size, gen):
@@ -113,24 +113,29 @@ def sample_distinct(rows, m, size, gen):
     out = torch.empty(rows, m, dtype=torch.long)
     for step, j in enumerate(range(size - m, size)):
         t = torch.randint(0, j + 1, (rows,), generator=gen)
-        out[:, step] = torch.where((out[:, :step] == t[:, None]).any(dim=1), torch.full_like(t, j), t)  # t taken: j
+        taken = (out[:, :step] == t[:, None]).any(dim=1)
+        out[:, step] = torch.where(taken, torch.full_like(t, j), t)
     return out.gather(1, torch.rand(rows, m, generator=gen).argsort(dim=1))  # (rows, m)
 
 
 def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=None, holdout=0.0):
-    """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each). Keys are ids 3 .. 3+K-1, values
-    the next V ids; a document's keys are distinct, and so are its values; the query is a uniformly chosen pair. The
-    split name is mixed into the document seed: use the SAME seed for all splits. With holdout > 0 each (key, value)
-    pair is held out with that probability (one matrix per (seed, K, V), never per split; a larger holdout holds out
-    more); train/dev query only pairs not held out, test only held-out ones, redrawing documents with none (the
-    reference excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
+    """n AR documents  BOS k v ... k v EOS q a EOS  (2*num_pairs + 5 tokens each). Keys are ids
+    3 .. 3+K-1, values the next V ids; a document's keys are distinct, and so are its values; the
+    query is a uniformly chosen pair. The split name is mixed into the document seed: use the SAME
+    seed for all splits. With holdout > 0 each (key, value) pair is held out with that probability
+    (one matrix per (seed, K, V), never per split; a larger holdout holds out more); train/dev query
+    only pairs not held out, test only held-out ones, redrawing documents with none (the reference
+    excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
     _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
     _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
+           f"in [0, 1), got {holdout!r}")
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
-    for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs)):
-        _check(_is_int(value), name, f"an int, got {value!r}")  # "8" or 8.0 would fail later, or size a float task
+    sizes = (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs))
+    for name, value in sizes:       # "8" or 8.0 would fail later, or size a float task
+        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
+               f"an int, got {value!r}")
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     for name, size in (("num_keys", K), ("num_values", V)):
@@ -154,8 +159,9 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
         if len(todo) == 0:
             break
     else:
-        raise ValueError(f"holdout={holdout}: no document with an eligible query pair for split={split!r} "
-                         f"after {MAX_TRIES} rounds; use holdout in (0, 1) large enough for test")
+        raise ValueError(f"holdout={holdout}: no document with an eligible query pair for "
+                         f"split={split!r} after {MAX_TRIES} rounds; use holdout in (0, 1) large "
+                         "enough for test")
 
     rows = torch.arange(n)
     pairs = torch.stack([keys + FIRST, values + FIRST + K], dim=2)   # (b, m, 2): key, value
@@ -167,8 +173,9 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     # vocab_size: the ids in use (8195 by default; the reference reports 8196: README, difference 9)
     return Dataset("ar", tokens, pairs[rows, q, 1], positions, FIRST + K + V,
                    {"key": (FIRST, FIRST + K), "value": (FIRST + K, FIRST + K + V)},
-                   torch.full((n,), 2 * m + 5), dict(split=split, holdout=holdout, seed=seed, num_keys=K,
-                                                     num_values=V, num_pairs=m, heldout=heldout))
+                   torch.full((n,), 2 * m + 5),
+                   dict(split=split, holdout=holdout, seed=seed, num_keys=K, num_values=V,
+                        num_pairs=m, heldout=heldout))
 
 
 # --- ATR: the grammar, one sentence, one query, then the dataset.
@@ -190,12 +197,16 @@ class PCFG:
                  max_depth=10, terminal_weight=20, head="right", seed=0):
         self.params = {k: v for k, v in locals().items() if k != "self"}  # the arguments, in order
         least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
+        for name in least:
+            value = self.params[name]
+            _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
+                   f"an int, got {value!r}")
         for name, low in least.items():
-            value, why = self.params[name], " (head + at least one dependent)" if name == "max_rhs_len" else ""
-            _check(_is_int(value), name, f"an int, got {value!r}")
-            _check(value >= low, name, f">= {low}{why}, got {value}")
+            why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
+            _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
         _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
-        _check(head == "right", "head", f"'right' (the only head position the paper uses), got {head!r}")
+        _check(head == "right", "head",
+               f"'right' (the only head position the paper uses), got {head!r}")
         _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
         self.num_terminals, self.num_nonterminals, self.seed = num_terminals, num_nonterminals, seed
         N, S, slot = num_nonterminals, num_terminals, -1   # slot: TERMINAL placeholder
@@ -220,7 +231,8 @@ class PCFG:
         self.head_cum = [cum(rng.dirichlet(np.ones(S))) for _ in range(N)]
         # 6. each sentence starts from a uniformly random nonterminal (no dedicated S).
         self.start_cum = cum(np.full(N, 1.0 / N))
-        # terminal counts of each nonterminal's sentences, the deepest first: 1 (its head) + children's
+        # terminal counts of each nonterminal's sentences, the deepest first:
+        # 1 (its head) + its children's
         low, high = {}, {}
         for a in sorted(range(N), key=lambda a: -self.depth[a]):
             sizes = [[(1, 1) if s >= N else (low[s], high[s]) for s in r] for r in self.rules[a]]
@@ -302,23 +314,28 @@ def sample_query(groups, draw):
 
 def atr_document(labels, child, parent):
     """BOS t_1 .. t_s EOS child parent EOS as token ids (terminal t -> id t + 3)."""
-    return [BOS, *(x + FIRST for x in labels), EOS, labels[child] + FIRST, labels[parent] + FIRST, EOS]
+    sentence = [x + FIRST for x in labels]
+    return [BOS, *sentence, EOS, labels[child] + FIRST, labels[parent] + FIRST, EOS]
 
 
 def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_TERMINALS):
-    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`. Rejects sentences over
-    max_terminals or under 3 terminals, and those without an eligible query. The (parent label, child
-    label) matrix of held-out pairs (each with probability holdout) is seeded by grammar.seed alone:
-    the language's, the same for every split (the reference draws it before the grammar, so its split
-    language is another PCFG: README, difference 3). train/dev query only allowed pairs, test only
-    held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar)."""
+    """n ATR documents  BOS t_1 .. t_s EOS child parent EOS  from `grammar`. Rejects sentences
+    over max_terminals or under 3 terminals, and those without an eligible query. The (parent
+    label, child label) matrix of held-out pairs (each with probability holdout) is seeded by
+    grammar.seed alone: the language's, the same for every split (the reference draws it before
+    the grammar, so its split language is another PCFG: README, difference 3). train/dev query
+    only allowed pairs, test only held-out ones; contexts may hold any. Use the same seed for all
+    splits (as make_ar)."""
     _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
     _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
+           f"in [0, 1), got {holdout!r}")
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
-    _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter ones are rejected), got {max_terminals}")
-    S, shortest, longest, given = grammar.num_terminals, grammar.shortest, grammar.longest, grammar.params
+    _check(max_terminals >= 3, "max_terminals",
+           f">= 3 (shorter ones are rejected), got {max_terminals}")
+    S, given = grammar.num_terminals, grammar.params
+    shortest, longest = grammar.shortest, grammar.longest
     _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "
            f"rightmost instance is always the root head), got {S}")
     _check(longest >= 3, "max_rhs_len/max_depth", "large enough for sentences of >= 3 terminals: "
@@ -341,10 +358,12 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
             if misses.total() >= MAX_TRIES:   # name the parameter behind the most rejections
                 name = {"long": "max_terminals", "short": "max_rhs_len/max_depth",
                         "query": "grammar/holdout"}[max(misses, key=misses.get)]
-                raise ValueError(f"{name}: {MAX_TRIES} sentences in a row rejected: {misses['long']} over "
-                                 f"max_terminals={max_terminals}, {misses['short']} under 3 terminals ({shortest} "
-                                 f"to {longest} in this grammar), {misses['query']} with no eligible query "
-                                 f"(split={split!r}, holdout={holdout})")
+                raise ValueError(f"{name}: {MAX_TRIES} sentences in a row rejected: "
+                                 f"{misses['long']} over max_terminals={max_terminals}, "
+                                 f"{misses['short']} under 3 terminals ({shortest} to {longest} "
+                                 f"in this grammar), {misses['query']} with no eligible query "
+                                 f"(split={split!r}, "
+                                 f"holdout={holdout})")
             continue
         misses.clear()
         docs.append((sent[0], *sample_query(groups, draw)))
