@@ -127,6 +127,7 @@ CHOSEN = {
            "based (d 64)": 1e-3, "mamba (256 keys, d 64)": 3.3e-3},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
+CAP_STEPS = 50_016   # the paper's AR budget: the last rung of a cell's budget ladder
 run_score = lambda record: (record["status"] == "ok", record["final"].get("acc") or 0.0)   # a failed run never wins
 
 
@@ -320,9 +321,11 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         base = {**spec["config"], **({"steps": steps} if steps else {}), **family, **fields_}
         family_lrs = lrs or ([family["lr"]] if "lr" in family else pick(spec["lrs"], arch, [1e-3]))
         for width in widths or spec["widths"]:
-            cell_lrs = [chosen.get(cell_name(family, width), lr) for lr in family_lrs]
-            configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
-                        for lr in cell_lrs for seed in seeds or pick(spec["seeds"], arch)]
+            for lr in family_lrs:
+                choice = chosen.get(cell_name(family, width), lr)     # a rate, or (rate, steps)
+                lr, steps = choice if isinstance(choice, tuple) else (choice, base.get("steps"))
+                configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed,
+                                             "steps": steps}) for seed in seeds or pick(spec["seeds"], arch)]
     return configs
 
 
@@ -387,7 +390,7 @@ budget_of = lambda record: record.get("total_steps") or record["config"]["steps"
 
 def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
-    most steps its first seed trained (the budget ladder: README, difference 18), and there at the
+    steps with the most seeds (ties: the most steps; the budget ladder: README, difference 18), there at the
     lr whose first seed is the most accurate (as chosen_lr; a failed run never wins; ties: the lr with
     the most seeds, then the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them),
     label, first ({lr: the first seed's record}), budgets ({steps: the first seed's best record})."""
@@ -400,9 +403,10 @@ def best_by_lr(records, ladder=True):
         firsts = [r for r in runs if r["config"]["seed"] == seed]
         budgets = {s: max((r for r in firsts if budget_of(r) == s), key=run_score)
                    for s in sorted(set(map(budget_of, firsts)))}
+        budget = max(budgets, key=lambda s: (len({r["config"]["seed"] for r in runs if budget_of(r) == s}), s))
         per_lr = {}
         for r in runs:
-            if budget_of(r) == max(budgets):
+            if budget_of(r) == budget:
                 per_lr.setdefault(r["config"]["lr"], []).append(r)
         first = {lr: r for lr, rs in sorted(per_lr.items()) for r in rs if r["config"]["seed"] == seed}
         best_lr = max(per_lr, key=lambda lr: (run_score(first[lr]) if lr in first else (False, -1.0),
@@ -410,7 +414,7 @@ def best_by_lr(records, ladder=True):
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
-                     "budgets": budgets, "label": row_label(config_of(best), configs,
+                     "budget": budget, "budgets": budgets, "label": row_label(config_of(best), configs,
                                                             LABEL_FIELDS[:-1] if ladder else LABEL_FIELDS)})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
@@ -427,8 +431,8 @@ fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
                                                tally(s["leans"], s["n"], "leans "))))
 fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
 # a cell's budget ladder, seed 0's best at each budget: '8,000: 69.1%, still learning · **16,000**'
-fmt_budgets = lambda budgets: " · ".join([f"{s:,}: {fmt_rung(r)}, {diagnose(r) or '-'}" for s, r in budgets.items()][:-1]
-                                         + [f"**{max(budgets):,}**" if len(budgets) > 1 else f"{max(budgets):,}"])
+fmt_budgets = lambda row: " · ".join(f"**{s:,}**" if s == row["budget"] else f"{s:,}: {fmt_rung(r)}, {diagnose(r)}"
+                                     for s, r in row["budgets"].items())
 
 
 # a record's attrib_key / _value / _query: their names in the tables and colours in the figures
@@ -483,7 +487,7 @@ def result_table(rows, experiment=None):
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "lr": " · ".join(
             (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_rung(r)}" * (len(tried) > 1)
             for lr, r in tried.items()),
-             "steps": fmt_budgets(row.get("budgets") or {budget_of(best): best}),
+             "steps": fmt_budgets(row) if len(row.get("budgets") or ()) > 1 else f"{budget_of(best):,}",
              "seeds": s["n"], "accuracy: median (range)": fmt_acc(s)}
         c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
                   for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
@@ -579,23 +583,39 @@ def main(argv=None):
 # --- The grid's helpers
 
 def choices_of(folder):
-    """{experiment: {cell_name: rate}} of the LR_CHOICE grids: chosen_lr of each cell's seed-0 records
-    in `folder`, where decided and not the grid's rate (for results/: what CHOSEN must say)."""
+    """{experiment: {cell_name: rate or (rate, steps)}} of the LR_CHOICE grids: cell_choice of each
+    cell's seed-0 records in `folder`, where not the grid's (for results/: what CHOSEN must say)."""
     out = {}
     for name in LR_CHOICE:
         done, spec = {run_key(r["config"]): r for r in folder_records(folder, False)[name]}, EXPERIMENTS[name].quick
         names = [cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
         for label, base in zip(names, experiment_configs(name, seeds=[0], chosen_lrs=False), strict=True):
-            if (lr := cell_choice(base, done)[0]) not in (None, base.lr):
-                out.setdefault(name, {})[label] = lr
+            choice = cell_choice(base, done)[0] or (base.lr, base.steps)
+            if choice != (base.lr, base.steps):
+                out.setdefault(name, {})[label] = choice if choice[1] != base.steps else choice[0]
     return out
 
 
 def cell_choice(cfg, done):
-    """chosen_lr of cfg's cell (cfg at the grid's rate) from its seed-0 records in `done` ({run_key:
-    record}): (its rate or None while undecided, the rates seed 0 must train next)."""
-    key = lambda k: run_key(asdict(replace(cfg, lr=rung(cfg.lr, k), seed=0).resolved()))
-    return chosen_lr(cfg.lr, {rung(cfg.lr, k): done[key(k)] for k in (-2, -1, 0, 1, 2) if key(k) in done})
+    """((rate, steps) chosen so far, or None; the seed-0 (rate, steps) still to train) of cfg's cell (cfg
+    at the grid's rate and steps) from its seed-0 records in `done` ({run_key: record}): the rate ladder
+    (chosen_lr) at the grid's steps; then on AR, while seed 0 at the chosen rate is still learning
+    (diagnose), it trains again at 2x, 4x the steps, then CAP_STEPS, and the ladder runs again around
+    that rate at the budget where it stopped (README, difference 18)."""
+    at = lambda lr, steps: done.get(run_key(asdict(replace(cfg, lr=lr, steps=steps, seed=0).resolved())))
+    budgets = [s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS] if cfg.task == "ar" else []
+    lr, steps, choice = cfg.lr, cfg.steps, None
+    while True:
+        lr, untried = chosen_lr(lr, {rung(lr, k): r for k in (-2, -1, 0, 1, 2) if (r := at(rung(lr, k), steps))})
+        if lr is None:
+            return choice, [(r, steps) for r in untried]
+        choice = lr, steps
+        while budgets and diagnose(at(lr, steps)) == "still learning":
+            steps = budgets.pop(0)
+            if at(lr, steps) is None:
+                return choice, [(lr, steps)]
+        if choice[1] == steps:
+            return choice, []
 
 
 def cell_name(family, width):
@@ -837,13 +857,13 @@ def choose_lrs(configs, out, **options):
 
 
 def choice_round(configs, out):
-    """The runs the cells of `configs` (at the grid's rates) need next: seed 0 at the rates still to
-    try, or the cell's every seed at its chosen rate."""
+    """The runs the cells of `configs` (at the grid's rates and steps) need next: seed 0 at the (rate,
+    steps) still to try, or the cell's every seed at its chosen (rate, steps)."""
     done, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, []
     for cell in make_groups(configs):                       # whole cells
-        lr, untried = cell_choice(cell[0], done)
-        todo += [replace(cell[0], lr=r, seed=0) for r in untried] if lr is None else [
-            replace(c, lr=lr) for c in cell]
+        choice, untried = cell_choice(cell[0], done)
+        todo += [replace(cell[0], lr=lr, steps=steps, seed=0) for lr, steps in untried] or [
+            replace(c, lr=choice[0], steps=choice[1]) for c in cell]
     return todo
 
 

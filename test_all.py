@@ -2400,9 +2400,10 @@ def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
     assert row["best_lr"] == 1e-3 and len(row["runs"]) == 2 and sorted(row["first"]) == [3.3e-4, 1e-3, 3e-3]
 
 
-def test_a_cells_row_sits_at_its_budget_the_most_steps_its_seed_0_trained_and_shows_the_ladder():
-    """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at 16 steps (its runs: the
-    16-step seeds at seed 0's best rate there), the 8-step run in its budgets; a probe keeps both rows."""
+def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder():
+    """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at the budget with the most
+    seeds (ties: the most steps), its runs there at seed 0's best rate; the other budget in the steps
+    column; a probe (ladder=False) keeps both rows."""
     learning = {"history": [{"step": s, "acc": 0.1 * s / 8, "loss": 3.0, "train_loss": 6.0 - s / 2}
                             for s in range(9)]}
     short = fake_record(tiny(lr=1e-3, seed=0, steps=8), acc=0.8, **learning)
@@ -2412,9 +2413,41 @@ def test_a_cells_row_sits_at_its_budget_the_most_steps_its_seed_0_trained_and_sh
     row, = run_cli.best_by_lr([short, *runs])
     assert row["best_lr"] == 3e-3 and [r["config"]["seed"] for r in row["runs"]] == [0, 1]
     assert list(row["budgets"]) == [8, 16] and row["budgets"][16] is runs[1] and "steps" not in row["label"]
-    cells = markdown_rows(run_cli.result_table([row]))[0]
-    assert cells["steps"] == "8: 80.0%, still learning · **16**"
+    assert markdown_rows(run_cli.result_table([row]))[0]["steps"] == "8: 80.0%, still learning · **16**"
+    row, = run_cli.best_by_lr([short, fake_record(tiny(lr=1e-3, seed=1, steps=8)), runs[0]])
+    assert row["budget"] == 8 and len(row["runs"]) == 2          # 2 seeds at 8 steps, 1 at 16
     assert len(run_cli.best_by_lr([short, *runs], ladder=False)) == 2
+
+
+def test_a_cells_budget_climbs_while_seed_0_is_still_learning_then_its_rate_ladder_runs_again():
+    """cell_choice on AR: seed 0 at the chosen rate still learning at the grid's steps trains at 2x,
+    4x, then CAP_STEPS; where it stops learning, the rates around it; ATR never climbs."""
+    learning = lambda r: {**r, "history": [{"step": s, "acc": 0.1, "loss": 3.0, "train_loss": 6.0 - s}
+                                           for s in range(5)], "final": {"acc": 0.1, "loss": 3.0, "train_loss": 2.0}}
+    flat = lambda r: {**r, "history": [{"step": s, "acc": 0.5, "loss": 1.0, "train_loss": 1.0 if s else 5.0}
+                                       for s in range(5)], "final": {"acc": 0.5, "loss": 1.0, "train_loss": 1.0}}
+    cfg = tiny(lr=1e-3, steps=100, seed=0)
+    done = {}
+    def add(lr, steps, kind, acc=0.5):
+        r = kind(fake_record(replace(cfg, lr=lr, steps=steps), acc=acc))
+        r["final"]["acc"] = acc
+        for h in r["history"]:
+            h["acc"] = acc
+        done[run_cli.run_key(r["config"])] = r
+    for lr, acc in [(3.3e-4, 0.1), (1e-3, 0.5), (3e-3, 0.2)]:
+        add(lr, 100, learning if lr == 1e-3 else flat, acc)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(1e-3, 200)])
+    add(1e-3, 200, learning)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(1e-3, 400)])
+    add(1e-3, 400, flat)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(3.3e-4, 400), (3e-3, 400)])
+    add(3.3e-4, 400, flat, 0.4)
+    add(3e-3, 400, flat, 0.6)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(9e-3, 400)])      # best at an end: one more
+    add(9e-3, 400, flat, 0.3)
+    assert run_cli.cell_choice(cfg, done) == ((3e-3, 400), [])
+    atr = replace(cfg, task="atr")
+    assert run_cli.cell_choice(atr, {}) == (None, [(3.3e-4, 100), (1e-3, 100), (3e-3, 100)])
 
 
 def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose():
