@@ -387,7 +387,12 @@ fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
 UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
-lean = lambda record: max(ATTRIBS, key=record["mechanism_table"]["headline"].get)   # its largest
+
+
+def lean(record):
+    """The site of a record's largest headline attribution; None where it holds none (NaN weights)."""
+    head = {k: v for k in ATTRIBS if (v := record["mechanism_table"]["headline"].get(k)) is not None}
+    return max(head, key=head.get) if head else None
 
 
 def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
@@ -411,7 +416,8 @@ def spread(row, **rule):
     heads = [r["mechanism_table"]["headline"] for r in readable]
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
             "verdicts": collections.Counter(verdicts), "readable": len(readable),
-            "leans": collections.Counter(lean(r) for r, v in zip(runs, verdicts) if v == "no signal"),
+            "leans": collections.Counter(filter(None, (lean(r) for r, v in zip(runs, verdicts)
+                                                       if v == "no signal"))),
             "diagnoses": collections.Counter(filter(None, map(diagnose, runs))), "median": {
                 k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
 
@@ -707,7 +713,7 @@ def read_results(out, warn=True):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line, parse_constant=lambda _: None)   # NaN: None
                 except (ValueError, RecursionError):      # a blank or torn line
                     record = None
                 if fits(record, RECORD):                  # not a hand-edited one
@@ -1229,6 +1235,9 @@ def evaluate_checkpoint(args):
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
+    if not math.isfinite(record["final"]["loss"]):          # NaN weights: nothing to read
+        raise ValueError(f"--checkpoint {args.checkpoint}: its model's evaluation loss is "
+                         f"{record['final']['loss']} (NaN or inf weights); nothing evaluated")
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
     mechsm.write_whole(path, json.dumps(json_safe(record), indent=1).encode())

@@ -2109,6 +2109,30 @@ def test_nan_loss_fails_the_run_and_the_sweep_goes_on(tmp_path):
     assert len(best) == 1 and best[0]["best_lr"] == 1e-3
 
 
+def test_nan_weights_give_one_error_line_and_a_nan_record_leaves_every_other_row_reported(tmp_path, capsys):
+    """--checkpoint of a model whose weights went NaN: one line, exit 2, nothing written; a record whose
+    metrics are NaN (or None) among a row's seeds: --report still renders every row."""
+    path, model = tiny_checkpoint(tmp_path / "nan.pt")
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    mechsm.save(model, tiny(device="cpu"), str(path))
+    assert run_cli.main(["--checkpoint", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys.readouterr().err, "NaN")
+    assert not list((tmp_path / "out").rglob("*.json"))
+    records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", "ar.jsonl"), warn=False))
+    sick = next(r for r in records if r["config"]["arch"] == "mamba" and r["config"]["seed"] == 1)
+    nan = lambda x: {k: nan(v) for k, v in x.items()} if isinstance(x, dict) else (
+        [nan(v) for v in x] if isinstance(x, list) else float("nan") if isinstance(x, float) else x)
+    for part in ("final", "mechanism", "history"):
+        sick[part] = nan(sick[part])
+    sick["mechanism_table"]["headline"] = dict.fromkeys(sick["mechanism_table"]["headline"])   # None
+    sick["mechanism_table"]["gap"] = None
+    (tmp_path / "ar.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))   # NaN literals
+    assert run_cli.main(["--report", str(tmp_path)]) == 0
+    table = (tmp_path / "ar.md").read_text()
+    assert all(f"| {row['label']} |" in table for row in run_cli.best_by_lr(records))
+
+
 def test_rerun_of_finished_sweep_trains_nothing_and_survives_a_torn_line(tmp_path, monkeypatch):
     first = sweep_grid(tiny(), ["attention", "mamba"], [16], [1e-3], [0, 1], tmp_path)
     with open(tmp_path / "results.jsonl", "a") as f:
