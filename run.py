@@ -1398,10 +1398,14 @@ results_name = lambda shard: "results.jsonl" if shard[1] == 1 else f"results.sha
 
 
 def provenance():
-    """Where and with what a record was made: date, machine, CPU and torch's kernels for it, commit."""
+    """Where and with what a record was made: date, machine, CPU and torch's kernels for it, commit
+    (of this project's own git checkout alone, '+dirty' when a tracked file differs from it)."""
+    git = lambda *a: subprocess.run(["git", "--no-optional-locks", *a], capture_output=True, text=True,
+                                    cwd=HERE, timeout=10).stdout.strip()
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE, timeout=10).stdout.strip()
+        top, _, commit = git("rev-parse", "--show-toplevel", "--short", "HEAD").partition("\n")
+        commit = (commit + "+dirty" * bool(git("status", "--porcelain", "--untracked-files=no"))
+                  if os.path.realpath(top) == os.path.realpath(HERE) else None)  # not another repo's
     except (OSError, subprocess.SubprocessError):
         commit = None
     info = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""

@@ -2698,6 +2698,36 @@ def test_nan_probabilities_read_no_signal():
     assert "p_clean nan" in iv.render_heatmap(run_cli.json_safe(table))
 
 
+def test_provenance_names_only_the_projects_own_commit_and_marks_a_modified_tree(tmp_path):
+    """A copy of the project inside another git repository names no commit (not the other one's);
+    a checkout of its own names its commit, marked '+dirty' once a tracked file changes (an untracked
+    one, as out/, does not count)."""
+    git = lambda cwd, *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=cwd,
+                                         check=True, capture_output=True, text=True).stdout.strip()
+    commit = lambda folder: json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, run; print(json.dumps(run.provenance()['commit']))"], cwd=folder,
+        check=True, capture_output=True, text=True).stdout)
+    outer = tmp_path / "outer"
+    project = outer / "mechsm"
+    project.mkdir(parents=True)
+    for name in ("run.py", "mechsm.py", "models.py", "tasks.py", "interventions.py"):
+        shutil.copy(os.path.join(HERE, name), project / name)
+    git(outer, "init", "-q")
+    git(outer, "add", "-A")
+    git(outer, "commit", "-qm", "another project")
+    assert commit(project) is None
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "the project")
+    head = git(project, "rev-parse", "--short", "HEAD")
+    (project / "out").mkdir()
+    (project / "out" / "results.jsonl").write_text("")
+    assert commit(project) == head
+    with open(project / "tasks.py", "a") as f:
+        f.write("# a local change\n")
+    assert commit(project) == head + "+dirty"
+
+
 def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
     """<experiment>.command.json's command for an --out with a space is a shell line that gives back
     the same arguments; its machine names the CPU's kernels (a wall time depends on them)."""
