@@ -888,21 +888,24 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     return [newest[k] for k in unique if k in newest]
 
 
-def read_command(folder, name):
-    """folder/<name>.command.json (the command that trained its runs), or None; warns if bad."""
+def read_commands(folder, name):
+    """{command: its record} of folder/<name>.command.json (each command that trained its runs, and
+    how long it took; an older file's one record too), or {}; warns if bad."""
     path = os.path.join(folder, f"{name}.command.json")
     if not os.path.exists(path):
-        return None
+        return {}
     try:
         c = None if (why := outside(folder, path)) else json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, OSError, RecursionError):
         c = None
-    if fits(c, {**dict.fromkeys(("command", "date", "machine", "load"), str), "wall_s": REAL,
-                "trained": int, "jobs": int}):
+    c = {c["command"]: c} if isinstance(c, dict) and "command" in c else c      # an older file's one
+    if isinstance(c, dict) and all(fits(v, {**dict.fromkeys(("command", "date", "machine", "load"), str),
+                                            "wall_s": REAL, "trained": int, "jobs": int})
+                                   and v["command"] == k for k, v in c.items()):
         return c
     print(f"warning: {why}; not read" if why else f"warning: {path}: not a command record (corrupt or hand-edited); "
           "skipped", file=sys.stderr)
-    return None
+    return {}
 
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
@@ -918,7 +921,7 @@ def render(name, preset, records, folder=None):
                      for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = figures_of(name, rows)                 # what --figures draws from these records
-    c = read_command(folder, name) if folder else None
+    commands = read_commands(folder, name).values() if folder else []
     attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
     timeline = []
     for row in rows:                  # the best run's history: 6 evaluations at most, the last kept
@@ -943,9 +946,9 @@ def render(name, preset, records, folder=None):
         "too little signal to read):", *timeline, "",
         f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
         f"summed), made {made}."
-        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
-           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
-           f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
+        + "".join(f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
+                  f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
+                  f"{c['load']}." for c in commands), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
 
 
 def holds(text, s):
@@ -1302,12 +1305,17 @@ def sweep_plan(args, name, configs, device, notes):
 
 
 def record_command(argv, out, name, trained, jobs, seconds):
-    """OUT/<name>.command.json: the command line that trained `trained` runs, and how long it took."""
-    command, p = shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]), provenance()
-    mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps({"command": command,
+    """OUT/<name>.command.json, {command: its record}: the command line that trained `trained` runs
+    (--out relative to the project: no machine's path), how long it took; other commands' kept."""
+    argv, rel = sys.argv[1:] if argv is None else argv, os.path.relpath(os.path.abspath(out), HERE)
+    argv = [f"--out={rel}" if w.startswith("--out=") else rel if before == "--out" else w
+            for before, w in zip([None, *argv], argv)]
+    command, p = shlex.join(["python", "run.py", *argv]), provenance()
+    commands = {**read_commands(out, name), command: {"command": command,
         "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
         "machine": machine_of(p),   # what its speed depends on
-        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
+        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}}
+    mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps(commands, indent=1).encode())
 
 
 @contextlib.contextmanager
@@ -1431,8 +1439,8 @@ HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
 
 
 def run_py_line(folder):
-    """What `python run.py` trains, and how long its recorded command took (folder/ar.command.json)."""
-    c, n = read_command(folder, "ar"), len(experiment_configs("ar", seeds=[0]))
+    """What `python run.py` trains, and how long it took, as folder/ar.command.json records it."""
+    c, n = read_commands(folder, "ar").get("python run.py"), len(experiment_configs("ar", seeds=[0]))
     return f"`python run.py` trains the {n} seed-0 runs of `ar` at their chosen rates" + (
         f"; `{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
         f"{c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']})." if c else ".")

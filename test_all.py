@@ -9,6 +9,7 @@ learns, a rerun trains nothing, bad input exits with one line). Run: pytest -q t
 from dataclasses import asdict, replace
 import collections
 import contextlib
+import glob
 import importlib.util
 import json
 import math
@@ -2728,6 +2729,27 @@ def test_provenance_names_only_the_projects_own_commit_and_marks_a_modified_tree
     assert commit(project) == head + "+dirty"
 
 
+def test_a_later_command_into_the_folder_keeps_the_earlier_ones_record(tmp_path, capsys):
+    """Two different commands into one folder: <experiment>.command.json keeps both (keyed by command),
+    its .md names both; the README's sentence quotes `python run.py`'s own time alone; no committed
+    command names an absolute path."""
+    out = tmp_path / "out"
+    first = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
+    for argv in (first, first + ["--seeds", "1"]):
+        assert run_cli.main(argv) == 0
+    commands = json.loads((out / "ar.command.json").read_text())
+    absolute = lambda command: any(os.path.isabs(w) for w in command.split())
+    assert len(commands) == 2 and all(c == r["command"] and not absolute(c) for c, r in commands.items())
+    report = (out / "ar.md").read_text()
+    assert all(f"The command `{c}` trained 1 of them" in report for c in commands)
+    assert "minutes" not in run_cli.run_py_line(str(out))          # no `python run.py` there: no time quoted
+    for path in glob.glob(os.path.join(HERE, "results", "*.command.json")):
+        for command, record in json.load(open(path)).items():
+            assert command == record["command"] and not absolute(command), path
+    default = json.load(open(os.path.join(HERE, "results", "ar.command.json")))["python run.py"]
+    assert f"in {default['wall_s'] / 60:.1f} minutes" in run_cli.run_py_line(os.path.join(HERE, "results"))
+
+
 def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
     """<experiment>.command.json's command for an --out with a space is a shell line that gives back
     the same arguments; its machine names the CPU's kernels (a wall time depends on them)."""
@@ -2735,8 +2757,10 @@ def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
     argv = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
     assert run_cli.main(argv) == 0
     import shlex
-    recorded = json.loads((out / "ar.command.json").read_text())
-    assert shlex.split(recorded["command"]) == ["python", "run.py", *argv]
+    recorded, = json.loads((out / "ar.command.json").read_text()).values()
+    words = shlex.split(recorded["command"])                 # --out relative to the project
+    assert os.path.normpath(os.path.join(HERE, words[-1])) == str(out)
+    assert words[:-1] == ["python", "run.py", *argv[:-1]]
     assert torch.backends.cpu.get_cpu_capability() in recorded["machine"]    # a time names the kernels it ran on
 
 
