@@ -456,17 +456,20 @@ def save(model, cfg, path):
 
 def write_whole(path, data):
     """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a kill
-    or a full disk leaves the old file and no temporary one; bytes it already holds: no write."""
+    or a full disk leaves the old file (a full disk: no temporary one; an OSError naming path);
+    bytes it already holds: no write."""
     if os.path.isfile(path) and Path(path).read_bytes() == data:
         return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
+    tmp = f"{path}.{os.getpid()}-{os.urandom(4).hex()}.tmp"   # unique per write: a killed one's
+    try:                                                      # leftover never blocks the next
         with open(tmp, "xb") as f:            # "x": a new file, never one that a link points to
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), path) from None
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)

@@ -762,14 +762,17 @@ def out_path(out, *parts):
 def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
-    with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                line = b"\n" + line
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a+b") as f:
+            if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = b"\n" + line
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:                                 # a full disk's names no file
+        raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
 # --- The sweep
@@ -875,13 +878,17 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
+    results = out_path(out, results_name(shard))
+    try:                                            # writable, before any training
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, out) from None
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     [out_path(out, "ckpt", unique[k].name() + ".pt") for k in todo if save]   # a link out of it: refused now
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
         log(f"sweep: {done[key]['name']} has no checkpoint in {out} (or a link out of it); trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
-    results = out_path(out, results_name(shard))
     for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
     newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}

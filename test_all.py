@@ -2444,6 +2444,36 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_run_and_leaves_no_tempora
     assert len(run_cli.read_results(str(tmp_path))) == 1
 
 
+def test_temporary_files_are_unique_per_write_and_cleared_and_an_unwritable_folder_fails_before_training(
+        tmp_path, monkeypatch):
+    """write_whole's temporary names differ per write (a killed process's leftover, named as they were
+    from its pid alone, blocks nothing); a failed write leaves none, and its OSError, as a failed
+    append's, names the file; run.sweep into a folder it cannot write fails before any training."""
+    path, names, replace_ = tmp_path / "a.md", [], os.replace
+    (tmp_path / f"a.md.tmp{os.getpid()}").write_text("a killed write's")
+    monkeypatch.setattr(os, "replace", lambda tmp, dest: (names.append(tmp), replace_(tmp, dest)))
+    for text in (b"one", b"two"):
+        mechsm.write_whole(str(path), text)
+    assert path.read_bytes() == b"two" and len(set(names)) == 2
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_disk)
+    for write in (lambda: mechsm.write_whole(str(path), b"three"), lambda: run_cli.append_result(str(path), {})):
+        with pytest.raises(OSError, match=re.escape(str(path))):
+            write()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.md", f"a.md.tmp{os.getpid()}"]
+    monkeypatch.undo()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.access(locked, os.W_OK):                      # root writes anyway: a folder no one writes
+        locked = "/sys" if os.path.isdir("/sys") else pytest.skip("no folder that root cannot write")
+    monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("trained into a folder it cannot write"))
+    with pytest.raises(OSError, match=re.escape(str(locked))):
+        sweep_grid(tiny(), ["attention"], [16], [1e-3], [0], locked)
+
+
 def test_what_used_to_be_a_traceback_is_one_line(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
