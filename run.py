@@ -277,9 +277,10 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run). The
     quick grids train each cell at its CHOSEN_LRS rate (chosen_lrs=False: the grid's rate)."""
-    for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
-        if value not in allowed:
-            raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
+    for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS),
+                                  ("chosen_lrs", chosen_lrs, (True, False))):
+        if value not in [*allowed]:                      # a list: unhashable
+            raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(map(str, allowed))}")
     for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
         if values is not None and not (isinstance(values, (list, tuple, range)) and values):
             raise ValueError(f"{param}: got {values!r}, expected a non-empty list (None: the grid's)")
@@ -300,8 +301,15 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         family_lrs = lrs or ([family["lr"]] if "lr" in family else pick(spec["lrs"], arch, [1e-3]))
         for width in widths or spec["widths"]:
             cell_lrs = [chosen.get(cell_name(family, width), lr) for lr in family_lrs]
-            configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed})
+            configs += [mechsm.Config(**{**base, "d_model": width, "seed": seed,
+                                          "lr": float(lr) if isinstance(lr, (int, float)) else lr})
                         for lr in cell_lrs for seed in seeds or pick(spec["seeds"], arch)]
+    for cfg in configs:                 # as Config.check, naming the list that set a bad field
+        try:
+            cfg.check()
+        except ValueError as e:
+            field = str(e).split(":")[0]
+            raise ValueError(f"{by_list.get(field, field)}: {e}" if field in by_list else str(e)) from None
     return configs
 
 
@@ -856,9 +864,12 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     """Train this shard's runs of `configs` not complete in `out` (patch one with a checkpoint),
     each record appended as it ends; return the grid's in `out`. group_size: runs per model."""
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
-    size = lambda v: isinstance(v, int) and v > 0
+    size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for name, value, ok, expected in [
-            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("configs", configs, isinstance(configs, (list, tuple)) and configs
+             and all(isinstance(c, mechsm.Config) for c in configs), "a non-empty list of mechsm.Config"),
+            ("patch", patch, isinstance(patch, bool), "True or False"),
+            ("save", save, isinstance(save, bool), "True or False"),
             ("out", out, isinstance(out, (str, os.PathLike)) and os.fspath(out), "a folder's path"),
             ("jobs", jobs, size(jobs), "a positive integer"),
             ("group_size", group_size, group_size is None or size(group_size),

@@ -48,6 +48,15 @@ def _check(ok, name, allowed):
         raise ValueError(f"{name} must be {allowed}")
 
 
+def _check_documents(n, split, holdout, seed):
+    """make_ar's and make_atr's shared arguments (an int, never True or 2.0; a split, never a list)."""
+    _check(_is_int(n) and n > 0, "n", f"a positive int, got {n!r}")
+    _check(split in [*SPLITS], "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
+    _check(_is_int(seed) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+
+
 ROLES = ("key", "value", "next_key", "divider", "query", "answer")
 
 
@@ -124,11 +133,7 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     pair is held out with that probability (one matrix per (seed, K, V), never per split; a larger holdout holds out
     more); train/dev query only pairs not held out, test only held-out ones, redrawing documents with none (the
     reference excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
-    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
-    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
-    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
-    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+    _check_documents(n, split, holdout, seed)
     for name, value in (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs)):
         _check(_is_int(value), name, f"an int, got {value!r}")  # "8" or 8.0 would fail later, or size a float task
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
@@ -194,9 +199,10 @@ class PCFG:
             value, why = self.params[name], " (head + at least one dependent)" if name == "max_rhs_len" else ""
             _check(_is_int(value), name, f"an int, got {value!r}")
             _check(value >= low, name, f">= {low}{why}, got {value}")
-        _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
+        _check(isinstance(terminal_weight, (int, float)) and not isinstance(terminal_weight, bool)
+               and terminal_weight > 0, "terminal_weight", f"a number > 0, got {terminal_weight!r}")
         _check(head == "right", "head", f"'right' (the only head position the paper uses), got {head!r}")
-        _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+        _check(_is_int(seed) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
         self.num_terminals, self.num_nonterminals, self.seed = num_terminals, num_nonterminals, seed
         N, S, slot = num_nonterminals, num_terminals, -1   # slot: TERMINAL placeholder
         rng = np.random.default_rng(seed)
@@ -312,12 +318,10 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     the language's, the same for every split (the reference draws it before the grammar, so its split
     language is another PCFG: README, difference 3). train/dev query only allowed pairs, test only
     held-out ones; contexts may hold any. Use the same seed for all splits (as make_ar)."""
-    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
-    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
-    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
-    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
-    _check(max_terminals >= 3, "max_terminals", f">= 3 (shorter ones are rejected), got {max_terminals}")
+    _check_documents(n, split, holdout, seed)
+    _check(isinstance(grammar, PCFG), "grammar", f"a tasks.PCFG, got {type(grammar).__name__}")
+    _check(_is_int(max_terminals) and max_terminals >= 3, "max_terminals",
+           f"an int >= 3 (shorter ones are rejected), got {max_terminals!r}")
     S, shortest, longest, given = grammar.num_terminals, grammar.shortest, grammar.longest, grammar.params
     _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "
            f"rightmost instance is always the root head), got {S}")

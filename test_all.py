@@ -2871,6 +2871,39 @@ def test_python_api_errors_name_the_parameter(monkeypatch):
             mechsm.resolve_device("cuda")
 
 
+BAD_API_CALLS = [   # (parameter, a call of a public function with a bad value for it): each found by trying
+    ("n", lambda: make_ar(True)), ("seed", lambda: make_ar(4, seed=True)), ("split", lambda: make_ar(4, split=[])),
+    ("grammar", lambda: make_atr(4, None)), ("max_terminals", lambda: make_atr(4, PCFG(), max_terminals="9")),
+    ("terminal_weight", lambda: PCFG(terminal_weight="a")), ("seed", lambda: PCFG(seed=True)),
+    ("arch", lambda: models.build_model([], 10)), ("pos_emb", lambda: models.build_model("attention", 10, pos_emb="y")),
+    ("seed", lambda: models.build_model("attention", 10, seed=-1)),
+    ("long_only", lambda: models.build_model("based", 10, long_only="no")),
+    ("expand", lambda: models.build_model("mamba", 10, expand=-1)),
+    ("hyena_order", lambda: models.build_model("hyena", 10, hyena_order=0)),
+    ("freeze_features", lambda: models.build_model("base_conv", 10, freeze_features="x")),
+    ("cfg", lambda: mechsm.train({"arch": "attention"})), ("cfg", lambda: mechsm.make_data(None)),
+    ("configs", lambda: mechsm.train_group([{}])), ("model", lambda: mechsm.save(None, tiny(), "x.pt")),
+    ("configs", lambda: run_cli.sweep([{"arch": "attention"}], "out")),
+    ("patch", lambda: run_cli.sweep([tiny()], "out", patch="no")), ("jobs", lambda: run_cli.sweep([tiny()], "out", jobs=True)),
+    ("experiment", lambda: run_cli.experiment_configs([])), ("archs", lambda: run_cli.experiment_configs("ar", archs=["x"])),
+    ("widths", lambda: run_cli.experiment_configs("ar", widths=[0])),
+    ("lrs", lambda: run_cli.experiment_configs("ar", lrs=["a"])),
+    ("seeds", lambda: run_cli.experiment_configs("ar", seeds=[1.5])),
+    ("steps", lambda: run_cli.experiment_configs("ar", steps=0)),
+    ("chosen_lrs", lambda: run_cli.experiment_configs("ar", chosen_lrs="no"))]
+
+
+@pytest.mark.parametrize("name, call", BAD_API_CALLS, ids=[f"{i}-{n}" for i, (n, _) in enumerate(BAD_API_CALLS)])
+def test_public_functions_refuse_a_bad_argument_with_a_value_error_naming_it(name, call, tmp_path, monkeypatch):
+    """The Python API checks its arguments as the command line does: a one-line ValueError naming the
+    parameter, before any work (never a TypeError from inside torch, nor a silent wrong result)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as excinfo:
+        call()
+    assert one_line_value_error(excinfo, name), str(excinfo.value)
+    assert not os.listdir(tmp_path)
+
+
 def test_runs_that_differ_have_names_and_files_that_differ():
     """Runs that differ only in d_conv, pos_emb, long_only, ... (mamba-conv, ar-nope, based-ablation)
     get names, hence checkpoint files, of their own; the device is where a run happens, not what it is."""
