@@ -374,7 +374,7 @@ def best_by_lr(records):
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
-                     "label": row_label(config_of(best), configs)})
+                     "label": row_label(config_of(best), configs), "records": sum(map(len, per_lr.values()))})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
@@ -1444,6 +1444,14 @@ def provenance():
 machine_of = lambda p: ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capability") if p.get(k))  # a provenance's
 
 
+def layout(eff):
+    """Which pair an effective record's document queries (since 93174a6 a middle one, each role its
+    own token; before, the last)."""
+    p = eff["positions"]
+    return "the last pair" if p["next_key"] + 1 == p["query"] else "the first pair" if p["key"] == 1 else (
+        "a middle pair")
+
+
 def best_per_arch(rows):
     """The most accurate row of each architecture (the effective-attention figure's), in order."""
     best = {r["arch"]: r for r in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0)}
@@ -1532,10 +1540,11 @@ def tiles(fig, n, cols, height):
     return [fig.add_subplot(math.ceil(n / cols), cols, i + 1) for i in range(n)]
 
 
-def plot_scatter(fig, records):
+def plot_scatter(fig, records, of=None):
     """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed, and the
     verdict's regions (the paper's Fig. 3); a run held at the key is a triangle, one outside FRAME
-    a cross on its edge."""
+    a cross on its edge; runs drawn as one mark (within 0.03) their count beside it; the title: how
+    many runs, of the experiment's `of` records."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
@@ -1548,7 +1557,7 @@ def plot_scatter(fig, records):
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
     for a in sorted(set(arch), key=arch_rank):
-        label, c = a, colour(a)
+        label, c = f"{a} ({arch.count(a)})", colour(a)
         for hollow, tri in ((False, False), (False, True), (True, False)):
             m = (np.array(arch) == a) & (low == hollow) & (key == tri) & ~outside
             ax.scatter(x[m], y[m], s=40, edgecolors=c, marker="^" if tri else "o",
@@ -1559,10 +1568,19 @@ def plot_scatter(fig, records):
     ax.scatter(np.clip(x[outside], lo, hi), np.clip(y[outside], lo, hi), s=50, marker="x", clip_on=False,
                color=[colour(a) for a, o in zip(arch, outside) if o] or "grey",
                label=f"beyond, on the edge ({outside.sum()})")
+    stacks = {}                         # runs within 0.03 of a stack's first, drawn as one mark
+    for px, py in zip(np.clip(x, lo, hi).tolist(), np.clip(y, lo, hi).tolist()):
+        at = next((p for p in stacks if max(abs(p[0] - px), abs(p[1] - py)) < 0.03), (px, py))
+        stacks[at] = stacks.get(at, 0) + 1
+    for (px, py), k in stacks.items():
+        if k > 1:                                  # how many
+            ax.annotate(str(k), (px, py), xytext=(4, 4), textcoords="offset points", fontsize=8)
     ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
-           title="Attribution at the value and at the query, every run")
+           title=f"Attrib@Value against Attrib@Query: {len(runs)} runs" + f" of {of} records" * bool(of)
+           + "\n(each row's seeds at its chosen rate, patched, 2+ layers; a number: runs at one mark)")
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
-    return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside}
+    return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside,
+            "stacks": {xy: k for xy, k in stacks.items() if k > 1}}
 
 
 def plot_width(fig, rows):
@@ -1606,7 +1624,8 @@ def plot_heatmaps(fig, rows):
             if np.isfinite(c):
                 ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=6,
                         color="white" if abs(c) > 0.6 else "black")
-        ax.set_title(f"{label} (d {row['d_model']}): {table['verdict']}", fontsize=9)
+        ax.set_title(f"{label} (d {row['d_model']}): {verdict_of(row['best'])}\n"   # today's rule
+                     f"its best seed, {row['best']['config']['seed']}", fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "sites": sites, "cells": cells,
                        "positions": list(positions)})
     fig.colorbar(image, ax=fig.axes, shrink=0.5, label="attribution")
@@ -1620,12 +1639,14 @@ def plot_timeline(fig, rows):
     for ax, (label, row) in zip(axes, rows.items()):
         history = row["best"].get("history") or []
         s = {k: np.array([h.get(k) for h in history], float) for k in ("step", "acc", "attrib_value", "attrib_query")}
-        low = np.array([bool(h.get("attrib_low_signal")) for h in history], bool)
+        one = row["best"]["config"]["n_layers"] == 1                # n/a in the table: not drawn
+        low = np.array([bool(h.get("attrib_low_signal")) or one for h in history], bool)
         s["attrib_value"][low] = s["attrib_query"][low] = np.nan    # too little signal: a gap
         for k, name, c in (("acc", "accuracy", "black"), ("attrib_value", *ATTRIBS["value"]),
                            ("attrib_query", *ATTRIBS["query"])):
             ax.plot(s["step"], np.clip(s[k], *FRAME), color=c, label=name, marker=".", ms=3)
-        ax.set(ylim=FRAME, title=f"{label} (d {row['d_model']})")
+        ax.set_ylim(*FRAME)
+        ax.set_title(f"{label} (d {row['d_model']})\nits best seed, {row['best']['config']['seed']}", fontsize=9)
         ax.tick_params(labelsize=7)
         out[row.get("label", row["arch"])] = s
     fig.supxlabel("training step")
@@ -1662,8 +1683,13 @@ def plot_box(fig, rows):
 def plot_effective(fig, rows):
     """The best run of each architecture, its effective attention on one document: the query's row
     in each layer and the value's row in layer 0, each scaled to its maximum, its named positions on
-    the x axis."""
-    rows = [(r["label"], r) for r in best_per_arch(rows) if r["best"].get("effective")]
+    the x axis; documents of one layout, the one most of these runs hold (the title: which, and who
+    is left out)."""
+    rows = [r for r in best_per_arch(rows) if r["best"].get("effective")]
+    kinds = collections.Counter(layout(r["best"]["effective"]) for r in rows)
+    kind = max(kinds, key=lambda k: (kinds[k], k == "a middle pair"))
+    left = [r["arch"] for r in rows if layout(r["best"]["effective"]) != kind]
+    rows = [(r["label"], r) for r in rows if layout(r["best"]["effective"]) == kind]
     panels = []
     for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
         eff = row["best"]["effective"]
@@ -1679,15 +1705,18 @@ def plot_effective(fig, rows):
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.set_title(f"{label} (d {row['d_model']})", fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells,
-                       "columns": columns})
-    fig.suptitle("Where the query reads: effective attention, each row / its max (one document)")
+                       "columns": columns, "document": kind})
+    fig.suptitle("Where the query reads: effective attention, each row / its max (one document per "
+                 f"panel, each querying {kind})" + f";\nnot drawn: {', '.join(left)} (documents of "
+                 "another layout)" * bool(left))
     return panels
 
 
 # The one table of figure kinds, <experiment>_<kind>.png: its drawing, and the data it draws from an
 # experiment's (records, rows), none where it does not apply. It names train_grid's and render's files.
 FIGURE_KINDS = {
-    "scatter": (plot_scatter, lambda records, rows: patched_runs(records)),
+    "scatter": (lambda fig, data: plot_scatter(fig, *data), lambda records, rows: patched_runs(records)
+                and (records, sum(r.get("records", len(r["runs"])) for r in rows))),
     "timeline": (plot_timeline, lambda records, rows: rows),
     "heatmaps": (plot_heatmaps, lambda records, rows: any(r["best"].get("mechanism_table")
                                                           for r in rows) and rows),

@@ -3189,6 +3189,35 @@ def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
                                                        [1, 0.5, 0.5, np.nan, np.nan]])
 
 
+def test_figures_count_what_they_stack_name_their_seed_and_document_and_draw_nothing_the_table_calls_na(figure):
+    """The scatter writes beside a mark the count of the runs it stacks and titles how many runs of how
+    many records it draws; heatmaps and timelines name the seed they show, a heatmap today's verdict
+    (not the one stored with the table); a 1-layer row's timeline draws no attribution (n/a in its
+    table); the effective figure draws documents of one layout, names it and the rows it leaves out."""
+    stacked = [fig_record("attention", seed=s) for s in range(3)] + [fig_record("mamba", value=0.05, query=0.95)]
+    fig = figure()
+    data = fs.plot_scatter(fig, stacked, 10)
+    assert data["stacks"] == {(0.9, 0.1): 3} and "3" in [t.get_text() for t in fig.axes[0].texts]
+    assert "4 runs of 10 records" in fig.axes[0].get_title()
+    rows = fig_rows([{**fig_record("mamba", seed=2, value=0.05, query=0.95)}])     # stored verdict: induction
+    fs.plot_heatmaps(fig := figure(), rows)
+    assert fig.axes[0].get_title() == "mamba (d 32): mixed\nits best seed, 2"       # key 0.5 and query 0.95
+    one = fig_record("mamba", seed=1)
+    one["config"]["n_layers"] = 1
+    series = fs.plot_timeline(fig := figure(), fig_rows([one]))["mamba"]
+    assert np.isnan(series["attrib_value"]).all() and np.isnan(series["attrib_query"]).all()
+    assert fig.axes[0].get_title() == "mamba (d 32)\nits best seed, 1"
+    middle = {"positions": {"key": 3, "value": 4, "next_key": 5, "divider": 9, "query": 10},
+              "query": [[1.0] * 11] * 2, "value": [1.0] * 5}
+    last = {"positions": {"key": 7, "value": 8, "next_key": 9, "divider": 9, "query": 10},
+            "query": [[1.0] * 11] * 2, "value": [1.0] * 9}
+    records = [{**fig_record(arch), "effective": eff} for arch, eff in
+               [("mamba", middle), ("hyena", middle), ("attention", last)]]
+    panels = fs.plot_effective(fig := figure(), fig_rows(records))
+    assert [p["label"] for p in panels] == ["mamba", "hyena"] and {p["document"] for p in panels} == {"a middle pair"}
+    assert "each querying a middle pair" in fig._suptitle.get_text() and "not drawn: attention" in fig._suptitle.get_text()
+
+
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
     records = RECORDS + [fig_record("hyena", d_model=32)]
     out = fs.draw_figures(fig_rows(records), "ar", tmp_path / "a")
