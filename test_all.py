@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import warnings
@@ -3366,6 +3367,78 @@ def test_a_report_before_the_first_figures_links_the_figures_they_then_draw(tmp_
     assert run_cli.main(["--figures", str(tmp_path)]) == 0
     linked = set(re.findall(r"\]\((\S+\.png)\)", (tmp_path / "atr-medium.md").read_text()))
     assert linked and linked == {p.name for p in tmp_path.glob("*.png")}
+
+
+def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
+    """Each number of the README's prose on the findings ("A row that does not hold ...", the
+    probes' H3) and the record side of its reproduction section, computed here from the committed
+    records (the reruns' own numbers are measurements, not records): edit one and this fails."""
+    readme = " ".join(open(os.path.join(HERE, "README.md")).read().split())
+    recs = lambda name: run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
+    rows = lambda name: {row["label"]: row for row in run_cli.best_by_lr(recs(name))}
+    at = lambda name, arch, lr, **cfg: [r for r in recs(name) if all(
+        r["config"][k] == v for k, v in dict(arch=arch, lr=lr, **cfg).items())]
+    head = lambda runs, k: [r["mechanism_table"]["headline"][k] for r in runs]
+    span = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}"
+    pct, accs = run_cli.fmt_pct, lambda runs: [r["final"]["acc"] for r in runs]
+    pct_span = lambda xs: f"{100 * min(xs):.1f}–{pct(max(xs))}"
+    rate = lambda lr: f"{lr:.1e}".replace("e-0", "e-").replace(".0e", "e")         # 5e-4, 1.7e-4
+    acc = lambda row: run_cli.fmt_acc(run_cli.spread(row)).replace("-", "–")
+    verdicts = lambda runs: collections.Counter(map(run_cli.verdict_of, runs))
+    median = lambda runs: pct(statistics.median(r["final"]["acc"] for r in runs))
+    ar, atr, medium = rows("ar"), rows("atr"), rows("atr-medium")
+    assert {run_cli.diagnose(r) for label, row in ar.items() if label.startswith("h3") for r in row["runs"]} == {
+        "copy plateau"} and sum(label.startswith("h3") for label in ar) == 2      # both vocabularies
+    mamba, h3 = atr["mamba"]["runs"], atr["h3"]["runs"]
+    assert verdicts(mamba) == {"held at the key": len(mamba)} and verdicts(h3) == {"held at the key": len(h3)}
+    phrases = [f"in every seed (Attrib@Key {span(head(mamba, 'key'))})", f"H3 in 3/3 ({span(head(h3, 'key'))})"]
+    paper = run_cli.EXPERIMENTS["atr"].paper_numbers
+    assert "K .55 V .03 Q .29" in paper["mamba"] and "K .44 V .02 Q .52: direct retrieval" in paper["h3"]
+    attention, first = medium["attention"]["runs"], medium["attention"]["first"]
+    assert min(r["final"]["acc"] for r in medium["mamba"]["runs"]) > max(r["final"]["acc"] for r in attention)
+    assert verdicts(attention) == {"no signal": 3} and {run_cli.lean(r) for r in attention} == {"query"}
+    phrases += [f"kept the grid's {rate(medium['attention']['best_lr'])} (seed 0: {pct_span(accs(first.values()))} "
+                "at the three rates)", f"in all 3, leaning to the query (@Query {span(head(attention, 'query'))}, "
+                f"@Value ≤ {run_cli.fmt_num(max(head(attention, 'value')))})"]
+    widths = {(row["arch"], row["d_model"]): row for row in run_cli.best_by_lr(recs("ar-widths"))}
+    assert {run_cli.diagnose(r) for r in at("ar-widths", "attention", 5e-4, d_model=128)} == {"memorised"}
+    att, mam = widths["attention", 128], widths["mamba", 128]
+    phrases += [f"chose {rate(att['best_lr'])}: induction {verdicts(att['runs'])['induction']}/3, "
+                + pct_span(accs(att["runs"])),
+                f"Mamba at d 128 chose {rate(mam['best_lr'])}: {acc(mam)}, direct retrieval "
+                f"{verdicts(mam['runs'])['direct retrieval']}/3"]
+    based, grid = atr["based"], at("atr", "based", 3e-3)
+    mixed = [r for r in based["runs"] if run_cli.verdict_of(r) == "mixed"]
+    phrases.append(f"Based on ATR chose {rate(based['best_lr'])} and reads mixed in {len(mixed)}/3 (Attrib@Value "
+                   f"{', '.join(run_cli.fmt_num(v) for v in head(mixed, 'value'))}; at 3e-3 induction "
+                   f"{verdicts(grid)['induction']}/{len(grid)})")
+    conv, grid = rows("atr-mamba-conv")["mamba (d_conv 0)"], at("atr-mamba-conv", "mamba", 1e-2, d_conv=0)
+    held = [r for r in conv["runs"] if run_cli.verdict_of(r) == "held at the key"]
+    phrases.append(f"chose {rate(conv['best_lr'])} (at the grid's 1e-2 no signal {verdicts(grid)['no signal']}/5, "
+                   f"median {median(grid)}): {acc(conv)}, held at the key {len(held)}/5 (@Key {span(head(held, 'key'))}), "
+                   f"induction {verdicts(conv['runs'])['induction']}/5")
+    m1, m2 = ar["mamba (1024 keys)"], ar["mamba (256 keys)"]
+    g1, g2 = (at("ar", "mamba", 1e-2, num_keys=k) for k in (1024, 256))
+    dr = lambda runs: f"{verdicts(runs)['direct retrieval']}/5"
+    phrases.append(f"Mamba chose {rate(m1['best_lr'])} on seed 0's {pct(accs([m1['first'][m1['best_lr']]])[0])}; "
+                   f"its 5 seeds there read {acc(m1)}, direct retrieval {dr(m1['runs'])} (256 keys: "
+                   f"{median(m2['runs'])}, {dr(m2['runs'])}), where the grid's 1e-2 read {median(g1)}, {dr(g1)} "
+                   f"({median(g2)}, {dr(g2)})")
+    gated = sorted(ar["gated_deltanet"]["runs"], key=lambda r: (r["config"]["seed"] > 0, r["final"]["acc"]))
+    phrases.append(f"Gated DeltaNet chose {rate(ar['gated_deltanet']['best_lr'])} on seed 0's {pct(accs(gated)[0])}, "
+                   f"the others {100 * accs(gated)[1]:.1f}, {pct(accs(gated)[2])}")
+    budget = rows("atr-budget")["h3 (7500 steps)"]["best"]
+    phrases.append(f"H3 {run_cli.verdict_of(budget)} (Key {run_cli.fmt_num(head([budget], 'key')[0])}, Query "
+                   f"{run_cli.fmt_num(head([budget], 'query')[0])})")
+    keys = {run_cli.run_key(asdict(c.resolved())) for c in run_cli.experiment_configs("ar", seeds=[0])}
+    seed0 = [r for r in recs("ar") if run_cli.run_key(r["config"]) in keys]
+    cpus = collections.Counter((r.get("provenance") or {}).get("cpu_capability") for r in seed0)
+    by_keys = {r["config"]["num_keys"]: pct(r["final"]["acc"]) for r in seed0 if r["config"]["arch"] == "mamba"}
+    phrases += [f"`python run.py`'s {len(seed0)} seed-0 `ar` runs", f"of which {cpus['AVX2']} name an AVX2 AMD "
+                f"EPYC, {cpus['AVX512']} an AVX512 one and {cpus[None]} no CPU", f"1,024 keys: 52.8% against "
+                f"{by_keys[1024]}", f"256 keys: 64.4% against {by_keys[256]}", f"80.9% against {by_keys[1024]}"]
+    assert [p for p in phrases if p not in readme] == []
+    assert rate(5e-4) == "5e-4" and rate(1.7e-4) == "1.7e-4"
 
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
