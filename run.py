@@ -277,10 +277,9 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run). The
     quick grids train each cell at its CHOSEN_LRS rate (chosen_lrs=False: the grid's rate)."""
-    for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS),
-                                  ("chosen_lrs", chosen_lrs, (True, False))):
+    for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
         if value not in [*allowed]:                      # a list: unhashable
-            raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(map(str, allowed))}")
+            raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
     for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
         if values is not None and not (isinstance(values, (list, tuple, range)) and values):
             raise ValueError(f"{param}: got {values!r}, expected a non-empty list (None: the grid's)")
@@ -395,12 +394,7 @@ fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
 ATTRIBS = {"key": ("Attrib@Key", "tab:green"), "value": ("Attrib@Value", "tab:red"),
            "query": ("Attrib@Query", "tab:blue")}
 UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that give no attribution
-
-
-def lean(record):
-    """The site of a record's largest headline attribution; None where it holds none (NaN weights)."""
-    head = {k: v for k in ATTRIBS if (v := record["mechanism_table"]["headline"].get(k)) is not None}
-    return max(head, key=head.get) if head else None
+lean = lambda record: max(ATTRIBS, key=record["mechanism_table"]["headline"].get)   # its largest
 
 
 def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
@@ -424,8 +418,8 @@ def spread(row, **rule):
     heads = [r["mechanism_table"]["headline"] for r in readable]
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
             "verdicts": collections.Counter(verdicts), "readable": len(readable),
-            "leans": collections.Counter(filter(None, (lean(r) for r, v in zip(runs, verdicts)
-                                                       if v == "no signal"))),
+            "leans": collections.Counter(lean(r) for r, v in zip(runs, verdicts) if v == "no signal"
+                                         and None not in r["mechanism_table"]["headline"].values()),  # NaN
             "diagnoses": collections.Counter(filter(None, map(diagnose, runs))), "median": {
                 k: statistics.median(h[k] for h in heads) if heads else None for k in ATTRIBS}}
 
@@ -788,7 +782,7 @@ def append_result(path, record):
 def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
-        cfg.check()
+        mechsm.is_config(cfg, "configs").check()
     built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
         vocab = mechsm.make_data(cfg).vocab_size  # documents that do not fit the model: ValueError
@@ -866,8 +860,8 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
     size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for name, value, ok, expected in [
-            ("configs", configs, isinstance(configs, (list, tuple)) and configs
-             and all(isinstance(c, mechsm.Config) for c in configs), "a non-empty list of mechsm.Config"),
+            ("configs", configs, isinstance(configs, (list, tuple)) and configs,
+             "a non-empty list of mechsm.Config"),
             ("patch", patch, isinstance(patch, bool), "True or False"),
             ("save", save, isinstance(save, bool), "True or False"),
             ("out", out, isinstance(out, (str, os.PathLike)) and os.fspath(out), "a folder's path"),
@@ -890,10 +884,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     results = out_path(out, results_name(shard))
-    try:                                            # writable, before any training
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, out) from None
+    open(results, "ab").close()                     # writable (its OSError names it), before training
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     [out_path(out, "ckpt", unique[k].name() + ".pt") for k in todo if save]   # a link out of it: refused now
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
@@ -908,7 +899,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
 
 def read_commands(folder, name):
     """{command: its record} of folder/<name>.command.json (each command that trained its runs, and
-    how long it took; an older file's one record too), or {}; warns if bad."""
+    how long it took), or {}; warns if bad."""
     path = os.path.join(folder, f"{name}.command.json")
     if not os.path.exists(path):
         return {}
@@ -916,10 +907,9 @@ def read_commands(folder, name):
         c = None if (why := outside(folder, path)) else json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, OSError, RecursionError):
         c = None
-    c = {c["command"]: c} if isinstance(c, dict) and "command" in c else c      # an older file's one
     if isinstance(c, dict) and all(fits(v, {**dict.fromkeys(("command", "date", "machine", "load"), str),
                                             "wall_s": REAL, "trained": int, "jobs": int})
-                                   and v["command"] == k for k, v in c.items()):
+                                   for v in c.values()):
         return c
     print(f"warning: {why}; not read" if why else f"warning: {path}: not a command record (corrupt or hand-edited); "
           "skipped", file=sys.stderr)
@@ -1325,9 +1315,9 @@ def sweep_plan(args, name, configs, device, notes):
 def record_command(argv, out, name, trained, jobs, seconds):
     """OUT/<name>.command.json, {command: its record}: the command line that trained `trained` runs
     (--out relative to the project: no machine's path), how long it took; other commands' kept."""
-    argv, rel = sys.argv[1:] if argv is None else argv, os.path.relpath(os.path.abspath(out), HERE)
-    argv = [f"--out={rel}" if w.startswith("--out=") else rel if before == "--out" else w
-            for before, w in zip([None, *argv], argv)]
+    rel = os.path.relpath(out, HERE)
+    argv = [w.replace(out, rel) if w in (out, "--out=" + out) else w
+            for w in (sys.argv[1:] if argv is None else argv)]
     command, p = shlex.join(["python", "run.py", *argv]), provenance()
     commands = {**read_commands(out, name), command: {"command": command,
         "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
@@ -1431,7 +1421,7 @@ def provenance():
     try:
         top, _, commit = git("rev-parse", "--show-toplevel", "--short", "HEAD").partition("\n")
         commit = (commit + "+dirty" * bool(git("status", "--porcelain", "--untracked-files=no"))
-                  if os.path.realpath(top) == os.path.realpath(HERE) else None)  # not another repo's
+                  if top == os.path.realpath(HERE) else None)            # not another repository's
     except (OSError, subprocess.SubprocessError):
         commit = None
     info = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""
@@ -1444,12 +1434,10 @@ def provenance():
 machine_of = lambda p: ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capability") if p.get(k))  # a provenance's
 
 
-def layout(eff):
-    """Which pair an effective record's document queries (since 93174a6 a middle one, each role its
-    own token; before, the last)."""
-    p = eff["positions"]
-    return "the last pair" if p["next_key"] + 1 == p["query"] else "the first pair" if p["key"] == 1 else (
-        "a middle pair")
+# the pair an effective record's document queries: since 93174a6 a middle one (each role its own
+# token), before the last
+layout = lambda eff: ("a middle pair", "the last pair")[
+    eff["positions"]["next_key"] + 1 == eff["positions"]["query"]]
 
 
 def best_per_arch(rows):
@@ -1543,8 +1531,8 @@ def tiles(fig, n, cols, height):
 def plot_scatter(fig, records, of=None):
     """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed, and the
     verdict's regions (the paper's Fig. 3); a run held at the key is a triangle, one outside FRAME
-    a cross on its edge; runs drawn as one mark (within 0.03) their count beside it; the title: how
-    many runs, of the experiment's `of` records."""
+    a cross on its edge; beside a mark, how many runs it stacks; the title: how many runs, of the
+    experiment's `of` records."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
@@ -1557,7 +1545,7 @@ def plot_scatter(fig, records, of=None):
     ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
     ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
     for a in sorted(set(arch), key=arch_rank):
-        label, c = f"{a} ({arch.count(a)})", colour(a)
+        label, c = a, colour(a)
         for hollow, tri in ((False, False), (False, True), (True, False)):
             m = (np.array(arch) == a) & (low == hollow) & (key == tri) & ~outside
             ax.scatter(x[m], y[m], s=40, edgecolors=c, marker="^" if tri else "o",
@@ -1568,19 +1556,19 @@ def plot_scatter(fig, records, of=None):
     ax.scatter(np.clip(x[outside], lo, hi), np.clip(y[outside], lo, hi), s=50, marker="x", clip_on=False,
                color=[colour(a) for a, o in zip(arch, outside) if o] or "grey",
                label=f"beyond, on the edge ({outside.sum()})")
-    stacks = {}                         # runs within 0.03 of a stack's first, drawn as one mark
-    for px, py in zip(np.clip(x, lo, hi).tolist(), np.clip(y, lo, hi).tolist()):
-        at = next((p for p in stacks if max(abs(p[0] - px), abs(p[1] - py)) < 0.03), (px, py))
+    stacks = {}                              # {a mark: the runs within 0.03 of it, drawn over it}
+    for p in zip(*np.clip([x, y], lo, hi).tolist()):
+        at = next((q for q in stacks if math.dist(q, p) < 0.03), p)
         stacks[at] = stacks.get(at, 0) + 1
-    for (px, py), k in stacks.items():
-        if k > 1:                                  # how many
-            ax.annotate(str(k), (px, py), xytext=(4, 4), textcoords="offset points", fontsize=8)
+    for at, k in stacks.items():
+        if k > 1:
+            ax.annotate(str(k), at, xytext=(5, 5), textcoords="offset points", fontsize=8)
     ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
-           title=f"Attrib@Value against Attrib@Query: {len(runs)} runs" + f" of {of} records" * bool(of)
-           + "\n(each row's seeds at its chosen rate, patched, 2+ layers; a number: runs at one mark)")
+           title=f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} records"
+           "\n(each row's seeds at its chosen rate, patched, 2+ layers; a number: the runs at a mark)")
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
     return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside,
-            "stacks": {xy: k for xy, k in stacks.items() if k > 1}}
+            "stacks": stacks}
 
 
 def plot_width(fig, rows):
@@ -1645,8 +1633,8 @@ def plot_timeline(fig, rows):
         for k, name, c in (("acc", "accuracy", "black"), ("attrib_value", *ATTRIBS["value"]),
                            ("attrib_query", *ATTRIBS["query"])):
             ax.plot(s["step"], np.clip(s[k], *FRAME), color=c, label=name, marker=".", ms=3)
-        ax.set_ylim(*FRAME)
-        ax.set_title(f"{label} (d {row['d_model']})\nits best seed, {row['best']['config']['seed']}", fontsize=9)
+        ax.set(ylim=FRAME, title=f"{label} (d {row['d_model']})\n"
+                                 f"its best seed, {row['best']['config']['seed']}")
         ax.tick_params(labelsize=7)
         out[row.get("label", row["arch"])] = s
     fig.supxlabel("training step")
@@ -1685,11 +1673,10 @@ def plot_effective(fig, rows):
     in each layer and the value's row in layer 0, each scaled to its maximum, its named positions on
     the x axis; documents of one layout, the one most of these runs hold (the title: which, and who
     is left out)."""
-    rows = [r for r in best_per_arch(rows) if r["best"].get("effective")]
-    kinds = collections.Counter(layout(r["best"]["effective"]) for r in rows)
-    kind = max(kinds, key=lambda k: (kinds[k], k == "a middle pair"))
-    left = [r["arch"] for r in rows if layout(r["best"]["effective"]) != kind]
-    rows = [(r["label"], r) for r in rows if layout(r["best"]["effective"]) == kind]
+    rows = [(r, layout(r["best"]["effective"])) for r in best_per_arch(rows) if r["best"].get("effective")]
+    kind = collections.Counter(k for _, k in rows).most_common(1)[0][0]         # ties: the first met
+    left = [r["arch"] for r, k in rows if k != kind]
+    rows = [(r["label"], r) for r, k in rows if k == kind]
     panels = []
     for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
         eff = row["best"]["effective"]
@@ -1705,7 +1692,7 @@ def plot_effective(fig, rows):
         ax.set_yticks(range(len(names)), names, fontsize=7)
         ax.set_title(f"{label} (d {row['d_model']})", fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells,
-                       "columns": columns, "document": kind})
+                       "columns": columns})
     fig.suptitle("Where the query reads: effective attention, each row / its max (one document per "
                  f"panel, each querying {kind})" + f";\nnot drawn: {', '.join(left)} (documents of "
                  "another layout)" * bool(left))
