@@ -749,9 +749,10 @@ def register(name, mixer, description):
         if attr.isupper() and not hasattr(mixer, attr):
             setattr(mixer, attr, default)
     MIXER_CLASSES[name], ARCHS[name] = mixer, description
-    MIXER_OPTIONS[name] = {p.name: p.default for f in (mixer, *getattr(mixer, "builds", ()))   # {option:
-                           for p in inspect.signature(f).parameters.values()            # its default}
-                           if p.default is not p.empty and p.name not in ("layer_idx", "n_layers", "reference")}
+    MIXER_OPTIONS[name] = {                                     # {option: its default}
+        p.name: p.default for f in (mixer, *getattr(mixer, "builds", ()))
+        for p in inspect.signature(f).parameters.values()
+        if p.default is not p.empty and p.name not in ("layer_idx", "n_layers", "reference")}
 
 
 # The built-in architectures (the paper's six, then DeltaNet and Gated DeltaNet), in the order of tables.
@@ -791,10 +792,12 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
             ("kernels", kernels, kernels in ("fast", "reference"), "'fast' or 'reference'"),
             ("d_conv", d_conv, d_conv is None or sizes is None or whole(d_conv, 0) and d_conv in sizes,
              f"an int {sizes_text} for {arch}"),
-            ("long_only", long_only, isinstance(long_only, bool) and not (long_only and d_conv is not None),
-             "True or False, False when d_conv is set"),
-            ("pos_emb", pos_emb, pos_emb is None or isinstance(pos_emb, bool), "None, True or False"),
-            ("seed", seed, seed is None or whole(seed, 0) and seed < 2**63, "None or an int in [0, 2**63)")]:
+            ("long_only", long_only, isinstance(long_only, bool)
+             and not (long_only and d_conv is not None), "True or False, False when d_conv is set"),
+            ("pos_emb", pos_emb, pos_emb is None or isinstance(pos_emb, bool),
+             "None, True or False"),
+            ("seed", seed, seed is None or whole(seed, 0) and seed < 2**63,
+             "None or an int in [0, 2**63)")]:
         if not ok:
             raise ValueError(f"{name} must be {allowed}; got {value!r}.")
     unknown = sorted(set(options).difference(*MIXER_OPTIONS.values()))
@@ -805,8 +808,8 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     for name, value in options.items():                  # a mixer's option: of its default's kind
         kind = kinds[name]
         if kind is bool and not isinstance(value, bool) or kind is int and not whole(value, 1):
-            raise ValueError(f"{name} must be {'True or False' if kind is bool else 'a positive int'}; "
-                             f"got {value!r}.")
+            allowed = "True or False" if kind is bool else "a positive int"
+            raise ValueError(f"{name} must be {allowed}; got {value!r}.")
     pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, pos_emb=pos_emb,
                       n_positions=n_positions, n_heads=n_heads, d_conv=d_conv, long_only=long_only,

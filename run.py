@@ -715,7 +715,7 @@ def read_results(out, warn=True):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
                 try:
-                    record = json.loads(line, parse_constant=lambda _: None)   # NaN: None
+                    record = json.loads(line)
                 except (ValueError, RecursionError):      # a blank or torn line
                     record = None
                 if fits(record, RECORD):                  # not a hand-edited one

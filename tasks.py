@@ -49,10 +49,12 @@ def _check(ok, name, allowed):
 
 
 def _check_documents(n, split, holdout, seed):
-    """make_ar's and make_atr's shared arguments (an int, never True or 2.0; a split, never a list)."""
+    """make_ar's and make_atr's shared arguments (n an int, never True or 2.0; a split, never a
+    list)."""
     _check(_is_int(n) and n > 0, "n", f"a positive int, got {n!r}")
     _check(split in [*SPLITS], "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout", f"in [0, 1), got {holdout!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
+           f"in [0, 1), got {holdout!r}")
     _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
     _check(_is_int(seed) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
 
