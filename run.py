@@ -883,10 +883,10 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     todo = [key for key in mine if not (key in done and complete(done[key]))]
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    results = out_path(out, results_name(shard))
-    open(results, "ab").close()                     # writable (its OSError names it), before training
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     [out_path(out, "ckpt", unique[k].name() + ".pt") for k in todo if save]   # a link out of it: refused now
+    results = out_path(out, results_name(shard))
+    open(results, "ab").close()                     # writable (its OSError names it), before training
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
         log(f"sweep: {done[key]['name']} has no checkpoint in {out} (or a link out of it); trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
