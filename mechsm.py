@@ -165,6 +165,13 @@ class Config:
                 f"_s{self.seed}_{digest}")
 
 
+def is_config(cfg, name="cfg"):
+    """cfg, if a Config (never a dict of its fields, or None); else a ValueError naming `name`."""
+    if not isinstance(cfg, Config):
+        raise ValueError(f"{name} must be a mechsm.Config; got {type(cfg).__name__}")
+    return cfg
+
+
 def resolve_device(device):
     """"auto" -> "cuda" if available, else "cpu". A CUDA device this machine lacks: a ValueError."""
     if device == "auto":
@@ -236,7 +243,7 @@ def make_documents(key):
 def make_data(cfg, data=None):
     """cfg's Data (made once per data_key), or `data`, which must be cfg's (its record will say so);
     either way its documents must fit cfg's model (learned positions, filters of fixed length)."""
-    key = data_key(cfg)
+    key = data_key(is_config(cfg))
     data = make_documents(key) if data is None else data
     made = dict(data.key) if isinstance(data, Data) else {}
     wrong = [name for name, value in key if made.get(name) != value]
@@ -352,7 +359,7 @@ def train(cfg, *, data=None, log=None, on_eval=None):
     final model's metrics), history (one entry per evaluation), wall_s, steps_done...
     on_eval(model, data, cfg, step) -> dict: what the driver adds to each evaluation's entry
     (run.py passes its timeline, the attribution pair); its seconds are summed in timeline_s."""
-    cfg = cfg.check().resolved()
+    cfg = is_config(cfg).check().resolved()
     data = make_data(cfg, data)            # documents cfg's model cannot take fail here
     prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
     log = log or (lambda msg: print(prefix + msg, file=sys.stderr, flush=True))
@@ -477,9 +484,9 @@ def _rebuild(blob, device, fail):
 def save(model, cfg, path):
     """torch.save {format, config, build_args, state_dict} to path whole (write_whole);
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
-    if not isinstance(cfg, Config):
-        raise ValueError(f"cfg must be a mechsm.Config; got {type(cfg).__name__}")
-    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(cfg),
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(is_config(cfg)),
             "build_args": dict(getattr(model, "build_args", {})),
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     checked = _rebuild(blob, "cpu", lambda why: ValueError(f"cfg does not fit the model: {why}"))[1]
@@ -490,19 +497,22 @@ def save(model, cfg, path):
 
 def write_whole(path, data):
     """Write bytes to path whole: a temporary file beside it, synced, then os.replace, so that a
-    kill or a full disk leaves the old file and no temporary one; bytes it already holds: no
-    write. A link is followed, as every tool follows it: the file it names is the one replaced."""
+    kill or a full disk leaves the old file (a full disk: no temporary one; an OSError naming path);
+    bytes it already holds: no write. A link is followed, as every tool follows it: the file it
+    names is the one replaced."""
     target = os.path.realpath(path)
     if os.path.isfile(target) and Path(target).read_bytes() == data:
         return path
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.tmp{os.getpid()}"
-    try:
+    tmp = f"{target}.{os.getpid()}-{os.urandom(4).hex()}.tmp"   # unique per write: a killed one's
+    try:                                                        # leftover never blocks the next
         with open(tmp, "xb") as f:            # "x": a new file of its own
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), path) from None
     finally:
         if os.path.lexists(tmp):
             os.remove(tmp)
@@ -608,7 +618,7 @@ def train_group(configs, *, data=None, log=None, on_eval=None):
     [(result, model)], each what train(cfg, on_eval=on_eval) returns (to rounding) plus "group":
     {"size", "index"}; wall_s is the group's. A member whose loss goes NaN/inf fails there; the
     others go on."""
-    cfgs = [c.check().resolved() for c in configs]
+    cfgs = [is_config(c, "configs").check().resolved() for c in configs]
     if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
         raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
                          "and seed, no two alike")

@@ -796,10 +796,10 @@ def register(name, mixer, description):
         if attr.isupper() and not hasattr(mixer, attr):
             setattr(mixer, attr, default)
     MIXER_CLASSES[name], ARCHS[name] = mixer, description
-    keywords = frozenset(p.name for f in (mixer, *getattr(mixer, "builds", ()))
-                         for p in inspect.signature(f).parameters.values()
-                         if p.default is not p.empty)
-    MIXER_OPTIONS[name] = keywords - {"layer_idx", "n_layers", "reference"}
+    MIXER_OPTIONS[name] = {                                     # {option: its default}
+        p.name: p.default for f in (mixer, *getattr(mixer, "builds", ()))
+        for p in inspect.signature(f).parameters.values()
+        if p.default is not p.empty and p.name not in ("layer_idx", "n_layers", "reference")}
 
 
 # The built-in architectures (the paper's six, then DeltaNet and Gated DeltaNet), in table order.
@@ -817,7 +817,7 @@ BUILT_IN_ARCHS = tuple(ARCHS)
 def mixer_options(arch=None):
     """The keywords arch's mixer takes, or those of every registered mixer
     (build_model's **options)."""
-    return MIXER_OPTIONS[arch] if arch else frozenset().union(*MIXER_OPTIONS.values())
+    return frozenset(MIXER_OPTIONS[arch] if arch else frozenset().union(*MIXER_OPTIONS.values()))
 
 
 def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024,
@@ -825,7 +825,7 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
     """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: the
     mixer's POS_EMB); d_conv: short-conv size; long_only: long convs only; kernels: "fast" or
     "reference"; seed: the init's own RNG. Bad arguments: a one-line ValueError naming the first."""
-    if arch not in MIXER_CLASSES:
+    if not isinstance(arch, str) or arch not in MIXER_CLASSES:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
     mixer, sizes = MIXER_CLASSES[arch], MIXER_CLASSES[arch].D_CONV
     whole = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low
@@ -842,8 +842,12 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
             ("d_conv", d_conv,
              d_conv is None or sizes is None or whole(d_conv, 0) and d_conv in sizes,
              f"an int {sizes_text} for {arch}"),
-            ("long_only", long_only, not (long_only and d_conv is not None),
-             "False when d_conv is set")]:
+            ("long_only", long_only, isinstance(long_only, bool)
+             and not (long_only and d_conv is not None), "True or False, False when d_conv is set"),
+            ("pos_emb", pos_emb, pos_emb is None or isinstance(pos_emb, bool),
+             "None, True or False"),
+            ("seed", seed, seed is None or whole(seed, 0) and seed < 2**63,
+             "None or an int in [0, 2**63)")]:
         if not ok:
             raise ValueError(f"{name} must be {allowed}; got {value!r}.")
     unknown = sorted(set(options).difference(*MIXER_OPTIONS.values()))
@@ -853,6 +857,12 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         hint = (f" (did you mean {close[0]!r}?)" if close
                 else f"; expected one of {', '.join(known)}")
         raise ValueError(f"build_model: unknown option {unknown[0]!r}{hint}")
+    kinds = {k: type(v) for opts in MIXER_OPTIONS.values() for k, v in opts.items()}
+    for name, value in options.items():                  # a mixer's option: of its default's kind
+        kind = kinds[name]
+        if kind is bool and not isinstance(value, bool) or kind is int and not whole(value, 1):
+            allowed = "True or False" if kind is bool else "a positive int"
+            raise ValueError(f"{name} must be {allowed}; got {value!r}.")
     pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
                       pos_emb=pos_emb, n_positions=n_positions, n_heads=n_heads, d_conv=d_conv,

@@ -300,7 +300,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run). The
     quick grids train each cell at its CHOSEN rate (chosen_lrs=False: the grid's rate)."""
     for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
-        if value not in allowed:
+        if value not in [*allowed]:                      # a list: unhashable
             raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
     for param, values in (("archs", archs), ("widths", widths), ("lrs", lrs), ("seeds", seeds)):
         if values is not None and not (isinstance(values, (list, tuple, range)) and values):
@@ -324,8 +324,15 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
             for lr in family_lrs:
                 choice = chosen.get(cell_name(family, width), lr)     # a rate, or (rate, steps)
                 lr, steps = choice if isinstance(choice, tuple) else (choice, base.get("steps"))
-                configs += [mechsm.Config(**{**base, "d_model": width, "lr": float(lr), "seed": seed,
-                                             "steps": steps}) for seed in seeds or pick(spec["seeds"], arch)]
+                configs += [mechsm.Config(**{**base, "d_model": width, "seed": seed, "steps": steps,
+                                             "lr": float(lr) if isinstance(lr, (int, float)) else lr})
+                            for seed in seeds or pick(spec["seeds"], arch)]
+    for cfg in configs:                 # as Config.check, naming the list that set a bad field
+        try:
+            cfg.check()
+        except ValueError as e:
+            field = str(e).split(":")[0]
+            raise ValueError(f"{by_list.get(field, field)}: {e}" if field in by_list else str(e)) from None
     return configs
 
 
@@ -414,8 +421,8 @@ def best_by_lr(records, ladder=True):
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
-                     "budget": budget, "budgets": budgets, "label": row_label(config_of(best), configs,
-                                                            LABEL_FIELDS[:-1] if ladder else LABEL_FIELDS)})
+                     "budget": budget, "budgets": budgets, "records": sum(map(len, per_lr.values())),
+                     "label": row_label(config_of(best), configs, LABEL_FIELDS[:-1] if ladder else LABEL_FIELDS)})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
@@ -446,6 +453,8 @@ def lean(record):
     P̄_clean − P̄_corrupt is within twice a bound on its standard error over the documents: noise (a
     mean of values in [0, 1] with mean p has standard deviation at most sqrt(p (1 - p)))."""
     table = record["mechanism_table"]
+    if None in (table.get("gap"), table.get("p_clean"), table.get("p_corrupt"), *table["headline"].values()):
+        return None                                   # a run whose weights went NaN
     sd = lambda p: math.sqrt(max(p * (1 - p), 0.0))
     noise = (sd(table["p_clean"]) + sd(table["p_corrupt"])) / math.sqrt(table["n_docs"])
     return max(ATTRIBS, key=table["headline"].get) if abs(table["gap"]) > 2 * noise else None
@@ -813,14 +822,17 @@ def out_path(out, *parts):
 def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
-    with open(path, "a+b") as f:
-        if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                line = b"\n" + line
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a+b") as f:
+            if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = b"\n" + line
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:                                 # a full disk's names no file
+        raise OSError(e.errno, e.strerror or str(e), path) from None
 
 
 # --- The sweep
@@ -828,7 +840,7 @@ def append_result(path, record):
 def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
-        cfg.check()
+        mechsm.is_config(cfg, "configs").check()
     built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
         vocab = mechsm.make_data(cfg).vocab_size  # documents that do not fit the model: ValueError
@@ -904,9 +916,12 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     """Train this shard's runs of `configs` not complete in `out` (patch one with a checkpoint),
     each record appended as it ends; return the grid's in `out`. group_size: runs per model."""
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
-    size = lambda v: isinstance(v, int) and v > 0
+    size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for name, value, ok, expected in [
-            ("configs", configs, len(configs) > 0, "a non-empty list of mechsm.Config"),
+            ("configs", configs, isinstance(configs, (list, tuple)) and configs,
+             "a non-empty list of mechsm.Config"),
+            ("patch", patch, isinstance(patch, bool), "True or False"),
+            ("save", save, isinstance(save, bool), "True or False"),
             ("out", out, isinstance(out, (str, os.PathLike)) and os.fspath(out), "a folder's path"),
             ("jobs", jobs, size(jobs), "a positive integer"),
             ("group_size", group_size, group_size is None or size(group_size),
@@ -927,30 +942,33 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     if len(todo) < len(mine):
         log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
     patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+    results = out_path(out, results_name(shard))
+    open(results, "ab").close()                     # writable (its OSError names it), before training
     for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
         log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
-    results = out_path(out, results_name(shard))
     for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
     newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
     return [newest[k] for k in unique if k in newest]
 
 
-def read_command(folder, name):
-    """folder/<name>.command.json (the command that trained its runs), or None; warns if bad."""
+def read_commands(folder, name):
+    """{command: its record} of folder/<name>.command.json (each command that trained its runs, and
+    how long it took), or {}; warns if bad."""
     path = os.path.join(folder, f"{name}.command.json")
     if not os.path.exists(path):
-        return None
+        return {}
     try:
         c = json.loads(Path(path).read_text(encoding="utf-8"))
-        if {"command", "date", "machine", "load", "trained", "jobs"} <= set(c) and math.isfinite(c["wall_s"]):
+        if all({"command", "date", "machine", "load", "trained", "jobs"} <= set(v)
+               and math.isfinite(v["wall_s"]) for v in c.values()):
             return c
-    except (ValueError, OSError, RecursionError, TypeError, KeyError):
+    except (ValueError, OSError, RecursionError, TypeError, KeyError, AttributeError):
         pass
     print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
-    return None
+    return {}
 
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
@@ -967,7 +985,7 @@ def render(name, preset, records, folder=None):
                      for _, m in sorted(made.items()))
     wall = sum(r.get("wall_s") or 0 for r in records)
     kinds = figures_of(name, rows)                 # what --figures draws from these records
-    c = read_command(folder, name) if folder else None
+    commands = read_commands(folder, name).values() if folder else []
     attrib = lambda h, key: "-" if h.get("attrib_low_signal") else fmt_num(h.get(key))
     timeline = []
     for row in rows:                  # the best run's history: 6 evaluations at most, the last kept
@@ -992,9 +1010,9 @@ def render(name, preset, records, folder=None):
         "too little signal to read):", *timeline, "",
         f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
         f"summed), made {made}."
-        + (f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
-           f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
-           f"{c['load']}." if c else ""), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
+        + "".join(f" The command `{c['command']}` trained {c['trained']} of them in {c['wall_s'] / 60:.1f}"
+                  f" minutes of wall time with {c['jobs']} job(s), {c['date']}, {c['machine']}, "
+                  f"{c['load']}." for c in commands), "", *[f"![{k}]({name}_{k}.png)" for k in kinds], ""])
 
 
 def holds(text, s):
@@ -1272,6 +1290,9 @@ def evaluate_checkpoint(args):
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
+    if not math.isfinite(record["final"]["loss"]):          # NaN weights: nothing to read
+        raise ValueError(f"--checkpoint {args.checkpoint}: its model's evaluation loss is "
+                         f"{record['final']['loss']} (NaN or inf weights); nothing evaluated")
     if not args.no_interventions:
         record.update(patched(model, cfg, data.eval))
     mechsm.write_whole(path, json.dumps(json_safe(record), indent=1).encode())
@@ -1331,12 +1352,17 @@ def sweep_plan(args, name, configs, device, notes):
 
 
 def record_command(argv, out, name, trained, jobs, seconds):
-    """OUT/<name>.command.json: the command line that trained `trained` runs, and how long it took."""
-    command, p = shlex.join(["python", "run.py", *(sys.argv[1:] if argv is None else argv)]), provenance()
-    mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps({"command": command,
+    """OUT/<name>.command.json, {command: its record}: the command line that trained `trained` runs
+    (--out relative to the project: no machine's path), how long it took; other commands' kept."""
+    rel = os.path.relpath(out, HERE)
+    argv = [w.replace(out, rel) if w in (out, "--out=" + out) else w
+            for w in (sys.argv[1:] if argv is None else argv)]
+    command, p = shlex.join(["python", "run.py", *argv]), provenance()
+    commands = {**read_commands(out, name), command: {"command": command,
         "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
         "machine": machine_of(p),   # what its speed depends on
-        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}, indent=1).encode())
+        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}}
+    mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps(commands, indent=1).encode())
 
 
 @contextlib.contextmanager
@@ -1427,10 +1453,14 @@ results_name = lambda shard: "results.jsonl" if shard[1] == 1 else f"results.sha
 
 
 def provenance():
-    """Where and with what a record was made: date, machine, CPU and torch's kernels for it, commit."""
+    """Where and with what a record was made: date, machine, CPU and torch's kernels for it, commit
+    (of this project's own git checkout alone, '+dirty' when a tracked file differs from it)."""
+    git = lambda *a: subprocess.run(["git", "--no-optional-locks", *a], capture_output=True, text=True,
+                                    cwd=HERE, timeout=10).stdout.strip()
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=HERE, timeout=10).stdout.strip()
+        top, _, commit = git("rev-parse", "--show-toplevel", "--short", "HEAD").partition("\n")
+        commit = (commit + "+dirty" * bool(git("status", "--porcelain", "--untracked-files=no"))
+                  if top == os.path.realpath(HERE) else None)            # not another repository's
     except (OSError, subprocess.SubprocessError):
         commit = None
     info = Path("/proc/cpuinfo").read_text() if os.path.isfile("/proc/cpuinfo") else ""
@@ -1441,6 +1471,12 @@ def provenance():
 
 
 machine_of = lambda p: ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capability") if p.get(k))  # a provenance's
+
+
+# the pair an effective record's document queries: since 93174a6 a middle one (each role its own
+# token), before the last
+layout = lambda eff: ("a middle pair", "the last pair")[
+    eff["positions"]["next_key"] + 1 == eff["positions"]["query"]]
 
 
 def best_per_arch(rows):
@@ -1458,8 +1494,8 @@ HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
 
 
 def run_py_line(folder):
-    """What `python run.py` trains, and how long its recorded command took (folder/ar.command.json)."""
-    c, n = read_command(folder, "ar"), len(experiment_configs("ar", seeds=[0]))
+    """What `python run.py` trains, and how long it took, as folder/ar.command.json records it."""
+    c, n = read_commands(folder, "ar").get("python run.py"), len(experiment_configs("ar", seeds=[0]))
     return f"`python run.py` trains the {n} seed-0 runs of `ar` at their chosen rates" + (
         f"; `{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
         f"{c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']})." if c else ".")
@@ -1546,10 +1582,11 @@ def tiles(fig, n, cols, height):
     return [fig.add_subplot(math.ceil(n / cols), cols, i + 1) for i in range(n)]
 
 
-def plot_scatter(fig, records):
+def plot_scatter(fig, records, of=None):
     """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed, and the
     verdict's regions (the paper's Fig. 3); a run held at the key is a triangle, one outside FRAME
-    a cross on its edge."""
+    a cross on its edge; beside a mark, how many runs it stacks; the title: how many runs, of the
+    experiment's `of` records."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
@@ -1573,10 +1610,19 @@ def plot_scatter(fig, records):
     ax.scatter(np.clip(x[outside], lo, hi), np.clip(y[outside], lo, hi), s=50, marker="x", clip_on=False,
                color=[colour(a) for a, o in zip(arch, outside) if o] or "grey",
                label=f"beyond, on the edge ({outside.sum()})")
+    stacks = {}                              # {a mark: the runs within 0.03 of it, drawn over it}
+    for p in zip(*np.clip([x, y], lo, hi).tolist()):
+        at = next((q for q in stacks if math.dist(q, p) < 0.03), p)
+        stacks[at] = stacks.get(at, 0) + 1
+    for at, k in stacks.items():
+        if k > 1:
+            ax.annotate(str(k), at, xytext=(5, 5), textcoords="offset points", fontsize=8)
     ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
-           title="Attribution at the value and at the query, every run")
+           title=f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} records"
+           "\n(each row's seeds at its chosen rate, patched, 2+ layers; a number: the runs at a mark)")
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
-    return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside}
+    return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside,
+            "stacks": stacks}
 
 
 def plot_width(fig, rows):
@@ -1620,7 +1666,8 @@ def plot_heatmaps(fig, rows):
             if np.isfinite(c):
                 ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=6,
                         color="white" if abs(c) > 0.6 else "black")
-        ax.set_title(f"{label} (d {row['d_model']}): {table['verdict']}", fontsize=9)
+        ax.set_title(f"{label} (d {row['d_model']}): {verdict_of(row['best'])}\n"   # today's rule
+                     f"its best seed, {row['best']['config']['seed']}", fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "sites": sites, "cells": cells,
                        "positions": list(positions)})
     fig.colorbar(image, ax=fig.axes, shrink=0.5, label="attribution")
@@ -1634,12 +1681,14 @@ def plot_timeline(fig, rows):
     for ax, (label, row) in zip(axes, rows.items()):
         history = row["best"].get("history") or []
         s = {k: np.array([h.get(k) for h in history], float) for k in ("step", "acc", "attrib_value", "attrib_query")}
-        low = np.array([bool(h.get("attrib_low_signal")) for h in history], bool)
+        one = row["best"]["config"]["n_layers"] == 1                # n/a in the table: not drawn
+        low = np.array([bool(h.get("attrib_low_signal")) or one for h in history], bool)
         s["attrib_value"][low] = s["attrib_query"][low] = np.nan    # too little signal: a gap
         for k, name, c in (("acc", "accuracy", "black"), ("attrib_value", *ATTRIBS["value"]),
                            ("attrib_query", *ATTRIBS["query"])):
             ax.plot(s["step"], np.clip(s[k], *FRAME), color=c, label=name, marker=".", ms=3)
-        ax.set(ylim=FRAME, title=f"{label} (d {row['d_model']})")
+        ax.set(ylim=FRAME, title=f"{label} (d {row['d_model']})\n"
+                                 f"its best seed, {row['best']['config']['seed']}")
         ax.tick_params(labelsize=7)
         out[row.get("label", row["arch"])] = s
     fig.supxlabel("training step")
@@ -1676,8 +1725,12 @@ def plot_box(fig, rows):
 def plot_effective(fig, rows):
     """The best run of each architecture, its effective attention on one document: the query's row
     in each layer and the value's row in layer 0, each scaled to its maximum, its named positions on
-    the x axis."""
-    rows = [(r["label"], r) for r in best_per_arch(rows) if r["best"].get("effective")]
+    the x axis; documents of one layout, the one most of these runs hold (the title: which, and who
+    is left out)."""
+    rows = [(r, layout(r["best"]["effective"])) for r in best_per_arch(rows) if r["best"].get("effective")]
+    kind = collections.Counter(k for _, k in rows).most_common(1)[0][0]         # ties: the first met
+    left = [r["arch"] for r, k in rows if k != kind]
+    rows = [(r["label"], r) for r, k in rows if k == kind]
     panels = []
     for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
         eff = row["best"]["effective"]
@@ -1694,14 +1747,17 @@ def plot_effective(fig, rows):
         ax.set_title(f"{label} (d {row['d_model']})", fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells,
                        "columns": columns})
-    fig.suptitle("Where the query reads: effective attention, each row / its max (one document)")
+    fig.suptitle("Where the query reads: effective attention, each row / its max (one document per "
+                 f"panel, each querying {kind})" + f";\nnot drawn: {', '.join(left)} (documents of "
+                 "another layout)" * bool(left))
     return panels
 
 
 # The one table of figure kinds, <experiment>_<kind>.png: its drawing, and the data it draws from an
 # experiment's (records, rows), none where it does not apply. It names train_grid's and render's files.
 FIGURE_KINDS = {
-    "scatter": (plot_scatter, lambda records, rows: patched_runs(records)),
+    "scatter": (lambda fig, data: plot_scatter(fig, *data), lambda records, rows: patched_runs(records)
+                and (records, sum(r.get("records", len(r["runs"])) for r in rows))),
     "timeline": (plot_timeline, lambda records, rows: rows),
     "heatmaps": (plot_heatmaps, lambda records, rows: any(r["best"].get("mechanism_table")
                                                           for r in rows) and rows),

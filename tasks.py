@@ -34,6 +34,8 @@ MAX_TERMINALS = 1024           # the reference rejects sentences of more than 10
 MAX_TRIES = 1000               # consecutive rejections before we call a setting impossible
 SPLITS = {None: 0, "train": 1, "dev": 2, "test": 3}
 _DOCS, _HELDOUT = 0, 1         # RNG stream tags: documents vs the held-out-pair matrix
+# an int, not "8", 8.0 or True
+_is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _seed(*parts):
@@ -45,6 +47,17 @@ def _check(ok, name, allowed):
     """Bad input: a one-line ValueError "{name} must be {allowed}"."""
     if not ok:
         raise ValueError(f"{name} must be {allowed}")
+
+
+def _check_documents(n, split, holdout, seed):
+    """make_ar's and make_atr's shared arguments (n an int, never True or 2.0; a split, never a
+    list)."""
+    _check(_is_int(n) and n > 0, "n", f"a positive int, got {n!r}")
+    _check(split in [*SPLITS], "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
+    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
+           f"in [0, 1), got {holdout!r}")
+    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
+    _check(_is_int(seed) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
 
 
 ROLES = ("key", "value", "next_key", "divider", "query", "answer")
@@ -126,16 +139,10 @@ def make_ar(n, *, num_keys=4096, num_values=4096, num_pairs=16, seed=0, split=No
     (one matrix per (seed, K, V), never per split; a larger holdout holds out more); train/dev query
     only pairs not held out, test only held-out ones, redrawing documents with none (the reference
     excludes held-out pairs everywhere, so its "test" tests nothing new: README 2)."""
-    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
-    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
-           f"in [0, 1), got {holdout!r}")
-    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
-    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+    _check_documents(n, split, holdout, seed)
     sizes = (("num_keys", num_keys), ("num_values", num_values), ("num_pairs", num_pairs))
     for name, value in sizes:       # "8" or 8.0 would fail later, or size a float task
-        _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
-               f"an int, got {value!r}")
+        _check(_is_int(value), name, f"an int, got {value!r}")
     _check(num_pairs >= 1, "num_pairs", f">= 1, got {num_pairs}")
     K, V, m = num_keys, num_values, num_pairs
     for name, size in (("num_keys", K), ("num_values", V)):
@@ -202,12 +209,15 @@ class PCFG:
             _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
                    f"an int, got {value!r}")
         for name, low in least.items():
+            value = self.params[name]
             why = " (head + at least one dependent)" if name == "max_rhs_len" else ""
-            _check(self.params[name] >= low, name, f">= {low}{why}, got {self.params[name]}")
-        _check(terminal_weight > 0, "terminal_weight", f"> 0, got {terminal_weight}")
+            _check(_is_int(value), name, f"an int, got {value!r}")
+            _check(value >= low, name, f">= {low}{why}, got {value}")
+        _check(isinstance(terminal_weight, (int, float)) and not isinstance(terminal_weight, bool)
+               and terminal_weight > 0, "terminal_weight", f"a number > 0, got {terminal_weight!r}")
         _check(head == "right", "head",
                f"'right' (the only head position the paper uses), got {head!r}")
-        _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
+        _check(_is_int(seed) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
         self.num_terminals, self.num_nonterminals, self.seed = num_terminals, num_nonterminals, seed
         N, S, slot = num_nonterminals, num_terminals, -1   # slot: TERMINAL placeholder
         rng = np.random.default_rng(seed)
@@ -326,14 +336,10 @@ def make_atr(n, grammar, *, split=None, holdout=0.0, seed=0, max_terminals=MAX_T
     the grammar, so its split language is another PCFG: README, difference 3). train/dev query
     only allowed pairs, test only held-out ones; contexts may hold any. Use the same seed for all
     splits (as make_ar)."""
-    _check(isinstance(n, int) and n > 0, "n", f"a positive int, got {n!r}")
-    _check(split in SPLITS, "split", f"one of None, 'train', 'dev', 'test', got {split!r}")
-    _check(isinstance(holdout, (int, float)) and 0 <= holdout < 1, "holdout",
-           f"in [0, 1), got {holdout!r}")
-    _check(holdout == 0 or split is not None, "split", "'train', 'dev' or 'test' when holdout > 0")
-    _check(isinstance(seed, int) and seed >= 0, "seed", f"a non-negative int, got {seed!r}")
-    _check(max_terminals >= 3, "max_terminals",
-           f">= 3 (shorter ones are rejected), got {max_terminals}")
+    _check_documents(n, split, holdout, seed)
+    _check(isinstance(grammar, PCFG), "grammar", f"a tasks.PCFG, got {type(grammar).__name__}")
+    _check(_is_int(max_terminals) and max_terminals >= 3, "max_terminals",
+           f"an int >= 3 (shorter ones are rejected), got {max_terminals!r}")
     S, given = grammar.num_terminals, grammar.params
     shortest, longest = grammar.shortest, grammar.longest
     _check(S >= 2, "num_terminals", f">= 2 (with one label there is no eligible query: its "

@@ -9,12 +9,14 @@ learns, a rerun trains nothing, bad input exits with one line). Run: pytest -q t
 from dataclasses import asdict, fields, replace
 import collections
 import contextlib
+import glob
 import importlib.util
 import json
 import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import warnings
@@ -2231,6 +2233,30 @@ def test_nan_loss_fails_the_run_and_the_sweep_goes_on(tmp_path):
     assert len(best) == 1 and best[0]["best_lr"] == 1e-3
 
 
+def test_nan_weights_give_one_error_line_and_a_nan_record_leaves_every_other_row_reported(tmp_path, capsys):
+    """--checkpoint of a model whose weights went NaN: one line, exit 2, nothing written; a record whose
+    metrics went NaN (None in its JSON line) among a row's seeds: --report still renders every row."""
+    path, model = tiny_checkpoint(tmp_path / "nan.pt")
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    mechsm.save(model, tiny(device="cpu"), str(path))
+    assert run_cli.main(["--checkpoint", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys.readouterr().err, "NaN")
+    assert not list((tmp_path / "out").rglob("*.json"))
+    records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", "ar.jsonl"), warn=False))
+    row = next(row for row in run_cli.best_by_lr(records) if row["label"] == "mamba (1024 keys)")
+    sick = next(r for r in row["runs"] if r["config"]["seed"] == 1)      # a seed the row counts
+    nan = lambda x: {k: nan(v) for k, v in x.items()} if isinstance(x, dict) else (
+        [nan(v) for v in x] if isinstance(x, list) else float("nan") if isinstance(x, float) else x)
+    for part in ("final", "mechanism", "history"):
+        sick[part] = nan(sick[part])
+    sick["mechanism_table"].update(headline=nan(sick["mechanism_table"]["headline"]), gap=float("nan"))
+    (tmp_path / "ar.jsonl").write_text("".join(json.dumps(run_cli.json_safe(r)) + "\n" for r in records))  # None
+    assert run_cli.main(["--report", str(tmp_path)]) == 0
+    table = (tmp_path / "ar.md").read_text()
+    assert all(f"| {row['label']} |" in table for row in run_cli.best_by_lr(records))
+
+
 def test_rerun_of_finished_sweep_trains_nothing_and_survives_a_torn_line(tmp_path, monkeypatch):
     first = sweep_grid(tiny(), ["attention", "mamba"], [16], [1e-3], [0, 1], tmp_path)
     with open(tmp_path / "results.jsonl", "a") as f:
@@ -2620,6 +2646,36 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_run_and_leaves_no_tempora
     assert len(run_cli.read_results(str(tmp_path))) == 1
 
 
+def test_temporary_files_are_unique_per_write_and_cleared_and_an_unwritable_folder_fails_before_training(
+        tmp_path, monkeypatch):
+    """write_whole's temporary names differ per write (a killed process's leftover, named as they were
+    from its pid alone, blocks nothing); a failed write leaves none, and its OSError, as a failed
+    append's, names the file; run.sweep into a folder it cannot write fails before any training."""
+    path, names, replace_ = tmp_path / "a.md", [], os.replace
+    (tmp_path / f"a.md.tmp{os.getpid()}").write_text("a killed write's")
+    monkeypatch.setattr(os, "replace", lambda tmp, dest: (names.append(tmp), replace_(tmp, dest)))
+    for text in (b"one", b"two"):
+        mechsm.write_whole(str(path), text)
+    assert path.read_bytes() == b"two" and len(set(names)) == 2
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_disk)
+    for write in (lambda: mechsm.write_whole(str(path), b"three"), lambda: run_cli.append_result(str(path), {})):
+        with pytest.raises(OSError, match=re.escape(str(path))):
+            write()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.md", f"a.md.tmp{os.getpid()}"]
+    monkeypatch.undo()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.access(locked, os.W_OK):                      # root writes anyway: a folder no one writes
+        locked = "/sys" if os.path.isdir("/sys") else pytest.skip("no folder that root cannot write")
+    monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("trained into a folder it cannot write"))
+    with pytest.raises(OSError, match=re.escape(str(locked))):
+        sweep_grid(tiny(), ["attention"], [16], [1e-3], [0], locked)
+
+
 def test_what_used_to_be_a_traceback_is_one_line(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -2834,6 +2890,57 @@ def test_nan_probabilities_read_no_signal():
     assert "p_clean nan" in iv.render_heatmap(run_cli.json_safe(table))
 
 
+def test_provenance_names_only_the_projects_own_commit_and_marks_a_modified_tree(tmp_path):
+    """A copy of the project inside another git repository names no commit (not the other one's);
+    a checkout of its own names its commit, marked '+dirty' once a tracked file changes (an untracked
+    one, as out/, does not count)."""
+    git = lambda cwd, *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=cwd,
+                                         check=True, capture_output=True, text=True).stdout.strip()
+    commit = lambda folder: json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, run; print(json.dumps(run.provenance()['commit']))"], cwd=folder,
+        check=True, capture_output=True, text=True).stdout)
+    outer = tmp_path / "outer"
+    project = outer / "mechsm"
+    project.mkdir(parents=True)
+    for name in ("run.py", "mechsm.py", "models.py", "tasks.py", "interventions.py"):
+        shutil.copy(os.path.join(HERE, name), project / name)
+    git(outer, "init", "-q")
+    git(outer, "add", "-A")
+    git(outer, "commit", "-qm", "another project")
+    assert commit(project) is None
+    git(project, "init", "-q")
+    git(project, "add", "-A")
+    git(project, "commit", "-qm", "the project")
+    head = git(project, "rev-parse", "--short", "HEAD")
+    (project / "out").mkdir()
+    (project / "out" / "results.jsonl").write_text("")
+    assert commit(project) == head
+    with open(project / "tasks.py", "a") as f:
+        f.write("# a local change\n")
+    assert commit(project) == head + "+dirty"
+
+
+def test_a_later_command_into_the_folder_keeps_the_earlier_ones_record(tmp_path, capsys):
+    """Two different commands into one folder: <experiment>.command.json keeps both (keyed by command),
+    its .md names both; the README's sentence quotes `python run.py`'s own time alone; no committed
+    command names an absolute path."""
+    out = tmp_path / "out"
+    first = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
+    for argv in (first, first + ["--seeds", "1"]):
+        assert run_cli.main(argv) == 0
+    commands = json.loads((out / "ar.command.json").read_text())
+    absolute = lambda command: any(os.path.isabs(w) for w in command.split())
+    assert len(commands) == 2 and all(c == r["command"] and not absolute(c) for c, r in commands.items())
+    report = (out / "ar.md").read_text()
+    assert all(f"The command `{c}` trained 1 of them" in report for c in commands)
+    assert "minutes" not in run_cli.run_py_line(str(out))          # no `python run.py` there: no time quoted
+    for path in glob.glob(os.path.join(HERE, "results", "*.command.json")):
+        for command, record in json.load(open(path)).items():
+            assert command == record["command"] and not absolute(command), path
+    default = json.load(open(os.path.join(HERE, "results", "ar.command.json")))["python run.py"]
+    assert f"in {default['wall_s'] / 60:.1f} minutes" in run_cli.run_py_line(os.path.join(HERE, "results"))
+
+
 def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
     """<experiment>.command.json's command for an --out with a space is a shell line that gives back
     the same arguments; its machine names the CPU's kernels (a wall time depends on them)."""
@@ -2841,8 +2948,10 @@ def test_the_recorded_command_reruns_as_written(tmp_path, capsys):
     argv = TINY_CLI + ["--steps", "2", "--no-interventions", "--no-save", "--jobs", "1", "--out", str(out)]
     assert run_cli.main(argv) == 0
     import shlex
-    recorded = json.loads((out / "ar.command.json").read_text())
-    assert shlex.split(recorded["command"]) == ["python", "run.py", *argv]
+    recorded, = json.loads((out / "ar.command.json").read_text()).values()
+    words = shlex.split(recorded["command"])                 # --out relative to the project
+    assert os.path.normpath(os.path.join(HERE, words[-1])) == str(out)
+    assert words[:-1] == ["python", "run.py", *argv[:-1]]
     assert torch.backends.cpu.get_cpu_capability() in recorded["machine"]    # a time names the kernels it ran on
 
 
@@ -2921,6 +3030,38 @@ def test_python_api_errors_name_the_parameter(monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device"):
             mechsm.resolve_device("cuda")
+
+
+BAD_API_CALLS = [   # (parameter, a call of a public function with a bad value for it): each found by trying
+    ("n", lambda: make_ar(True)), ("seed", lambda: make_ar(4, seed=True)), ("split", lambda: make_ar(4, split=[])),
+    ("grammar", lambda: make_atr(4, None)), ("max_terminals", lambda: make_atr(4, PCFG(), max_terminals="9")),
+    ("terminal_weight", lambda: PCFG(terminal_weight="a")), ("seed", lambda: PCFG(seed=True)),
+    ("arch", lambda: models.build_model([], 10)), ("pos_emb", lambda: models.build_model("attention", 10, pos_emb="y")),
+    ("seed", lambda: models.build_model("attention", 10, seed=-1)),
+    ("long_only", lambda: models.build_model("based", 10, long_only="no")),
+    ("expand", lambda: models.build_model("mamba", 10, expand=-1)),
+    ("hyena_order", lambda: models.build_model("hyena", 10, hyena_order=0)),
+    ("freeze_features", lambda: models.build_model("base_conv", 10, freeze_features="x")),
+    ("cfg", lambda: mechsm.train({"arch": "attention"})), ("cfg", lambda: mechsm.make_data(None)),
+    ("configs", lambda: mechsm.train_group([{}])), ("model", lambda: mechsm.save(None, tiny(), "x.pt")),
+    ("configs", lambda: run_cli.sweep([{"arch": "attention"}], "out")),
+    ("patch", lambda: run_cli.sweep([tiny()], "out", patch="no")), ("jobs", lambda: run_cli.sweep([tiny()], "out", jobs=True)),
+    ("experiment", lambda: run_cli.experiment_configs([])), ("archs", lambda: run_cli.experiment_configs("ar", archs=["x"])),
+    ("widths", lambda: run_cli.experiment_configs("ar", widths=[0])),
+    ("lrs", lambda: run_cli.experiment_configs("ar", lrs=["a"])),
+    ("seeds", lambda: run_cli.experiment_configs("ar", seeds=[1.5])),
+    ("steps", lambda: run_cli.experiment_configs("ar", steps=0))]
+
+
+@pytest.mark.parametrize("name, call", BAD_API_CALLS, ids=[f"{i}-{n}" for i, (n, _) in enumerate(BAD_API_CALLS)])
+def test_public_functions_refuse_a_bad_argument_with_a_value_error_naming_it(name, call, tmp_path, monkeypatch):
+    """The Python API checks its arguments as the command line does: a one-line ValueError naming the
+    parameter, before any work (never a TypeError from inside torch, nor a silent wrong result)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as excinfo:
+        call()
+    assert one_line_value_error(excinfo, name), str(excinfo.value)
+    assert not os.listdir(tmp_path)
 
 
 def test_runs_that_differ_have_names_and_files_that_differ():
@@ -3208,6 +3349,35 @@ def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
                                                        [1, 0.5, 0.5, np.nan, np.nan]])
 
 
+def test_figures_count_what_they_stack_name_their_seed_and_document_and_draw_nothing_the_table_calls_na(figure):
+    """The scatter writes beside a mark the count of the runs it stacks and titles how many runs of how
+    many records it draws; heatmaps and timelines name the seed they show, a heatmap today's verdict
+    (not the one stored with the table); a 1-layer row's timeline draws no attribution (n/a in its
+    table); the effective figure draws documents of one layout, names it and the rows it leaves out."""
+    stacked = [fig_record("attention", seed=s) for s in range(3)] + [fig_record("mamba", value=0.05, query=0.95)]
+    fig = figure()
+    data = fs.plot_scatter(fig, stacked, 10)
+    assert sorted(data["stacks"].values()) == [1, 3] and "3" in [t.get_text() for t in fig.axes[0].texts]
+    assert "4 runs of 10 records" in fig.axes[0].get_title()
+    rows = fig_rows([{**fig_record("mamba", seed=2, value=0.05, query=0.95)}])     # stored verdict: induction
+    fs.plot_heatmaps(fig := figure(), rows)
+    assert fig.axes[0].get_title() == "mamba (d 32): mixed\nits best seed, 2"       # key 0.5 and query 0.95
+    one = fig_record("mamba", seed=1)
+    one["config"]["n_layers"] = 1
+    series = fs.plot_timeline(fig := figure(), fig_rows([one]))["mamba"]
+    assert np.isnan(series["attrib_value"]).all() and np.isnan(series["attrib_query"]).all()
+    assert fig.axes[0].get_title() == "mamba (d 32)\nits best seed, 1"
+    middle = {"positions": {"key": 3, "value": 4, "next_key": 5, "divider": 9, "query": 10},
+              "query": [[1.0] * 11] * 2, "value": [1.0] * 5}
+    last = {"positions": {"key": 7, "value": 8, "next_key": 9, "divider": 9, "query": 10},
+            "query": [[1.0] * 11] * 2, "value": [1.0] * 9}
+    records = [{**fig_record(arch), "effective": eff} for arch, eff in
+               [("mamba", middle), ("hyena", middle), ("attention", last)]]
+    panels = fs.plot_effective(fig := figure(), fig_rows(records))
+    assert [p["label"] for p in panels] == ["mamba", "hyena"]
+    assert "each querying a middle pair" in fig._suptitle.get_text() and "not drawn: attention" in fig._suptitle.get_text()
+
+
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
     records = RECORDS + [fig_record("hyena", d_model=32)]
     out = fs.draw_figures(fig_rows(records), "ar", tmp_path / "a")
@@ -3386,6 +3556,79 @@ def test_circuit_words_rows_and_circuit_table_render_from_records(tmp_path):
     assert table[2].split(" | ")[1:] == ["ar: attention", "embed@key > L0 mixer@value > L1 mixer@query",
                                          "2/3", "95.0% |"]
     assert run_cli.circuit_table(str(tmp_path / "none")).startswith("No record here carries a circuit")
+
+
+def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
+    """Each number of the README's prose on the findings ("A row that does not hold ...", the
+    probes' H3) and the record side of its reproduction section, computed here from the committed
+    records (the reruns' own numbers are measurements, not records): edit one and this fails."""
+    readme = " ".join(open(os.path.join(HERE, "README.md")).read().split())
+    recs = lambda name: run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
+    rows = lambda name: {row["label"]: row for row in run_cli.best_by_lr(recs(name))}
+    at = lambda name, arch, lr, **cfg: [r for r in recs(name) if all(
+        r["config"][k] == v for k, v in dict(arch=arch, lr=lr, **cfg).items())]
+    head = lambda runs, k: [r["mechanism_table"]["headline"][k] for r in runs]
+    span = lambda xs: f"{min(xs):.2f}–{max(xs):.2f}"
+    pct, accs = run_cli.fmt_pct, lambda runs: [r["final"]["acc"] for r in runs]
+    pct_span = lambda xs: f"{100 * min(xs):.1f}–{pct(max(xs))}"
+    rate = lambda lr: f"{lr:.1e}".replace("e-0", "e-").replace(".0e", "e")         # 5e-4, 1.7e-4
+    acc = lambda row: run_cli.fmt_acc(run_cli.spread(row)).replace("-", "–")
+    verdicts = lambda runs: collections.Counter(map(run_cli.verdict_of, runs))
+    median = lambda runs: pct(statistics.median(r["final"]["acc"] for r in runs))
+    ar, atr, medium = rows("ar"), rows("atr"), rows("atr-medium")
+    h3s = [r for label, row in ar.items() if label.startswith("h3") for r in row["runs"]]
+    assert sum(label.startswith("h3") for label in ar) == 2                       # both vocabularies
+    assert all(r["final"]["loss"] > 1.5 * math.log(8) for r in h3s)              # far above the plateau's
+    phrases = [f"(at most {pct(max(accs(h3s)))}), its loss far above the copy plateau's"]
+    mamba, h3 = atr["mamba"]["runs"], atr["h3"]["runs"]
+    assert verdicts(mamba) == {"held at the key": len(mamba)} and verdicts(h3) == {"held at the key": len(h3)}
+    phrases += [f"in every seed (Attrib@Key {span(head(mamba, 'key'))})", f"H3 in 3/3 ({span(head(h3, 'key'))})"]
+    paper = run_cli.EXPERIMENTS["atr"].paper_numbers
+    assert "K .55 V .03 Q .29" in paper["mamba"] and "K .44 V .02 Q .52: direct retrieval" in paper["h3"]
+    attention, first = medium["attention"]["runs"], medium["attention"]["first"]
+    assert min(r["final"]["acc"] for r in medium["mamba"]["runs"]) > max(r["final"]["acc"] for r in attention)
+    assert verdicts(attention) == {"no signal": 3} and {run_cli.lean(r) for r in attention} == {None}
+    phrases += [f"kept the grid's {rate(medium['attention']['best_lr'])} (seed 0: {pct_span(accs(first.values()))} "
+                "at the three rates)", "in all 3, its gaps within the noise floor, so no lean is read"]
+    widths = {(row["arch"], row["d_model"]): row for row in run_cli.best_by_lr(recs("ar-widths"))}
+    assert {run_cli.diagnose(r) for r in at("ar-widths", "attention", 5e-4, d_model=128)} == {"memorised"}
+    att, mam = widths["attention", 128], widths["mamba", 128]
+    phrases += [f"chose {rate(att['best_lr'])}: induction {verdicts(att['runs'])['induction']}/3, "
+                + pct_span(accs(att["runs"])),
+                f"Mamba at d 128 chose {rate(mam['best_lr'])}: {acc(mam)}, direct retrieval "
+                f"{verdicts(mam['runs'])['direct retrieval']}/3"]
+    based, grid = atr["based"], at("atr", "based", 3e-3)
+    mixed = [r for r in based["runs"] if run_cli.verdict_of(r) == "mixed"]
+    phrases.append(f"Based on ATR chose {rate(based['best_lr'])} and reads mixed in {len(mixed)}/3 (Attrib@Value "
+                   f"{', '.join(run_cli.fmt_num(v) for v in head(mixed, 'value'))}; at 3e-3 induction "
+                   f"{verdicts(grid)['induction']}/{len(grid)})")
+    conv, grid = rows("atr-mamba-conv")["mamba (d_conv 0)"], at("atr-mamba-conv", "mamba", 1e-2, d_conv=0)
+    held = [r for r in conv["runs"] if run_cli.verdict_of(r) == "held at the key"]
+    phrases.append(f"chose {rate(conv['best_lr'])} (at the grid's 1e-2 no signal {verdicts(grid)['no signal']}/5, "
+                   f"median {median(grid)}): {acc(conv)}, held at the key {len(held)}/5 (@Key {span(head(held, 'key'))}), "
+                   f"induction {verdicts(conv['runs'])['induction']}/5")
+    m1, m2 = ar["mamba (1024 keys)"], ar["mamba (256 keys)"]
+    g1, g2 = (at("ar", "mamba", 1e-2, num_keys=k) for k in (1024, 256))
+    dr = lambda runs: f"{verdicts(runs)['direct retrieval']}/5"
+    phrases.append(f"Mamba chose {rate(m1['best_lr'])} on seed 0's {pct(accs([m1['first'][m1['best_lr']]])[0])}; "
+                   f"its 5 seeds there read {acc(m1)}, direct retrieval {dr(m1['runs'])} (256 keys: "
+                   f"{median(m2['runs'])}, {dr(m2['runs'])}), where the grid's 1e-2 read {median(g1)}, {dr(g1)} "
+                   f"({median(g2)}, {dr(g2)})")
+    gated = sorted(ar["gated_deltanet"]["runs"], key=lambda r: (r["config"]["seed"] > 0, r["final"]["acc"]))
+    phrases.append(f"Gated DeltaNet chose {rate(ar['gated_deltanet']['best_lr'])} on seed 0's {pct(accs(gated)[0])}, "
+                   f"the others {100 * accs(gated)[1]:.1f}, {pct(accs(gated)[2])}")
+    budget = rows("atr-budget")["h3 (7500 steps)"]["best"]
+    phrases.append(f"H3 {run_cli.verdict_of(budget)} (Key {run_cli.fmt_num(head([budget], 'key')[0])}, Query "
+                   f"{run_cli.fmt_num(head([budget], 'query')[0])})")
+    keys = {run_cli.run_key(asdict(c.resolved())) for c in run_cli.experiment_configs("ar", seeds=[0])}
+    seed0 = [r for r in recs("ar") if run_cli.run_key(r["config"]) in keys]
+    cpus = collections.Counter((r.get("provenance") or {}).get("cpu_capability") for r in seed0)
+    by_keys = {r["config"]["num_keys"]: pct(r["final"]["acc"]) for r in seed0 if r["config"]["arch"] == "mamba"}
+    phrases += [f"`python run.py`'s {len(seed0)} seed-0 `ar` runs", f"of which {cpus['AVX2']} name an AVX2 AMD "
+                f"EPYC, {cpus['AVX512']} an AVX512 one and {cpus[None]} no CPU", f"1,024 keys: 52.8% against "
+                f"{by_keys[1024]}", f"256 keys: 64.4% against {by_keys[256]}", f"80.9% against {by_keys[1024]}"]
+    assert [p for p in phrases if p not in readme] == []
+    assert rate(5e-4) == "5e-4" and rate(1.7e-4) == "1.7e-4"
 
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
