@@ -399,12 +399,8 @@ def _atp(model, clean_tokens, corrupt_tokens, sites, answers, query):
     corrupted forward, one backward), summed over the activation's other axes."""
     seq_dim = {site: m.seq_dim for site, m in hook_points(model).items()}
     clean, acts = record(model, clean_tokens, sites), {}
-
-    def keep(site, act):
-        acts[site] = act
-        return act
-
-    with torch.enable_grad(), patch(model, {s: functools.partial(keep, s) for s in sites}):
+    keep = {s: lambda act, s=s: acts.setdefault(s, act) for s in sites}     # stored, passed on
+    with torch.enable_grad(), patch(model, keep):
         p = _answer_prob(model(corrupt_tokens, readout=query), answers)      # (b,)
         grads = torch.autograd.grad(p.sum(), [acts[s] for s in sites])  # a document's p: its row
     return {s: ((clean[s] - acts[s].detach()) * g).movedim(seq_dim[s], 1).flatten(2).sum(-1)
@@ -438,11 +434,12 @@ def role_masks(dataset):
     alone (AR: other_key, other_value), else other (BOS; ATR's other terminals). The answer and what
     follows belong to no role: the readout at the query cannot see them. Roles nowhere: left out."""
     tokens, pos = dataset.tokens, dataset.positions
-    free = torch.arange(tokens.shape[1]) <= pos["query"][:, None]             # (b, l)
+    where = torch.arange(tokens.shape[1])                                    # (l,)
+    free = where <= pos["query"][:, None]                                    # (b, l)
     masks = {}
     for role in ROLES[:-1]:                                                  # all but the answer
-        masks[role] = free & (torch.arange(tokens.shape[1]) == pos[role][:, None])
-        free = free & ~masks[role]
+        masks[role] = free & (where == pos[role][:, None])
+        free &= ~masks[role]
     inside = {r: (tokens >= lo) & (tokens < hi) for r, (lo, hi) in dataset.classes.items()}
     alone = free & (sum(m.int() for m in inside.values()) == 1)              # in one class only
     masks.update({f"other_{r}": alone & m for r, m in inside.items()}, other=free & ~alone)
