@@ -1958,7 +1958,7 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
             "--out", str(out)]
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
-    header = ("| architecture | parameters | lr | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
+    header = ("| architecture | parameters | lr | steps | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
               "Attrib@Query | verdicts | training | circuit (the median seed's; seeds sharing it) | paper |")
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
     assert "Timeline" in stdout and "- attention: 0: " in stdout            # one timeline line per model
