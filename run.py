@@ -392,7 +392,7 @@ def finish(record, model, out, patch=True, save=True):
 # ===== The report
 # The best run per row (the paper reports the best learning rate) beside the paper's numbers.
 
-budget_of = lambda record: record.get("total_steps") or record["config"]["steps"] or 0   # its steps
+budget_of = lambda record: record.get("total_steps") or record["config"].get("steps") or 0   # its steps
 
 
 def best_by_lr(records, ladder=True):
@@ -976,7 +976,7 @@ FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else wo
 
 def render(name, preset, records, folder=None):
     """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
-    exp = EXPERIMENTS[name]
+    exp, records = EXPERIMENTS[name], latest(records)       # a run landed again (a circuit added): once
     rows = best_by_lr(records, not exp.probe)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
