@@ -112,7 +112,7 @@ CHOSEN = {
     "ar-widths": {"attention (d 16)": 1.5e-3, "attention (d 128)": 1.7e-4, "base_conv (d 16)": 1e-3,
                   "based (d 16)": 9e-3, "based (d 32)": 9e-3, "based (d 64)": 1e-3,
                   "based (d 128)": 1e-3, "h3 (d 16)": 3.3e-4, "h3 (d 32)": 3.3e-4,
-                  "hyena (d 64)": 1e-3, "mamba (d 32)": 3e-2, "mamba (d 64)": 3.3e-3,
+                  "hyena (d 64)": (3e-3, 24_000), "mamba (d 32)": 3e-2, "mamba (d 64)": 3.3e-3,
                   "mamba (d 128)": 3.3e-3, "deltanet (d 16)": 3e-3},
     "mamba-conv": {"mamba (d_conv 1, d 64)": 1.1e-3, "mamba (d_conv 2, d 64)": 1.1e-3,
                    "mamba (d_conv 3, d 64)": 3.3e-3, "mamba (default conv, d 64)": 3.3e-3},
@@ -123,7 +123,7 @@ CHOSEN = {
     "atr": {"mamba (d 64)": 3.3e-3, "h3 (d 64)": 3e-3, "based (d 64)": 9e-3,
             "base_conv (d 64)": 9e-3},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 1.1e-3, "mamba (default conv, d 64)": 3.3e-3},
-    "ar": {"mamba (d 64)": 3.3e-3, "gated_deltanet (d 64)": 3.3e-4, "hyena (d 64)": 1e-3,
+    "ar": {"mamba (d 64)": 3.3e-3, "gated_deltanet (d 64)": 3.3e-4, "hyena (d 64)": (3e-3, 24_000),
            "based (d 64)": 1e-3, "mamba (256 keys, d 64)": 3.3e-3},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")

@@ -2477,21 +2477,21 @@ def test_a_cells_budget_climbs_while_seed_0_is_still_learning_then_its_rate_ladd
 
 
 def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose():
-    """Every cell of the grids that choose: the catalogue's rate is chosen_lr of its seed-0 records in
-    results/ (the grid's rate while undecided), and its table row reports that rate's seeds."""
+    """Every cell of the grids that choose: the catalogue's (rate, steps) is cell_choice of its seed-0
+    records in results/ (the grid's while undecided), and its table row, once its seeds have trained
+    there, reports that rate's seeds."""
     cell = lambda c: run_cli.run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
     for name in run_cli.LR_CHOICE:
         records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
+        done = {run_cli.run_key(r["config"]): r for r in records}
         rows = {cell(row["best"]["config"]): row for row in run_cli.best_by_lr(records)}
         grid = run_cli.experiment_configs(name, seeds=[0], chosen_lrs=False)
         for base, cfg in zip(grid, run_cli.experiment_configs(name, seeds=[0])):
-            key = cell(asdict(base.resolved()))
-            seed0 = {r["config"]["lr"]: r for r in records
-                     if cell(r["config"]) == key and r["config"]["seed"] == 0}
-            choice = run_cli.chosen_lr(base.lr, seed0)[0]
-            assert cfg.lr == (choice or base.lr), (name, base.name())
-            if choice is not None and len(rows[key]["runs"]) > 1:
-                assert rows[key]["best_lr"] == choice, (name, base.name())
+            choice = run_cli.cell_choice(base, done)[0] or (base.lr, base.steps)
+            assert (cfg.lr, cfg.steps) == choice, (name, base.name())
+            row = rows.get(cell(asdict(cfg.resolved())))
+            if row is not None and len(row["runs"]) > 1:
+                assert row["best_lr"] == choice[0], (name, base.name())
 
 
 def test_the_catalogue_states_each_chosen_rate_and_a_test_names_the_entry_to_change(monkeypatch):
