@@ -1360,7 +1360,7 @@ def record_command(argv, out, name, trained, jobs, seconds):
     command, p = shlex.join(["python", "run.py", *argv]), provenance()
     commands = {**read_commands(out, name), command: {"command": command,
         "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
-        "machine": machine_of(p),   # what its speed depends on
+        "machine": machine_of(p), "commit": p.get("commit"),   # what its speed depends on
         "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}}
     mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps(commands, indent=1).encode())
 
@@ -1496,9 +1496,10 @@ HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
 def run_py_line(folder):
     """What `python run.py` trains, and how long it took, as folder/ar.command.json records it."""
     c, n = read_commands(folder, "ar").get("python run.py"), len(experiment_configs("ar", seeds=[0]))
-    return f"`python run.py` trains the {n} seed-0 runs of `ar` at their chosen rates" + (
+    return f"`python run.py` trains the {n} seed-0 runs of `ar` at their chosen rates and budgets" + (
         f"; `{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
-        f"{c['jobs']} jobs on {c['date']} ({c['machine']}, {c['load']})." if c else ".")
+        f"{c['jobs']} jobs on {c['date']} at commit {c.get('commit') or 'unknown'} ({c['machine']}, "
+        f"{c['load']})." if c else ".")
 
 
 def readme_with_summary(text, folder="results"):
