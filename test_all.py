@@ -3690,3 +3690,18 @@ def test_the_readmes_gpu_numbers_are_in_the_committed_gpu_logs():
     logs = "".join(open(os.path.join(HERE, "results", "gpu", f)).read() for f in ("gpu.log", "bench.txt"))
     numbers = re.findall(r"\d[\d,]*\.\d+(?:e-\d+)?", sentence)
     assert len(numbers) >= 8 and all(n in logs for n in numbers), [n for n in numbers if n not in logs]
+
+
+def test_the_readmes_circuit_sentences_say_what_the_mamba_ladder_records_hold():
+    """The README's Mamba sentence under the circuit table: seed 0 at 32,000 steps, its accuracy,
+    verdict and circuit at 3.3e-3 and 9.9e-3, as results/ar.jsonl holds them."""
+    readme = " ".join(open(os.path.join(HERE, "README.md")).read().split())
+    recs = {r["config"]["lr"]: r for r in run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", "ar.jsonl")))
+            if r["config"]["arch"] == "mamba" and r["config"]["steps"] == 32_000 and r["config"]["seed"] == 0
+            and r["config"]["num_keys"] == 1024}
+    slow, fast = recs[3.3e-3], recs[9.9e-3]
+    assert (run_cli.verdict_of(slow), run_cli.verdict_of(fast)) == ("held at the key", "direct retrieval")
+    assert run_cli.circuit_words(slow["circuit"], restored=False) == "embed@key > L0 mixer@key > L1 mixer@query"
+    assert run_cli.circuit_words(fast["circuit"], restored=False) == "embed@key > L0 mixer@query"
+    assert f"3.3e-3 ({run_cli.fmt_pct(slow['final']['acc'])})" in readme
+    assert f"9.9e-3 ({run_cli.fmt_pct(fast['final']['acc'])})" in readme
