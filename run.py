@@ -69,7 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ===== The experiments
-# One per result of the paper, each with a "quick" grid (sized for a 2-core CPU, aiming at 20
+# One per result of the paper, each with a "quick" grid (sized for a 2-core CPU, aiming at 30
 # minutes) and a "paper" grid. A grid is {"config": Config fields shared by its runs, "runs": Config
 # fields per family of runs (each names its arch), "widths", "lrs", "seeds", "steps"}, the last
 # three {arch: ...} where the arch "*" is the default.
