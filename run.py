@@ -437,6 +437,7 @@ tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in coun
 fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
                                                tally(s["leans"], s["n"], "leans "))))
 fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
+fmt_moved = lambda row: f" at {row['budget']:,} steps" if len(row.get("budgets") or ()) > 1 else ""   # a laddered row
 # a cell's budget ladder, seed 0's best at each budget: '8,000: 69.1%, still learning · **16,000**'
 fmt_budgets = lambda row: " · ".join(f"**{s:,}**" if s == row["budget"] else f"{s:,}: {fmt_rung(r)}, {diagnose(r)}"
                                      for s, r in row["budgets"].items())
@@ -1042,7 +1043,8 @@ def summary_rows(name, rows):
         for row in sorted(rows, key=lambda r: r["d_model"]):
             line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
             s = spread(row)
-            line["cells"].append(f"d {row['d_model']}: {fmt_acc(s)}; {fmt_counts(s)}; {fmt_training(s)}")
+            line["cells"].append(f"d {row['d_model']}{fmt_moved(row)}: {fmt_acc(s)}; {fmt_counts(s)}; "
+                                 f"{fmt_training(s)}")
         return [{"row": label, PAPER: paper_text(name, line["row"]) or "no number quoted",
                  "holds?": "-", OURS: " · ".join(line["cells"])} for label, line in lines.items()]
     out = []
@@ -1053,7 +1055,7 @@ def summary_rows(name, rows):
         box = " ".join(f"{k[0].upper()} {fmt_num(s['median'][k])}" for k in ("key", "value", "query"))
         box = f"; box {box} ({s['readable']} seeds read)" * ("box" in text)
         out.append({"row": row["label"], PAPER: text or "no number quoted", "holds?": holds(text, s),
-                    OURS: f"{split}, best seed {fmt_pct(s['acc'][-1])}{box}; {fmt_counts(s)}; "
+                    OURS: f"{split}{fmt_moved(row)}, best seed {fmt_pct(s['acc'][-1])}{box}; {fmt_counts(s)}; "
                           f"{fmt_training(s)}"})
     return out
 
