@@ -2134,6 +2134,8 @@ def test_every_experiment_builds_both_presets_with_distinct_row_labels():
     assert {"ar", "ar-widths", "ar-nope", "ar-layers", "mamba-conv", "based-ablation", "atr", "atr-medium",
             "atr-8192", "atr-generalisation", "ar-generalisation", "atr-mamba-conv"} <= set(run_cli.EXPERIMENTS)
     for name, exp in run_cli.EXPERIMENTS.items():
+        fields = run_cli.LABEL_FIELDS if exp.probe else run_cli.LABEL_FIELDS[:-1]   # a budget is no row
+        aside = ("lr", "seed") if exp.probe else ("lr", "seed", "steps")
         for preset in run_cli.PRESETS:
             configs = run_cli.experiment_configs(name, preset)
             assert configs, (name, preset)
@@ -2144,13 +2146,13 @@ def test_every_experiment_builds_both_presets_with_distinct_row_labels():
             # runs that differ in more than lr and seed get different table labels
             families = {}
             for c in configs:
-                family = run_cli.run_key({k: v for k, v in asdict(c.resolved()).items() if k not in ("lr", "seed")})
-                families.setdefault(run_cli.row_label(c, configs), set()).add(family)
+                family = run_cli.run_key({k: v for k, v in asdict(c.resolved()).items() if k not in aside})
+                families.setdefault(run_cli.row_label(c, configs, fields), set()).add(family)
             assert all(len(f) == 1 for f in families.values()), (name, preset, families)
         rows = set()                                                       # the paper's rows exist
         for preset in run_cli.PRESETS:
             configs = run_cli.experiment_configs(name, preset)
-            rows |= {run_cli.row_label(c, configs) for c in configs} | {c.arch for c in configs}
+            rows |= {run_cli.row_label(c, configs, fields) for c in configs} | {c.arch for c in configs}
         assert set(exp.paper_numbers) <= rows, (name, set(exp.paper_numbers) - rows)
 
 
