@@ -613,7 +613,7 @@ def cell_choice(cfg, done):
     (diagnose), it trains again at 2x, 4x the steps, then CAP_STEPS, and the ladder runs again around
     that rate at the budget where it stopped (README, difference 18)."""
     at = lambda lr, steps: done.get(run_key(asdict(replace(cfg, lr=lr, steps=steps, seed=0).resolved())))
-    budgets = [s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS] if cfg.task == "ar" else []
+    budgets = ([s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS]) if cfg.task == "ar" else []
     lr, steps, choice = cfg.lr, cfg.steps, None
     while True:
         lr, untried = chosen_lr(lr, {rung(lr, k): r for k in (-2, -1, 0, 1, 2) if (r := at(rung(lr, k), steps))})
@@ -662,9 +662,9 @@ def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.
     rose = final["acc"] - at(history, 3 / 4)["acc"]
     if final["acc"] < learned and (fell >= fall or rose >= rise):
         return "still learning"
-    guess = copy_guess(config_of(record))
     if final["acc"] >= learned:
         return "learned"
+    guess = copy_guess(config_of(record))          # on ATR: made from the evaluation documents
     if final["acc"] < plateau * guess and final["loss"] <= plateau * -math.log(guess):
         return "copy plateau"
     return "flat"
