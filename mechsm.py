@@ -103,8 +103,11 @@ class Config:
                               "documents (0: off)")
     gap_filter: float = knob(0.01, "p_clean - p_corrupt <= this: no signal (ATR box plots: 0.1)")
 
-    def check(self):
-        """Raise ValueError with one line naming the field and what is allowed. Returns self."""
+    def check(self, name="cfg"):
+        """Raise ValueError with one line naming the field and what is allowed. Returns self.
+        Config.check(x, name) refuses anything but a Config (a dict of its fields too), naming `name`."""
+        if not isinstance(self, Config):
+            raise ValueError(f"{name} must be a mechsm.Config; got {type(self).__name__}")
         def whole(low, high=2**31):     # sizes: a larger one overflows deep inside torch
             return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v < high
 
@@ -163,13 +166,6 @@ class Config:
         digest = hashlib.sha1(identity.encode()).hexdigest()[:8]
         return (f"{self.task}_{self.arch}_d{self.d_model}_L{self.n_layers}_lr{self.lr:g}"
                 f"_s{self.seed}_{digest}")
-
-
-def is_config(cfg, name="cfg"):
-    """cfg, if a Config (never a dict of its fields, or None); else a ValueError naming `name`."""
-    if not isinstance(cfg, Config):
-        raise ValueError(f"{name} must be a mechsm.Config; got {type(cfg).__name__}")
-    return cfg
 
 
 def resolve_device(device):
@@ -242,8 +238,9 @@ def make_documents(key):
 
 def make_data(cfg, data=None):
     """cfg's Data (made once per data_key), or `data`, which must be cfg's (its record will say so);
-    either way its documents must fit cfg's model (learned positions, filters of fixed length)."""
-    key = data_key(is_config(cfg))
+    either way cfg must pass Config.check and its documents fit its model (learned positions,
+    filters of fixed length)."""
+    key = data_key(Config.check(cfg))
     data = make_documents(key) if data is None else data
     made = dict(data.key) if isinstance(data, Data) else {}
     wrong = [name for name, value in key if made.get(name) != value]
@@ -359,7 +356,7 @@ def train(cfg, *, data=None, log=None, on_eval=None):
     final model's metrics), history (one entry per evaluation), wall_s, steps_done...
     on_eval(model, data, cfg, step) -> dict: what the driver adds to each evaluation's entry
     (run.py passes its timeline, the attribution pair); its seconds are summed in timeline_s."""
-    cfg = is_config(cfg).check().resolved()
+    cfg = Config.check(cfg).resolved()
     data = make_data(cfg, data)            # documents cfg's model cannot take fail here
     prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
     log = log or (lambda msg: print(prefix + msg, file=sys.stderr, flush=True))
@@ -486,7 +483,7 @@ def save(model, cfg, path):
     cfg must describe the model (its task's vocabulary, its build), else a ValueError naming cfg."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(is_config(cfg)),
+    blob = {"format": CHECKPOINT_FORMAT, "config": asdict(Config.check(cfg)),
             "build_args": dict(getattr(model, "build_args", {})),
             "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
     checked = _rebuild(blob, "cpu", lambda why: ValueError(f"cfg does not fit the model: {why}"))[1]
@@ -618,7 +615,7 @@ def train_group(configs, *, data=None, log=None, on_eval=None):
     [(result, model)], each what train(cfg, on_eval=on_eval) returns (to rounding) plus "group":
     {"size", "index"}; wall_s is the group's. A member whose loss goes NaN/inf fails there; the
     others go on."""
-    cfgs = [is_config(c, "configs").check().resolved() for c in configs]
+    cfgs = [Config.check(c, "configs").resolved() for c in configs]
     if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
         raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
                          "and seed, no two alike")

@@ -437,7 +437,8 @@ tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in coun
 fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
                                                tally(s["leans"], s["n"], "leans "))))
 fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
-fmt_moved = lambda row: f" at {row['budget']:,} steps" if len(row.get("budgets") or ()) > 1 else ""   # a laddered row
+laddered = lambda row: len(row.get("budgets") or ()) > 1       # seed 0 trained at several budgets
+fmt_moved = lambda row: f" at {row['budget']:,} steps" if laddered(row) else ""
 # a cell's budget ladder, seed 0's best at each budget: '8,000: 69.1%, still learning · **16,000**'
 fmt_budgets = lambda row: " · ".join(f"**{s:,}**" if s == row["budget"] else f"{s:,}: {fmt_rung(r)}, {diagnose(r)}"
                                      for s, r in row["budgets"].items())
@@ -461,23 +462,22 @@ def lean(record):
     return max(ATTRIBS, key=table["headline"].get) if abs(table["gap"]) > 2 * noise else None
 
 
-def verdict_of(record, cut=interventions.CUT, gap_scale=1.0):
-    """A record's verdict from its stored table, at any cut and gap filter; None if unpatched."""
+def verdict_of(record):
+    """A record's verdict by today's rule from its stored table; None if unpatched."""
     table = record.get("mechanism_table")
     if record["status"] != "ok" or not table:
         return "failed" if record["status"] != "ok" else None
     if not table.get("headline"):
         return "n/a (1 layer)"                       # no layer-1 block input to read
-    threshold = table["threshold"] * gap_scale
-    low = interventions.no_signal(table.get("gap"), threshold)
-    return interventions.verdict(table["headline"], low, min(threshold, 0.99), cut)[0]
+    low = interventions.no_signal(table.get("gap"), table["threshold"])
+    return interventions.verdict(table["headline"], low, table["threshold"])[0]
 
 
-def spread(row, **rule):
+def spread(row):
     """A row's distribution over its seeds: n, accuracies, verdicts, where the runs with no signal
     lean (the site of the largest attribution), diagnoses, the readable ones' medians."""
     runs = row["runs"]
-    verdicts = [verdict_of(r, **rule) or "-" for r in runs]
+    verdicts = [verdict_of(r) or "-" for r in runs]
     readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
     heads = [r["mechanism_table"]["headline"] for r in readable]
     return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
@@ -497,7 +497,7 @@ def result_table(rows, experiment=None):
         c = {"architecture": row["label"], "parameters": f"{best['n_params']:,}", "lr": " · ".join(
             (f"**{lr:g}**" if lr == best["config"]["lr"] else f"{lr:g}") + f": {fmt_rung(r)}" * (len(tried) > 1)
             for lr, r in tried.items()),
-             "steps": fmt_budgets(row) if len(row.get("budgets") or ()) > 1 else f"{budget_of(best):,}",
+             "steps": fmt_budgets(row) if laddered(row) else f"{budget_of(best):,}",
              "seeds": s["n"], "accuracy: median (range)": fmt_acc(s)}
         c.update({k.replace("_acc", " accuracy"): fmt_pct(statistics.median(r["final"].get(k) or 0.0
                   for r in row["runs"])) for k in ("test_acc", "novel_acc") if k in best["final"]})
@@ -591,20 +591,6 @@ def main(argv=None):
 
 
 # --- The grid's helpers
-
-def choices_of(folder):
-    """{experiment: {cell_name: rate or (rate, steps)}} of the LR_CHOICE grids: cell_choice of each
-    cell's seed-0 records in `folder`, where not the grid's (for results/: what CHOSEN must say)."""
-    out = {}
-    for name in LR_CHOICE:
-        done, spec = {run_key(r["config"]): r for r in folder_records(folder, False)[name]}, EXPERIMENTS[name].quick
-        names = [cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
-        for label, base in zip(names, experiment_configs(name, seeds=[0], chosen_lrs=False), strict=True):
-            choice = cell_choice(base, done)[0] or (base.lr, base.steps)
-            if choice != (base.lr, base.steps):
-                out.setdefault(name, {})[label] = choice if choice[1] != base.steps else choice[0]
-    return out
-
 
 def cell_choice(cfg, done):
     """((rate, steps) chosen so far, or None; the seed-0 (rate, steps) still to train) of cfg's cell (cfg
@@ -841,7 +827,7 @@ def append_result(path, record):
 def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:
-        mechsm.is_config(cfg, "configs").check()
+        mechsm.Config.check(cfg, "configs")
     built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
         vocab = mechsm.make_data(cfg).vocab_size  # documents that do not fit the model: ValueError
@@ -1060,30 +1046,6 @@ def summary_rows(name, rows):
     return out
 
 
-SENSITIVITY = [("cut 0.4", dict(cut=interventions.CUT - 0.1)),
-               ("cut 0.6", dict(cut=interventions.CUT + 0.1)),
-               ("gap filter halved", dict(gap_scale=0.5)), ("gap filter doubled", dict(gap_scale=2.0))]
-
-
-def sensitivity_table(records):
-    """How many verdicts (every patched run) and 'holds?' answers each SENSITIVITY rule changes."""
-    runs = {run_key(r["config"]): r for name, rs in records.items() if not EXPERIMENTS[name].probe
-            for r in rs if r.get("mechanism_table")}.values()
-    judged = [(text, row, answer) for name, rs in records.items() if not EXPERIMENTS[name].probe
-              for row in best_by_lr(rs) for text in [paper_text(name, row)] if text
-              for answer in [holds(text, spread(row))] if answer != "-"]    # a judged reading
-    verdicts, cells = [verdict_of(r) for r in runs], []
-    for label, rule in SENSITIVITY:
-        moved = collections.Counter((a, b) for a, b in zip(verdicts, (verdict_of(r, **rule) for r in runs))
-                                    if a != b)
-        flips = sum(a != holds(t, spread(row, **rule)) for t, row, a in judged)
-        cells.append({"change": label, "verdicts that change": f"{sum(moved.values())}/{len(verdicts)}",
-                      "how": ", ".join(f"{a} -> {b} {k}" for (a, b), k in moved.most_common()) or "-",
-                      "'holds?' answers that change": f"{flips}/{len(judged)}"})
-    return ("Sensitivity of the verdicts (every patched run of the experiments; "
-            f"cut {interventions.CUT}, gap filter per experiment):\n\n" + markdown(cells))
-
-
 def summary_table(folder="results", names=None, rel=None):
     """The summary of the records in `folder`: the table, the notes under it, probes (names: those
     experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
@@ -1101,15 +1063,6 @@ def summary_table(folder="results", names=None, rel=None):
     out = [markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"])]
     if names:
         return out[0] + "\n\n" + spent
-    mech = lambda r: r.get("mechanism") or {}              # a seed recorded unpatched: none
-    extras = [f"{row['label']}: " + (", ".join(fmt_num(mech(r).get(name)) for r in row["runs"]
-                                           if verdict_of(r) not in UNREADABLE) or "none")
-              for row in best_by_lr(records["ar"]) for name in row["best"].get("mechanism") or {}
-              if "@" in name]
-    if extras:
-        out.append("\nThe extra numbers of `ar` (e.g. Mamba's conv@next_key), every seed that can "
-                   "be read: " + "; ".join(extras) + ".")
-    out.append("\n" + sensitivity_table(records))
     out.append("\n" + spent)
     probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
     out.append("\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
@@ -1146,7 +1099,8 @@ class Parser(argparse.ArgumentParser):
 
 def typed(kind, many=False, zero=False):
     """An argparse type: a non-empty str, or a positive (zero: or 0) int below 2**62 or finite
-    float; many: a comma list of them, none twice, ints also a range of seeds lo-hi (0-4)."""
+    float; many: a comma list of them, ints also a range of seeds lo-hi (0-4); a value given
+    twice is one run."""
     def one(text):
         text = text.strip()
         if not text:
@@ -1172,8 +1126,6 @@ def typed(kind, many=False, zero=False):
                     f"a range of {len(span):,} values, at most 10,000" if span else "an empty "
                     "range: lo-hi needs lo <= hi"))
             values += span
-        if len(set(values)) < len(values):
-            raise argparse.ArgumentTypeError(f"a value is repeated in {values}")
         return values
     return comma_list if many else one
 
@@ -1285,9 +1237,9 @@ def grid_runs(args, name, device):
 def evaluate_checkpoint(args):
     """--checkpoint: evaluate (and patch) a saved model into OUT/checkpoint_eval/<name>-<hash>/."""
     model, cfg = mechsm.load(args.checkpoint, device=mechsm.resolve_device(args.device or "auto"))
-    cfg = replace(cfg, eval_size=cfg.eval_size if args.eval_size is None else args.eval_size)
+    cfg = replace(cfg, eval_size=args.eval_size or cfg.eval_size)        # --eval-size 0: refused
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
-    path = out_path(args.out or "out", "checkpoint_eval", os.path.splitext(os.path.basename(args.checkpoint))[0]
+    path = out_path(args.out or "out", "checkpoint_eval", Path(args.checkpoint).stem
                     + "-" + digest, f"result_eval{cfg.eval_size}{'_unpatched' * bool(args.no_interventions)}.json")
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
@@ -1475,18 +1427,6 @@ def provenance():
 machine_of = lambda p: ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capability") if p.get(k))  # a provenance's
 
 
-# the pair an effective record's document queries: since 93174a6 a middle one (each role its own
-# token), before the last
-layout = lambda eff: ("a middle pair", "the last pair")[
-    eff["positions"]["next_key"] + 1 == eff["positions"]["query"]]
-
-
-def best_per_arch(rows):
-    """The most accurate row of each architecture (the effective-attention figure's), in order."""
-    best = {r["arch"]: r for r in sorted(rows, key=lambda r: r["best"]["final"].get("acc") or 0)}
-    return [best[a] for a in dict.fromkeys(r["arch"] for r in rows)]
-
-
 README = os.path.join(HERE, "README.md")
 SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
            "<!-- /summary -->")
@@ -1508,7 +1448,7 @@ def readme_with_summary(text, folder="results"):
     """The README text with its summary block (the HEADLINE rows) and its circuit table rendered
     anew from `folder`."""
     for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment, the "
-                                  "sensitivity of the verdicts and the probes: [results/README.md]"
+                                  "the probes: [results/README.md]"
                                   "(results/README.md)."), (CIRCUITS, circuit_table(folder))]:
         start, end = text.index(first) + len(first), text.index(last)
         text = text[:start] + "\n" + block + "\n" + text[end:]
@@ -1677,28 +1617,6 @@ def plot_heatmaps(fig, rows):
     return panels
 
 
-def plot_timeline(fig, rows):
-    """Per label (its widest row), the best run's accuracy and attributions against the step."""
-    rows, out = widest_rows(rows), {}
-    axes = tiles(fig, len(rows), min(3, len(rows)), 2.2)
-    for ax, (label, row) in zip(axes, rows.items()):
-        history = row["best"].get("history") or []
-        s = {k: np.array([h.get(k) for h in history], float) for k in ("step", "acc", "attrib_value", "attrib_query")}
-        one = row["best"]["config"]["n_layers"] == 1                # n/a in the table: not drawn
-        low = np.array([bool(h.get("attrib_low_signal")) or one for h in history], bool)
-        s["attrib_value"][low] = s["attrib_query"][low] = np.nan    # too little signal: a gap
-        for k, name, c in (("acc", "accuracy", "black"), ("attrib_value", *ATTRIBS["value"]),
-                           ("attrib_query", *ATTRIBS["query"])):
-            ax.plot(s["step"], np.clip(s[k], *FRAME), color=c, label=name, marker=".", ms=3)
-        ax.set(ylim=FRAME, title=f"{label} (d {row['d_model']})\n"
-                                 f"its best seed, {row['best']['config']['seed']}")
-        ax.tick_params(labelsize=7)
-        out[row.get("label", row["arch"])] = s
-    fig.supxlabel("training step")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside upper center", ncols=3)
-    return out
-
-
 def plot_box(fig, rows):
     """ATR, as the paper's box plot: a row per site in its order (key, query, value), a box per table
     row over its seeds that can be read, every seed a dot (hollow: too little signal), the cut a line."""
@@ -1725,50 +1643,16 @@ def plot_box(fig, rows):
     return out
 
 
-def plot_effective(fig, rows):
-    """The best run of each architecture, its effective attention on one document: the query's row
-    in each layer and the value's row in layer 0, each scaled to its maximum, its named positions on
-    the x axis; documents of one layout, the one most of these runs hold (the title: which, and who
-    is left out)."""
-    rows = [(r, layout(r["best"]["effective"])) for r in best_per_arch(rows) if r["best"].get("effective")]
-    kind = collections.Counter(k for _, k in rows).most_common(1)[0][0]         # ties: the first met
-    left = [r["arch"] for r, k in rows if k != kind]
-    rows = [(r["label"], r) for r, k in rows if k == kind]
-    panels = []
-    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), 1.5), rows):
-        eff = row["best"]["effective"]
-        lines = [*eff["query"], eff["value"]]
-        cells = np.full((len(lines), len(eff["query"][0])), np.nan)
-        for i, line in enumerate(lines):
-            cells[i, :len(line)] = np.array(line) / max(max(line), 1e-30)
-        names = [f"L{i} @query" for i in range(len(eff["query"]))] + ["L0 @value"]
-        ax.imshow(cells, cmap="viridis", vmin=0, vmax=1, aspect="auto")
-        at = {**eff["positions"], "divider": eff["positions"]["query"] - 1}   # older records: none
-        columns = {t: role.replace("_", " ") for role, t in at.items()}   # the last pair's next key
-        ax.set_xticks(list(columns), list(columns.values()), fontsize=6, rotation=90)
-        ax.set_yticks(range(len(names)), names, fontsize=7)
-        ax.set_title(f"{label} (d {row['d_model']})", fontsize=9)
-        panels.append({"label": row.get("label", row["arch"]), "rows": names, "cells": cells,
-                       "columns": columns})
-    fig.suptitle("Where the query reads: effective attention, each row / its max (one document per "
-                 f"panel, each querying {kind})" + f";\nnot drawn: {', '.join(left)} (documents of "
-                 "another layout)" * bool(left))
-    return panels
-
-
 # The one table of figure kinds, <experiment>_<kind>.png: its drawing, and the data it draws from an
 # experiment's (records, rows), none where it does not apply. It names train_grid's and render's files.
 FIGURE_KINDS = {
     "scatter": (lambda fig, data: plot_scatter(fig, *data), lambda records, rows: patched_runs(records)
                 and (records, sum(r.get("records", len(r["runs"])) for r in rows))),
-    "timeline": (plot_timeline, lambda records, rows: rows),
     "heatmaps": (plot_heatmaps, lambda records, rows: any(r["best"].get("mechanism_table")
                                                           for r in rows) and rows),
     "width": (plot_width, lambda records, rows: len(widest_rows(rows)) < len(rows) and rows),
     "box": (plot_box, lambda records, rows: records[0]["config"]["task"] == "atr"
-            and patched_runs(records, with_signal=True) and rows),
-    "effective": (plot_effective, lambda records, rows: any(r["best"].get("effective")
-                                                            for r in best_per_arch(rows)) and rows)}
+            and patched_runs(records, with_signal=True) and rows)}
 
 
 def figures_of(name, rows):
@@ -1802,28 +1686,38 @@ def draw_figures(rows, name, folder):
 # With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
 # 2 cores: run OMP_WAIT_POLICY=PASSIVE. results/bench.txt: a fuller bench of commit 48d5897.
 
-BENCH = {"full": dict(batch=32, steps=10, repeats=5, archs=None),
-         "tiny": dict(batch=4, steps=2, repeats=1, archs=("attention", "mamba"))}
-
-
-def bench(device="auto", size="full", print_fn=print):
+def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=print):
     """Training steps/s of each arch (d 64, 2 layers, AdamW) at the quick and the paper's AR shape:
-    its fast kernels and readout-only head against kernels="reference" and the full head."""
-    device, sizes, threads = torch.device(mechsm.resolve_device(str(device))), BENCH[size], torch.get_num_threads()
-    rows, n = [], sizes["steps"]
+    its fast kernels and readout-only head against kernels="reference" and the full head; the median
+    of `repeats` interleaved rounds of `steps` steps after a warm-up round."""
+    device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rows = []
     torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
         for shape, pairs in (("quick", 8), ("paper", 16)):
-            data = mechsm.tasks.make_ar(sizes["batch"], num_pairs=pairs, seed=0)
-            batch = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
-            for arch in sizes["archs"] or models.ARCHS:
+            data = mechsm.tasks.make_ar(batch, num_pairs=pairs, seed=0)
+            tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
+            for arch in archs or models.ARCHS:
                 fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
                              for k in ("fast", "reference"))
                 full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
-                t = medians({"fast": train_steps(fast, fast, batch, n),
-                             "reference": train_steps(ref, full_head, batch, n)}, sizes["repeats"], device)
-                rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=n / t["fast"],
-                                 reference_steps_s=n / t["reference"], speedup=t["reference"] / t["fast"]))
+                runs = {"fast": (fast, mechsm.adamw(fast, 1e-3)), "reference": (full_head, mechsm.adamw(ref, 1e-3))}
+                seconds = {name: [] for name in runs}
+                for _ in range(repeats + 1):                     # the first round warms up
+                    for name, (forward, optimizer) in runs.items():
+                        sync()
+                        start = time.perf_counter()
+                        for _ in range(steps):
+                            loss = mechsm.answer_loss(forward, *tensors)
+                            optimizer.zero_grad(set_to_none=True)
+                            loss.backward()
+                            optimizer.step()
+                        sync()
+                        seconds[name].append(time.perf_counter() - start)
+                t = {name: statistics.median(s[1:]) for name, s in seconds.items()}
+                rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=steps / t["fast"],
+                                 reference_steps_s=steps / t["reference"], speedup=t["reference"] / t["fast"]))
     finally:
         torch.set_num_threads(threads)
     print_fn(f"mechsm bench | torch {torch.__version__} | {device}, one thread on a CPU | "
@@ -1831,34 +1725,6 @@ def bench(device="auto", size="full", print_fn=print):
     for row in [rows[0].keys(), *(r.values() for r in rows)]:
         print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
     return rows
-
-
-def train_steps(model, forward, batch, n):
-    """A closure: n AdamW steps (lr 1e-3) of `model`, its loss from forward(tokens, readout)."""
-    optimizer = mechsm.adamw(model, 1e-3)
-
-    def steps():
-        for _ in range(n):
-            loss = mechsm.answer_loss(forward, *batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-        return loss.item()
-    return steps
-
-
-def medians(fns, repeats, device):
-    """Median seconds of each callable over `repeats` interleaved rounds after a warm-up one."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    times = {name: [] for name in fns}
-    for _ in range(repeats + 1):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts[1:]) for name, ts in times.items()}
 
 
 if __name__ == "__main__":

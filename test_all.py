@@ -2117,7 +2117,8 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
     """`run.py bench` at a tiny size: a row per shape and arch, the fast kernels' and the references'
     training steps/s (each fast kernel's values and gradients are its twin's: the tests above)."""
     lines = []
-    rows = run_cli.bench(device="cpu", size="tiny", print_fn=lines.append)
+    rows = run_cli.bench(device="cpu", batch=4, steps=2, repeats=1, archs=("attention", "mamba"),
+                        print_fn=lines.append)
     json.dumps(rows)  # the whole result must be JSON-serialisable
     assert "cpu" in lines[0] and len(lines) == 2 + len(rows)
     assert [(row["shape"], row["tokens"], row["arch"]) for row in rows] == \
@@ -2496,11 +2497,27 @@ def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose
                 assert row["best_lr"] == choice[0], (name, base.name())
 
 
+def choices_of(folder):
+    """{experiment: {cell_name: rate or (rate, steps)}} of the run.LR_CHOICE grids: cell_choice of
+    each cell's seed-0 records in `folder`, where not the grid's (for results/: what CHOSEN must say)."""
+    out = {}
+    for name in run_cli.LR_CHOICE:
+        done = {run_cli.run_key(r["config"]): r for r in run_cli.folder_records(folder, False)[name]}
+        spec = run_cli.EXPERIMENTS[name].quick
+        names = [run_cli.cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
+        grid = run_cli.experiment_configs(name, seeds=[0], chosen_lrs=False)
+        for label, base in zip(names, grid, strict=True):
+            choice = run_cli.cell_choice(base, done)[0] or (base.lr, base.steps)
+            if choice != (base.lr, base.steps):
+                out.setdefault(name, {})[label] = choice if choice[1] != base.steps else choice[0]
+    return out
+
+
 def test_the_catalogue_states_each_chosen_rate_and_a_test_names_the_entry_to_change(monkeypatch):
     """run.CHOSEN, the rates the quick grids train, is what the committed records choose (choices_of over
     results/); where they differ the failure names the entry to edit, and what to write in it."""
     def stale():                             # each entry to change: run.CHOSEN's against the records'
-        found, chosen = run_cli.choices_of(os.path.join(HERE, "results")), run_cli.CHOSEN
+        found, chosen = choices_of(os.path.join(HERE, "results")), run_cli.CHOSEN
         return [f"CHOSEN[{name!r}][{cell!r}]: {old or 'absent'} -> {new or 'absent (the grid rate)'}"
                 for name in dict.fromkeys([*chosen, *found])
                 for cell in dict.fromkeys([*chosen.get(name, {}), *found.get(name, {})])
@@ -2619,9 +2636,8 @@ def test_flags_that_do_not_apply_are_refused_or_noted_and_never_change_a_run(tmp
         [("attention", "None"), ("mamba", "2"), ("mamba", "None")]
 
 
-def test_repeated_and_empty_values_and_options_a_command_ignores_are_one_line_errors(tmp_path, capsys):
-    cases = [(["--seeds", "0,0"], "--seeds: a value is repeated"),
-             (["--checkpoint", ""], "--checkpoint: empty value"), (["--out", ""], "--out: empty value"),
+def test_empty_values_and_options_a_command_ignores_are_one_line_errors(tmp_path, capsys):
+    cases = [(["--checkpoint", ""], "--checkpoint: empty value"), (["--out", ""], "--out: empty value"),
              (["--arch", ""], "--arch: empty value"), (["--seeds", "99999999999999999999"], "--seeds"),
              (["--list", "--steps", "5"], "--steps: cannot be used with --list"),
              (["bench", "--arch", "mamba"], "--arch: cannot be used with bench"),
@@ -3300,17 +3316,6 @@ def test_heatmap_cells_are_the_best_runs_table(figure):
         assert panel["sites"] == ["L0 block in", "L1 block in"] and panel["positions"] == FIG_POSITIONS
 
 
-def test_timeline_follows_the_history_with_gaps_where_signal_is_low(figure):
-    rows = fig_rows(RECORDS)
-    data = fs.plot_timeline(figure(), rows)
-    for row in rows:
-        history, series = row["best"]["history"], data[row["label"]]
-        np.testing.assert_array_equal(series["step"], [h["step"] for h in history])
-        np.testing.assert_array_equal(series["acc"], [h["acc"] for h in history])
-        expect = [np.nan if h["attrib_low_signal"] else h["attrib_value"] for h in history]
-        np.testing.assert_array_equal(series["attrib_value"], expect)
-
-
 def test_width_lines_are_each_widths_median_and_range_over_seeds(figure):
     records = RECORDS + [fig_record("mamba", d_model=64), fig_record("mamba", d_model=128)]
     rows = fig_rows(records)
@@ -3339,23 +3344,10 @@ def test_box_has_a_box_per_table_row_over_its_seeds_with_signal(figure):
     assert data["mamba (d_conv 0)"]["query"].size == 0                    # its one seed: too little signal
 
 
-def test_effective_figure_draws_each_rows_best_run_scaled_to_its_max(figure):
-    eff = {"positions": {"key": 1, "value": 2, "next_key": 3, "query": 4},
-           "query": [[0.1, 0.2, 0.4, 0.1, 0.2], [0.0, 0.5, 1.0, 0.0, 0.5]], "value": [0.2, 0.1, 0.1]}
-    records = [{**fig_record("mamba"), "effective": eff}, fig_record("attention")]   # attention: none, skipped
-    panels = fs.plot_effective(figure(), fig_rows(records))
-    assert [p["label"] for p in panels] == ["mamba"]
-    assert panels[0]["rows"] == ["L0 @query", "L1 @query", "L0 @value"]
-    assert panels[0]["columns"] == {1: "key", 2: "value", 3: "divider", 4: "query"}   # no next key
-    np.testing.assert_allclose(panels[0]["cells"], [[0.25, 0.5, 1, 0.25, 0.5], [0, 0.5, 1, 0, 0.5],
-                                                       [1, 0.5, 0.5, np.nan, np.nan]])
-
-
-def test_figures_count_what_they_stack_name_their_seed_and_document_and_draw_nothing_the_table_calls_na(figure):
+def test_figures_count_what_they_stack_and_name_their_seed(figure):
     """The scatter writes beside a mark the count of the runs it stacks and titles how many runs of how
-    many records it draws; heatmaps and timelines name the seed they show, a heatmap today's verdict
-    (not the one stored with the table); a 1-layer row's timeline draws no attribution (n/a in its
-    table); the effective figure draws documents of one layout, names it and the rows it leaves out."""
+    many records it draws; a heatmap names the seed it shows and today's verdict (not the one stored
+    with the table)."""
     stacked = [fig_record("attention", seed=s) for s in range(3)] + [fig_record("mamba", value=0.05, query=0.95)]
     fig = figure()
     data = fs.plot_scatter(fig, stacked, 10)
@@ -3364,37 +3356,19 @@ def test_figures_count_what_they_stack_name_their_seed_and_document_and_draw_not
     rows = fig_rows([{**fig_record("mamba", seed=2, value=0.05, query=0.95)}])     # stored verdict: induction
     fs.plot_heatmaps(fig := figure(), rows)
     assert fig.axes[0].get_title() == "mamba (d 32): mixed\nits best seed, 2"       # key 0.5 and query 0.95
-    one = fig_record("mamba", seed=1)
-    one["config"]["n_layers"] = 1
-    series = fs.plot_timeline(fig := figure(), fig_rows([one]))["mamba"]
-    assert np.isnan(series["attrib_value"]).all() and np.isnan(series["attrib_query"]).all()
-    assert fig.axes[0].get_title() == "mamba (d 32)\nits best seed, 1"
-    middle = {"positions": {"key": 3, "value": 4, "next_key": 5, "divider": 9, "query": 10},
-              "query": [[1.0] * 11] * 2, "value": [1.0] * 5}
-    last = {"positions": {"key": 7, "value": 8, "next_key": 9, "divider": 9, "query": 10},
-            "query": [[1.0] * 11] * 2, "value": [1.0] * 9}
-    records = [{**fig_record(arch), "effective": eff} for arch, eff in
-               [("mamba", middle), ("hyena", middle), ("attention", last)]]
-    panels = fs.plot_effective(fig := figure(), fig_rows(records))
-    assert [p["label"] for p in panels] == ["mamba", "hyena"]
-    assert "each querying a middle pair" in fig._suptitle.get_text() and "not drawn: attention" in fig._suptitle.get_text()
 
 
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
     records = RECORDS + [fig_record("hyena", d_model=32)]
     out = fs.draw_figures(fig_rows(records), "ar", tmp_path / "a")
-    assert sorted(out) == ["heatmaps", "scatter", "timeline", "width"]          # hyena: 2 widths
+    assert sorted(out) == ["heatmaps", "scatter", "width"]                      # hyena: 2 widths
     assert sorted(os.listdir(tmp_path / "a")) == [f"ar_{k}.png" for k in sorted(out)]
     atr = [{**r, "config": {**r["config"], "task": "atr"}} for r in RECORDS[:3]]
     out = fs.draw_figures(fig_rows(atr), "atr", tmp_path / "b")
-    assert sorted(out) == ["box", "heatmaps", "scatter", "timeline"]             # one width each
+    assert sorted(out) == ["box", "heatmaps", "scatter"]                         # one width each
     fs.draw_figures(fig_rows(atr), "atr", tmp_path / "c")
     for name in os.listdir(tmp_path / "b"):
         assert (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
-    rows = fig_rows(records)                     # maps only on a run the figure does not show
-    less = min((r for r in rows if r["arch"] == "hyena"), key=lambda r: r["best"]["final"]["acc"])
-    less["best"] = {**less["best"], "effective": {"query": [[1.0]], "value": [1.0], "positions": {}}}
-    assert "effective" not in fs.draw_figures(rows, "ar", tmp_path / "d")
 
 
 def test_draw_figures_without_matplotlib_returns_none_and_writes_nothing(monkeypatch, tmp_path):
@@ -3437,20 +3411,6 @@ def test_distribution_columns_equal_the_records_values():
                                                              "arch": "mamba"}])
 
 
-def test_sensitivity_table_counts_the_verdicts_a_moved_cut_or_filter_changes():
-    recs = [kvq_record("mamba", 0, 0.5, 0.0, 0.0, 0.55), kvq_record("mamba", 1, 0.5, 0.0, 0.0, 0.95),
-            kvq_record("attention", 0, 1.0, 0.0, 0.45, 0.0, gap=0.015),
-            kvq_record("attention", 1, 1.0, 0.0, 0.9, 0.0, gap=0.009)]
-    for r in recs:
-        r["config"].update(num_keys=8, num_values=8, num_pairs=2)
-    table = run_cli.sensitivity_table({name: recs if name == "ar" else [] for name in run_cli.EXPERIMENTS})
-    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
-    assert "| 1/4 | mixed -> induction 1 |" in rows["cut 0.4"]
-    assert "| 1/4 | direct retrieval -> mixed 1 |" in rows["cut 0.6"]
-    assert "| 1/4 | no signal -> induction 1 |" in rows["gap filter halved"]
-    assert "| 1/4 | mixed -> no signal 1 |" in rows["gap filter doubled"]
-
-
 @pytest.mark.parametrize("case, record", [
     ("never left the start", diag_record(train=(10.0, 9.31))),      # start_margin 0.07: 9.3
     ("flat", diag_record(train=(10.0, 9.29), loss=(9.29, 9.29, 9.29))),
@@ -3478,7 +3438,7 @@ def test_diagnose_names_each_case_on_each_side_of_its_threshold(case, record):
 def test_copy_guess_is_1_over_pairs_on_ar_and_on_atr_the_mean_over_documents_of_1_over_terminals():
     ar = mechsm.Config(task="ar", num_pairs=8)
     cfg = mechsm.Config(task="atr", num_terminals=20, max_rhs_len=5, data_seed=125, eval_size=64,
-                        train_size=4)
+                        train_size=4, batch_size=4)
     data = mechsm.make_data(cfg).eval
     sentences = [doc[1:end].tolist() for doc, end in zip(data.tokens, data.positions["divider"])]
     assert all(a in s for a, s in zip(data.answers.tolist(), sentences))   # a guess can be right
