@@ -1447,9 +1447,8 @@ def run_py_line(folder):
 def readme_with_summary(text, folder="results"):
     """The README text with its summary block (the HEADLINE rows) and its circuit table rendered
     anew from `folder`."""
-    for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment, the "
-                                  "the probes: [results/README.md]"
-                                  "(results/README.md)."), (CIRCUITS, circuit_table(folder))]:
+    for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment and the "
+                                  "probes: [results/README.md](results/README.md)."), (CIRCUITS, circuit_table(folder))]:
         start, end = text.index(first) + len(first), text.index(last)
         text = text[:start] + "\n" + block + "\n" + text[end:]
     return text
