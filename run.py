@@ -112,10 +112,11 @@ CHOSEN = {
     "ar-widths": {"attention (d 16)": 1.5e-3, "attention (d 128)": 1.7e-4, "base_conv (d 16)": 1e-3,
                   "based (d 16)": 9e-3, "based (d 32)": 9e-3, "based (d 64)": 1e-3,
                   "based (d 128)": 1e-3, "h3 (d 16)": 3.3e-4, "h3 (d 32)": 3.3e-4,
-                  "hyena (d 64)": (3e-3, 24_000), "mamba (d 32)": 3e-2, "mamba (d 64)": (9.9e-3, 32_000),
+                  "hyena (d 64)": (3e-3, 24_000), "base_conv (d 64)": (9e-3, 24_000), "mamba (d 32)": 3e-2,
+                  "mamba (d 64)": (9.9e-3, 32_000),
                   "mamba (d 128)": 3.3e-3, "deltanet (d 16)": 3e-3},
     "mamba-conv": {"mamba (d_conv 1, d 64)": 1.1e-3, "mamba (d_conv 2, d 64)": 1.1e-3,
-                   "mamba (d_conv 3, d 64)": 3.3e-3, "mamba (default conv, d 64)": (9.9e-3, 32_000)},
+                   "mamba (d_conv 3, d 64)": (3.3e-3, 16_000), "mamba (default conv, d 64)": (9.9e-3, 32_000)},
     "based-ablation": {"based (long convs only, d 64)": 1e-3, "based (d_conv 1, d 64)": 1e-3,
                        "based (default conv, d 64)": 1e-3, "based (d_conv 4, d 64)": 1e-3},
     "ar-layers": {"mamba (1 layer, d 64)": 3.3e-3, "attention (1 layer, d 64)": 1.7e-4,
@@ -124,7 +125,8 @@ CHOSEN = {
             "base_conv (d 64)": 9e-3},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 1.1e-3, "mamba (default conv, d 64)": 3.3e-3},
     "ar": {"mamba (d 64)": (9.9e-3, 32_000), "gated_deltanet (d 64)": 3.3e-4, "hyena (d 64)": (3e-3, 24_000),
-           "based (d 64)": 1e-3, "mamba (256 keys, d 64)": 3.3e-3},
+           "based (d 64)": 1e-3, "mamba (256 keys, d 64)": 3.3e-3, "base_conv (d 64)": (9e-3, 24_000),
+           "hyena (256 keys, d 64)": (3e-3, 24_000)},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 CAP_STEPS = 50_016   # the paper's AR budget: the last rung of a cell's budget ladder

@@ -3572,6 +3572,10 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     m1, m2 = ar["mamba (1024 keys)"], ar["mamba (256 keys)"]
     g1, g2 = (at("ar", "mamba", 1e-2, num_keys=k) for k in (1024, 256))
     dr = lambda runs: f"{verdicts(runs)['direct retrieval']}/5"
+    m8 = at("ar", "mamba", 3.3e-3, num_keys=1024, steps=8000)
+    assert {run_cli.diagnose(r) for r in m8} == {"still learning"} and m1["budget"] == 32_000
+    phrases.append(f"Mamba at 3.3e-3 read {run_cli.fmt_acc(run_cli.spread({'runs': m8})).replace('-', '–')} at 8,000 "
+                   f"steps, direct retrieval {dr(m8)}, every seed still learning")
     phrases.append(f"Mamba chose {rate(m1['best_lr'])} on seed 0's {pct(accs([m1['first'][m1['best_lr']]])[0])}; "
                    f"its 5 seeds there read {acc(m1)}, direct retrieval {dr(m1['runs'])} (256 keys: "
                    f"{median(m2['runs'])}, {dr(m2['runs'])}), where the grid's 1e-2 read {median(g1)}, {dr(g1)} "
@@ -3582,7 +3586,12 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     budget = rows("atr-budget")["h3 (7500 steps)"]["best"]
     phrases.append(f"H3 {run_cli.verdict_of(budget)} (Key {run_cli.fmt_num(head([budget], 'key')[0])}, Query "
                    f"{run_cli.fmt_num(head([budget], 'query')[0])})")
-    keys = {run_cli.run_key(asdict(c.resolved())) for c in run_cli.experiment_configs("ar", seeds=[0])}
+    compared = {"mamba (d 64)": 3.3e-3, "gated_deltanet (d 64)": 3.3e-4, "hyena (d 64)": 1e-3, "based (d 64)": 1e-3,
+                "mamba (256 keys, d 64)": 3.3e-3}           # the catalogue the reruns compared against (6652aab)
+    spec = run_cli.EXPERIMENTS["ar"].quick
+    labels = [run_cli.cell_name(f, w) for f in spec["runs"] for w in spec["widths"]]
+    keys = {run_cli.run_key(asdict(replace(c, lr=compared.get(label, c.lr)).resolved()))
+            for label, c in zip(labels, run_cli.experiment_configs("ar", seeds=[0], chosen_lrs=False))}
     seed0 = [r for r in recs("ar") if run_cli.run_key(r["config"]) in keys]
     cpus = collections.Counter((r.get("provenance") or {}).get("cpu_capability") for r in seed0)
     by_keys = {r["config"]["num_keys"]: pct(r["final"]["acc"]) for r in recs("ar") if r["config"]["arch"] == "mamba"
