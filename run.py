@@ -547,10 +547,9 @@ def report_grid(name, preset, records, out):
     for record in records:
         if kept.get(run_key(record["config"])) != record:
             append_result(path, record)
-    records = latest(read_results(path, warn=False))
-    if draw_figures(best_by_lr(records, not EXPERIMENTS[name].probe), name, out) is None:
+    rows, text = render(name, preset, read_results(path, warn=False), out)
+    if draw_figures(rows, name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
-    rows, text = render(name, preset, records, out)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
     print(text.split("\n", 2)[2].split("\n![")[0])
     print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
@@ -1062,14 +1061,12 @@ def summary_table(folder="results", names=None, rel=None):
     spent = (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of training "
              "and patching (the records' wall times summed; every run on one thread), made in shards with "
              "`--choose-lr` and `--replicates`. " + run_py_line(folder))
-    out = [markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"])]
+    text = markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"]) + "\n\n" + spent
     if names:
-        return out[0] + "\n\n" + spent
-    out.append("\n" + spent)
+        return text
     probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
-    out.append("\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
-               + "; ".join(probes) + ".")
-    return "\n".join(out)
+    return text + ("\n\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
+                   f"{'; '.join(probes)}.")
 
 
 # --- The command line
@@ -1462,8 +1459,7 @@ def circuit_table(folder="results"):
               "circuit (the median-accuracy seed's)": circuit_words(found[0], restored=False),
               "seeds sharing it / with a circuit": f"{found[1]}/{found[2]}",
               "restored": fmt_pct(found[0].get("restored"))}
-             for name in EXPERIMENTS
-             for row in best_by_lr(latest(read_results(os.path.join(folder, f"{name}.jsonl"), warn=False)))
+             for name, records in folder_records(folder, warn=False).items() for row in best_by_lr(records)
              if (found := row_circuit(row))]
     return markdown(sorted(cells, key=lambda c: arch_rank(c["architecture"]))) if cells else \
         "No record here carries a circuit yet (a patched run made from this commit on does)."
@@ -1707,15 +1703,7 @@ def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=pri
                 seconds = {name: [] for name in runs}
                 for _ in range(repeats + 1):                     # the first round warms up
                     for name, (forward, optimizer) in runs.items():
-                        sync()
-                        start = time.perf_counter()
-                        for _ in range(steps):
-                            loss = mechsm.answer_loss(forward, *tensors)
-                            optimizer.zero_grad(set_to_none=True)
-                            loss.backward()
-                            optimizer.step()
-                        sync()
-                        seconds[name].append(time.perf_counter() - start)
+                        seconds[name].append(timed_steps(forward, optimizer, tensors, steps, sync))
                 t = {name: statistics.median(s[1:]) for name, s in seconds.items()}
                 rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=steps / t["fast"],
                                  reference_steps_s=steps / t["reference"], speedup=t["reference"] / t["fast"]))
@@ -1726,6 +1714,19 @@ def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=pri
     for row in [rows[0].keys(), *(r.values() for r in rows)]:
         print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
     return rows
+
+
+def timed_steps(forward, optimizer, tensors, steps, sync):
+    """Seconds of `steps` AdamW steps (lr 1e-3) of the model behind forward(tokens, readout)."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        loss = mechsm.answer_loss(forward, *tensors)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    sync()
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
