@@ -13,7 +13,7 @@ What `python run.py` does, in the order of this file's first half:
 Below the line `# ===== Below` is the engine (command line, records on disk, the sweep's workers
 and shards, the README summary, figures, the benchmark): nothing above needs it to be read.
 
-  python run.py                                    # the quick `ar` experiment, a job per core
+  python run.py                                    # quick `ar`: attention, Based, Mamba, H3; a job per core
   python run.py --experiment atr-medium            # one result of the paper; --list shows them all
   python run.py --arch attention,mamba --d-model 32,64 --lr 1e-3,3e-3 --seeds 0-2
   python run.py --shard 0/4                        # every 4th run of the grid
@@ -162,6 +162,7 @@ ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)   # grammar seed 124: lengths n
 # Seeds: a finding is read from a distribution of runs, at least 3 seeds per row, 5 where one run
 # is close to a coin toss at CPU scale (Mamba, H3 and Hyena on AR).
 SEEDS3, SEEDS5 = [0, 1, 2], [0, 1, 2, 3, 4]
+FIRST = ("attention", "based", "mamba", "h3")   # `python run.py` alone: the paper's headline (README)
 SEEDS_SENSITIVE = {"mamba": SEEDS5, "h3": SEEDS5, "hyena": SEEDS5, "*": SEEDS3}
 
 
@@ -1139,7 +1140,7 @@ def build_parser():
                        **(dict(action="store_true", default=None) if switch else {}))
     p.add_argument("command", nargs="?", default="train", choices=["train", "bench"],
                    help="train (default) or bench")
-    a("--experiment", choices=list(EXPERIMENTS), metavar="NAME", help="a paper result (default ar)")
+    a("--experiment", choices=EXPERIMENTS, metavar="NAME", help="a paper result (default: ar, its FIRST archs)")
     a("--list", switch=True, help="print the catalogue of experiments and exit")
     a("--preset", choices=PRESETS, help="quick (default: CPU-sized grids, see --list) or paper")
     a("--task", choices=mechsm.TASKS, help="ar or atr: the same as --experiment ar / atr")
@@ -1148,24 +1149,23 @@ def build_parser():
     a("--lr", float, True, help="peak learning rate(s), e.g. 1e-3 or 3e-4,1e-3")
     a("--seeds", int, True, zero=True, help="model seed(s): 42, or 0,1,2, or 0-4")
     a("--replicates", switch=True, help="quick grids: every seed of each row, as results/ holds "
-      "(default: seed 0 only, a first run)")
-    a("--choose-lr", switch=True, help="quick grids: choose each cell's rate as results/ did "
-      "(seed 0 at the grid's rate x 3^k, k = -1, 0, 1, a step more past a best end), then train "
-      "every seed there")
+      "(default: seed 0)")
+    a("--choose-lr", switch=True, help="quick grids: choose each cell's rate (on AR its budget "
+      "too) as results/ did (cell_choice), then train every seed there")
     for dest, f in FLAGS.items():          # a flag per Config field, its help the field's
         flag, kind = "--" + dest.replace("_", "-"), f.type if f.type in (bool, float, int, str) else None
         if kind is bool:
             a(flag, switch=True, help=f.metadata["help"])
         elif kind is None and bool in typing.get_args(f.type):        # pos_emb: True, False, None
-            a(flag, choices=list(SWITCH), help=f.metadata["help"])
+            a(flag, choices=SWITCH, help=f.metadata["help"])
         else:
             a(flag, kind or int, zero=zero_ok(f.name), help=f.metadata["help"])
     a("--device", choices=mechsm.DEVICES, help="auto (default: cuda if available), cpu or cuda")
     a("--jobs", int, help="runs trained in parallel (default: one per CPU core, 1 on cuda)")
     a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
-      "one batched model (default: 1 on a CPU, where it does not pay; a whole cell on cuda)")
-    a("--shard", metavar="I/N", help="train runs I, I+N, I+2N, ... of the grid (default: "
-      "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT); shards of one --out read each other's results")
+      "one batched model (default: 1 on a CPU, a whole cell on cuda)")
+    a("--shard", metavar="I/N", help="train runs I, I+N, ... of the grid (default: SLURM's "
+      "array task); shards of one --out read each other's results")
     a("--out", str, help="output folder (default: out/)")
     a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
@@ -1212,7 +1212,8 @@ def grid_runs(args, name, device):
     if "pos_emb" in given:
         given["pos_emb"] = SWITCH[given["pos_emb"]]
     configs = experiment_configs(name, args.preset or "quick", widths=args.d_model, lrs=args.lr,
-                                 archs=ALL_ARCHS if args.arch == ["all"] else args.arch,
+                                 archs=ALL_ARCHS if args.arch == ["all"] else args.arch or (
+                                     None if args.experiment or args.task else FIRST),
                                  seeds=args.seeds or (None if args.replicates or args.choose_lr
                                                       or args.preset == "paper" else [0]),
                                  chosen_lrs=not args.choose_lr, device=device)
@@ -1436,9 +1437,10 @@ HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
 
 def run_py_line(folder):
     """What `python run.py` trains, and how long it took, as folder/ar.command.json records it."""
-    c, n = read_commands(folder, "ar").get("python run.py"), len(experiment_configs("ar", seeds=[0]))
-    return f"`python run.py` trains the {n} seed-0 runs of `ar` at their chosen rates and budgets" + (
-        f"; `{c['command']}` trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
+    c = read_commands(folder, "ar").get("python run.py")
+    return f"`python run.py` trains seed 0 of `ar`'s {', '.join(FIRST)} rows at their chosen rates and " \
+        "budgets (`--experiment ar`: every row)" + (
+        f"; it trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
         f"{c['jobs']} jobs on {c['date']} at commit {c.get('commit') or 'unknown'} ({c['machine']}, "
         f"{c['load']})." if c else ".")
 

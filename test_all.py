@@ -3596,7 +3596,7 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     cpus = collections.Counter((r.get("provenance") or {}).get("cpu_capability") for r in seed0)
     by_keys = {r["config"]["num_keys"]: pct(r["final"]["acc"]) for r in recs("ar") if r["config"]["arch"] == "mamba"
                and (r["config"]["seed"], r["config"]["lr"], r["config"]["steps"]) == (0, 3.3e-3, 8000)}   # as compared
-    phrases += [f"`python run.py`'s {len(seed0)} seed-0 `ar` runs", f"of which {cpus['AVX2']} name an AVX2 AMD "
+    phrases += [f"`ar`'s {len(seed0)} seed-0 runs", f"of which {cpus['AVX2']} name an AVX2 AMD "
                 f"EPYC, {cpus['AVX512']} an AVX512 one and {cpus[None]} no CPU", f"1,024 keys: 52.8% against "
                 f"{by_keys[1024]}", f"256 keys: 64.4% against {by_keys[256]}", f"80.9% against {by_keys[1024]}"]
     assert [p for p in phrases if p not in readme] == []
