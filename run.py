@@ -103,8 +103,6 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # the grid's rate x 3^k, k = -1, 0, 1 (2 significant digits), one step more when the best sits at an
 # end; the cell's rate is seed 0's best accuracy (ties: the rate nearest the grid's), its other seeds
 # train there (README, difference 18).
-LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
-             "atr-medium", "ar")   # the grids whose cells choose, in the order they were trained
 # What the quick grids train: {experiment: {cell: its chosen rate}} for the cells whose rate is not
 # the grid's (every other cell trains at QUICK_LRS'). A test recomputes each from results/ and names
 # the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
@@ -120,7 +118,7 @@ CHOSEN = {
     "based-ablation": {"based (long convs only, d 64)": 1e-3, "based (d_conv 1, d 64)": 1e-3,
                        "based (default conv, d 64)": 1e-3, "based (d_conv 4, d 64)": 1e-3},
     "ar-layers": {"mamba (1 layer, d 64)": 3.3e-3, "attention (1 layer, d 64)": 1.7e-4,
-                  "mamba (2 layers, d 64)": (9.9e-3, 32_000)},
+                  "mamba (2 layers, d 64)": (9.9e-3, 32_000), "mamba (3 layers, d 64)": (1e-2, 32_000)},
     "atr": {"mamba (d 64)": 3.3e-3, "h3 (d 64)": 3e-3, "based (d 64)": 9e-3,
             "base_conv (d 64)": 9e-3},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 1.1e-3, "mamba (default conv, d 64)": 3.3e-3},

@@ -2479,12 +2479,16 @@ def test_a_cells_budget_climbs_while_seed_0_is_still_learning_then_its_rate_ladd
     assert run_cli.cell_choice(atr, {}) == (None, [(3.3e-4, 100), (1e-3, 100), (3e-3, 100)])
 
 
+LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
+             "atr-medium", "ar")   # the grids whose cells choose (run.CHOSEN), in the order they were trained
+
+
 def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose():
     """Every cell of the grids that choose: the catalogue's (rate, steps) is cell_choice of its seed-0
     records in results/ (the grid's while undecided), and its table row, once its seeds have trained
     there, reports that rate's seeds."""
     cell = lambda c: run_cli.run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
-    for name in run_cli.LR_CHOICE:
+    for name in LR_CHOICE:
         records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
         done = {run_cli.run_key(r["config"]): r for r in records}
         rows = {cell(row["best"]["config"]): row for row in run_cli.best_by_lr(records)}
@@ -2498,10 +2502,10 @@ def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose
 
 
 def choices_of(folder):
-    """{experiment: {cell_name: rate or (rate, steps)}} of the run.LR_CHOICE grids: cell_choice of
+    """{experiment: {cell_name: rate or (rate, steps)}} of the LR_CHOICE grids: cell_choice of
     each cell's seed-0 records in `folder`, where not the grid's (for results/: what CHOSEN must say)."""
     out = {}
-    for name in run_cli.LR_CHOICE:
+    for name in LR_CHOICE:
         done = {run_cli.run_key(r["config"]): r for r in run_cli.folder_records(folder, False)[name]}
         spec = run_cli.EXPERIMENTS[name].quick
         names = [run_cli.cell_name(family, width) for family in spec["runs"] for width in spec["widths"]]
