@@ -108,6 +108,7 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
 CHOSEN = {
     "ar-widths": {"attention (d 16)": 1.5e-3, "attention (d 128)": 1.7e-4, "base_conv (d 16)": 1e-3,
+                  "base_conv (d 32)": (1e-3, 24_000),
                   "based (d 16)": 9e-3, "based (d 32)": 9e-3, "based (d 64)": 1e-3,
                   "based (d 128)": 1e-3, "h3 (d 16)": 3.3e-4, "h3 (d 32)": 3.3e-4,
                   "hyena (d 64)": (3e-3, 24_000), "base_conv (d 64)": (9e-3, 24_000),
