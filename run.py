@@ -320,7 +320,8 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     chosen = CHOSEN.get(name, {}) if preset == "quick" and chosen_lrs and not lrs else {}
     configs = []
     for family in runs:
-        arch, steps = family["arch"], pick(spec.get("steps", {}), family["arch"])
+        arch = family["arch"]
+        steps = pick(spec.get("steps", {}), arch)
         base = {**spec["config"], **({"steps": steps} if steps else {}), **family, **fields_}
         family_lrs = lrs or ([family["lr"]] if "lr" in family else pick(spec["lrs"], arch, [1e-3]))
         for width in widths or spec["widths"]:
@@ -357,7 +358,7 @@ def patched(model, cfg, dataset):
     table = interventions.mechanism(model, dataset, threshold=cfg.gap_filter)
     maps = all(type(b.mixer).effective_map is not models.Mixer.effective_map for b in model.blocks)  # optional
     head = table.get("headline") or table.get("mixer_out") or {}
-    summary = {**{f"attrib_{k}": head.get(k) for k in ("key", "value", "query")},
+    summary = {**{f"attrib_{k}": head.get(k) for k in ATTRIBS},
                **{k: table.get(k) for k in ("verdict", "p_clean", "p_corrupt", "low_signal")},
                **table.get("extra", {})}
     return json_safe({"mechanism": summary, "mechanism_table": table,
@@ -365,14 +366,14 @@ def patched(model, cfg, dataset):
                       "effective": interventions.effective_record(model, dataset) if maps else None})
 
 
-def one_run(cfg, out, patch=True, save=True):
+def one_run(cfg, out, patch, save):
     """One run: train `cfg` (mechsm.train, paper Sec. 4), patch the trained model (Sec. 3) and save
     it under OUT/ckpt/: its record, one JSON line of OUT/results.jsonl."""
     record, model = mechsm.train(cfg, on_eval=timeline)
     return finish(record, model, out, patch, save)
 
 
-def finish(record, model, out, patch=True, save=True):
+def finish(record, model, out, patch, save):
     """A trained run's record, patched and saved; a part that fails (a full disk) costs that part."""
     cfg, ok = config_of(record), record["status"] == "ok"
     if ok and patch and not record.get("mechanism_table"):
@@ -468,8 +469,10 @@ def lean(record):
 def verdict_of(record):
     """A record's verdict by today's rule from its stored table; None if unpatched."""
     table = record.get("mechanism_table")
-    if record["status"] != "ok" or not table:
-        return "failed" if record["status"] != "ok" else None
+    if record["status"] != "ok":
+        return "failed"
+    if not table:
+        return None
     if not table.get("headline"):
         return "n/a (1 layer)"                       # no layer-1 block input to read
     low = interventions.no_signal(table.get("gap"), table["threshold"])
@@ -483,7 +486,7 @@ def spread(row):
     verdicts = [verdict_of(r) or "-" for r in runs]
     readable = [r for r, v in zip(runs, verdicts) if v not in UNREADABLE]
     heads = [r["mechanism_table"]["headline"] for r in readable]
-    return {"n": len(runs), "acc": sorted((r["final"].get("acc") or 0.0) for r in runs),
+    return {"n": len(runs), "acc": sorted(r["final"].get("acc") or 0.0 for r in runs),
             "verdicts": collections.Counter(verdicts), "readable": len(readable),
             "leans": collections.Counter(filter(None, (lean(r) for r, v in zip(runs, verdicts)
                                                         if v == "no signal"))),
@@ -544,7 +547,7 @@ def report_grid(name, preset, records, out):
     """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
     figures, write OUT/<name>.md, print its table, timeline and a heatmap."""
     path = out_path(out, f"{name}.jsonl")
-    kept = {run_key(r["config"]): r for r in read_results(path)}
+    kept = by_run(read_results(path))
     for record in records:
         if kept.get(run_key(record["config"])) != record:
             append_result(path, record)
@@ -567,8 +570,8 @@ def main(argv=None):
         device = mechsm.resolve_device(args.device or "auto")
         configs, notes = grid_runs(args, name, device)    # the catalogue's grid, narrowed by flags
         check_runs(configs)                               # bad input: one line, before any training
-        jobs, shard, group_size = sweep_plan(args, name, configs, device, notes)   # printed
-        before = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+        jobs, shard, group_size = sweep_plan(args, name, configs, device, notes, out)   # printed
+        before = by_run(read_results(out, warn=False))
         options = dict(jobs=jobs, shard=shard, patch=not args.no_interventions,
                        save=not args.no_save, group_size=group_size)
         if args.choose_lr:              # in rounds: each cell's rates at seed 0, then its seeds
@@ -580,7 +583,7 @@ def main(argv=None):
         if trained:                                       # OUT/<name>.command.json: how to redo it
             record_command(argv, out, name, trained, jobs, time.time() - t0)
         report_grid(name, args.preset or "quick", records, out)
-        missing = len({run_key(asdict(c.resolved())) for c in configs}) - sum(   # or to patch
+        missing = len(set(map(config_key, configs))) - sum(   # or to patch
             args.no_interventions or r["status"] != "ok" or bool(r.get("mechanism_table")) for r in records)
         print(f"\n{len(records)} runs in {out}/ ({name}.md, results*.jsonl)" + (
             f"; {missing} still to train or patch (other shards, or runs that crashed)" if missing else "")
@@ -600,8 +603,8 @@ def cell_choice(cfg, done):
     (chosen_lr) at the grid's steps; then on AR, while seed 0 at the chosen rate is still learning
     (diagnose), it trains again at 2x, 4x the steps, then CAP_STEPS, and the ladder runs again around
     that rate at the budget where it stopped (README, difference 18)."""
-    at = lambda lr, steps: done.get(run_key(asdict(replace(cfg, lr=lr, steps=steps, seed=0).resolved())))
-    budgets = ([s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS]) if cfg.task == "ar" else []
+    at = lambda lr, steps: done.get(config_key(replace(cfg, lr=lr, steps=steps, seed=0)))
+    budgets = [s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS] if cfg.task == "ar" else []
     lr, steps, choice = cfg.lr, cfg.steps, None
     while True:
         lr, untried = chosen_lr(lr, {rung(lr, k): r for k in (-2, -1, 0, 1, 2) if (r := at(rung(lr, k), steps))})
@@ -648,10 +651,10 @@ def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.
         return "memorised"                               # before the copy plateau it explains
     fell = at(trained, 3 / 4)["train_loss"] - final["train_loss"]
     rose = final["acc"] - at(history, 3 / 4)["acc"]
-    if final["acc"] < learned and (fell >= fall or rose >= rise):
-        return "still learning"
     if final["acc"] >= learned:
         return "learned"
+    if fell >= fall or rose >= rise:
+        return "still learning"
     guess = copy_guess(config_of(record))          # on ATR: made from the evaluation documents
     if final["acc"] < plateau * guess and final["loss"] <= plateau * -math.log(guess):
         return "copy plateau"
@@ -673,7 +676,7 @@ def describe(name, value):
     return words.get(name, f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
 
 
-def row_label(cfg, configs, fields_=LABEL_FIELDS):
+def row_label(cfg, configs, fields_):
     """cfg's arch and each of `fields_` varying among its arch's `configs`: 'mamba (d_conv 0)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
@@ -706,7 +709,7 @@ def print_heatmap(rows):
 
 def markdown(cells, columns=None):
     """A markdown table of dicts, one per row (missing cells: '-'); columns default to every key."""
-    columns = columns or list(dict.fromkeys(k for c in cells for k in c))
+    columns = columns or dict.fromkeys(k for c in cells for k in c)
     rows = [" | ".join(str(r.get(c, "-")).replace("|", "\\|") for c in columns) for r in cells]
     return "\n".join([f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
                      + [f"| {row} |" for row in rows])
@@ -734,6 +737,8 @@ def run_key(config):
 
 
 cell_key = lambda config: run_key({k: v for k, v in config.items() if k not in ("lr", "seed")})   # its cell
+config_key = lambda cfg: run_key(asdict(cfg.resolved()))   # a Config's run_key
+by_run = lambda records: {run_key(r["config"]): r for r in records}   # {run_key: each run's last record}
 
 
 def config_of(record):
@@ -789,7 +794,7 @@ def folder_records(folder, warn=True):
 
 def latest(records):
     """Each run once, its last record, in the order first met."""
-    return list({run_key(r["config"]): r for r in records}.values())
+    return list(by_run(records).values())
 
 
 def json_safe(x):
@@ -854,13 +859,13 @@ def choose_lrs(configs, out, **options):
     while (todo := choice_round(configs, out)) not in rounds:
         rounds.append(todo)
         sweep(todo, out, **options)
-    return list({run_key(asdict(c.resolved())): c for runs in rounds for c in runs}.values())
+    return list({config_key(c): c for runs in rounds for c in runs}.values())
 
 
 def choice_round(configs, out):
     """The runs the cells of `configs` (at the grid's rates and steps) need next: seed 0 at the (rate,
     steps) still to try, or the cell's every seed at its chosen (rate, steps)."""
-    done, todo = {run_key(r["config"]): r for r in read_results(out, warn=False)}, []
+    done, todo = by_run(read_results(out, warn=False)), []
     for cell in make_groups(configs):                       # whole cells
         choice, untried = cell_choice(cell[0], done)
         todo += [replace(cell[0], lr=lr, steps=steps, seed=0) for lr, steps in untried] or [
@@ -880,7 +885,7 @@ def do_job(kind, payload, out, wants):
         cfg, record = payload
         model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
                                    device=mechsm.resolve_device(cfg.device))
-        if run_key(asdict(saved.resolved())) != run_key(record["config"]):
+        if config_key(saved) != run_key(record["config"]):
             raise ValueError(f"checkpoint {record['checkpoint']} holds another run")
         return [finish({**record, **patched(model, cfg, mechsm.make_data(cfg).eval)}, model, out,
                        **wants)]
@@ -921,9 +926,9 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     check_runs(configs)
     unique = {}
     for cfg in configs:
-        unique.setdefault(run_key(asdict(cfg.resolved())), cfg)
+        unique.setdefault(config_key(cfg), cfg)
     mine = [key for j, key in enumerate(unique) if j % n == i]
-    done = {run_key(r["config"]): r for r in read_results(out)}
+    done = by_run(read_results(out))
     saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
     tabled = lambda r: not patch or r.get("mechanism_table") is not None
     complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
@@ -939,7 +944,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
     for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
         append_result(results, record)
-    newest = {run_key(r["config"]): r for r in read_results(out, warn=False)}
+    newest = by_run(read_results(out, warn=False))
     return [newest[k] for k in unique if k in newest]
 
 
@@ -1040,7 +1045,7 @@ def summary_rows(name, rows):
         s, final, text = spread(row), row["best"]["final"], paper_text(name, row) or ""
         test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
         split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        box = " ".join(f"{k[0].upper()} {fmt_num(s['median'][k])}" for k in ("key", "value", "query"))
+        box = " ".join(f"{k[0].upper()} {fmt_num(s['median'][k])}" for k in ATTRIBS)
         box = f"; box {box} ({s['readable']} seeds read)" * ("box" in text)
         out.append({"row": row["label"], PAPER: text or "no number quoted", "holds?": holds(text, s),
                     OURS: f"{split}{fmt_moved(row)}, best seed {fmt_pct(s['acc'][-1])}{box}; {fmt_counts(s)}; "
@@ -1048,7 +1053,7 @@ def summary_rows(name, rows):
     return out
 
 
-def summary_table(folder="results", names=None, rel=None):
+def summary_table(folder, names=None, rel=None):
     """The summary of the records in `folder`: the table, the notes under it, probes (names: those
     experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
     rel = os.path.relpath(folder, HERE) if rel is None else rel
@@ -1057,7 +1062,7 @@ def summary_table(folder="results", names=None, rel=None):
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
              and name in (names or EXPERIMENTS)
              for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
-    unique = {run_key(r["config"]): r for rs in records.values() for r in rs}.values()
+    unique = by_run(r for rs in records.values() for r in rs).values()
     cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
     spent = (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of training "
              "and patching (the records' wall times summed; every run on one thread), made in shards with "
@@ -1085,7 +1090,7 @@ class Parser(argparse.ArgumentParser):
         while i < end:
             token, name = args[i], args[i].split("=", 1)[0]
             if token[:1] == "-" and token != "-" and name not in known:
-                close = difflib.get_close_matches(name, list(known), n=1)
+                close = difflib.get_close_matches(name, known, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 raise ValueError(f"unknown option {name}{hint}; see run.py --help")
             if (name in known and known[name].nargs is None and "=" not in token and i + 1 < end
@@ -1279,10 +1284,10 @@ def other_command(args):
     return True
 
 
-def sweep_plan(args, name, configs, device, notes):
+def sweep_plan(args, name, configs, device, notes, out):
     """(jobs, shard, group_size) of a training command, printed with the grid's size; --out checked
     writable before any training."""
-    runs = len({run_key(asdict(c.resolved())) for c in configs})     # flags can make two alike
+    runs = len(set(map(config_key, configs)))     # flags can make two alike
     for note in notes:
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
@@ -1291,7 +1296,6 @@ def sweep_plan(args, name, configs, device, notes):
         jobs = min(cores, runs)
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    out = args.out or "out"
     try:                                               # before any training: --out unwritable
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
@@ -1346,12 +1350,13 @@ def exit_status():
 def run_jobs(work, out, wants, jobs):
     """Yield each job's records as it finishes: here, or in `jobs` spawned one-thread workers."""
     if jobs <= 1 or len(work) <= 1:
-        yield from (r for kind, payload in work for r in do_job(kind, payload, out, wants))
+        for job in work:                  # a job: (kind, payload)
+            yield from do_job(*job, out, wants)
         return
     pool = ProcessPoolExecutor(max_workers=min(jobs, len(work)), initializer=worker_init,
                                initargs=(os.getpid(),), mp_context=get_context("spawn"))
     try:
-        futures = [pool.submit(do_job, kind, payload, out, wants) for kind, payload in work]
+        futures = [pool.submit(do_job, *job, out, wants) for job in work]
         for future in as_completed(futures):
             yield from future.result()
     except BaseException as e:      # a worker died; Ctrl-C, SIGTERM (a KeyboardInterrupt); a crash
@@ -1445,7 +1450,7 @@ def run_py_line(folder):
         f"{c['load']})." if c else ".")
 
 
-def readme_with_summary(text, folder="results"):
+def readme_with_summary(text, folder):
     """The README text with its summary block (the HEADLINE rows) and its circuit table rendered
     anew from `folder`."""
     for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment and the "
@@ -1455,7 +1460,7 @@ def readme_with_summary(text, folder="results"):
     return text
 
 
-def circuit_table(folder="results"):
+def circuit_table(folder):
     """Every row's circuit (row_circuit) in the records of `folder` that carry one, by architecture."""
     cells = [{"architecture": row["arch"], "experiment: row": f"{name}: {row['label']}",
               "circuit (the median-accuracy seed's)": circuit_words(found[0], restored=False),
@@ -1467,7 +1472,7 @@ def circuit_table(folder="results"):
         "No record here carries a circuit yet (a patched run made from this commit on does)."
 
 
-def results_readme(folder="results"):
+def results_readme(folder):
     """results/README.md: the whole summary, beside the records it is rendered from."""
     return ("# Every experiment beside the paper\n\n`python run.py --report results` writes this "
             "file from results/*.jsonl; how to read it: the README's \"What we find\".\n\n"
@@ -1478,8 +1483,8 @@ def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the READMEs too)."""
     written = {name: records for name, records in folder_records(folder).items() if records}
     for name, records in written.items():
-        preset = max(PRESETS, key=lambda p: len({run_key(r["config"]) for r in records} & {  # the
-            run_key(asdict(c.resolved())) for c in experiment_configs(name, p)}))     # records' grid
+        preset = max(PRESETS, key=lambda p: len(by_run(records).keys()      # the records' grid
+                                                & set(map(config_key, experiment_configs(name, p)))))
         mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, preset, records, folder)[1].encode())
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
     if readme:
@@ -1514,7 +1519,7 @@ def colour(arch):
 
 def patched_runs(records, with_signal=False):
     """The patched records, each run once (its last); only those with signal if `with_signal`."""
-    runs = {run_key(r["config"]): r for r in records if (r.get("mechanism") or {}).get("attrib_value") is not None}
+    runs = by_run(r for r in records if (r.get("mechanism") or {}).get("attrib_value") is not None)
     return [r for r in runs.values() if not (with_signal and r["mechanism"].get("low_signal"))]
 
 
@@ -1532,7 +1537,7 @@ def plot_scatter(fig, records, of=None):
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
-    low = np.array([bool(m.get("low_signal")) for m in mech], bool)
+    low = np.array([m.get("low_signal") for m in mech], bool)
     key = np.array([verdict_of(r) == interventions.READINGS["key"] for r in runs], bool)
     (lo, hi), cut, ax = FRAME, interventions.CUT, fig.subplots()
     outside = (x < lo) | (x > hi) | (y < lo) | (y > hi)
@@ -1657,7 +1662,7 @@ FIGURE_KINDS = {
 def figures_of(name, rows):
     """{kind: data} of each figure kind that applies to an experiment's rows (a probe: its scatter
     only); drawn by draw_figures, linked by render."""
-    probe = getattr(EXPERIMENTS.get(name), "probe", False)
+    probe = EXPERIMENTS[name].probe
     records = [r for row in rows for r in row["runs"]]          # each cell's seeds at its chosen lr
     return {kind: data for kind, (_, of) in FIGURE_KINDS.items()
             if (data := (kind == "scatter" or not probe) and of(records, rows))}
@@ -1689,7 +1694,7 @@ def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=pri
     """Training steps/s of each arch (d 64, 2 layers, AdamW) at the quick and the paper's AR shape:
     its fast kernels and readout-only head against kernels="reference" and the full head; the median
     of `repeats` interleaved rounds of `steps` steps after a warm-up round."""
-    device, threads = torch.device(mechsm.resolve_device(str(device))), torch.get_num_threads()
+    device, threads = torch.device(mechsm.resolve_device(device)), torch.get_num_threads()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows = []
     torch.set_num_threads(1 if device.type == "cpu" else threads)
