@@ -108,13 +108,11 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
 CHOSEN = {
     "ar-widths": {"attention (d 16)": 1.5e-3, "attention (d 128)": 1.7e-4, "base_conv (d 16)": 1e-3,
-                  "base_conv (d 32)": (1e-3, 24_000),
-                  "based (d 16)": (9e-3, 16_000), "based (d 32)": 9e-3, "based (d 64)": 1e-3,
-                  "based (d 128)": 1e-3, "base_conv (d 128)": (3e-3, 12_000), "h3 (d 16)": 3.3e-4,
-                  "h3 (d 32)": 3.3e-4,
-                  "hyena (d 32)": (9e-3, 24_000), "hyena (d 64)": (3e-3, 24_000),
-                  "hyena (d 128)": (3e-3, 24_000),
-                  "base_conv (d 64)": (9e-3, 24_000),
+                  "base_conv (d 32)": (1e-3, 24_000), "base_conv (d 64)": (9e-3, 24_000),
+                  "base_conv (d 128)": (3e-3, 12_000), "based (d 16)": (9e-3, 16_000),
+                  "based (d 32)": 9e-3, "based (d 64)": 1e-3, "based (d 128)": 1e-3,
+                  "h3 (d 16)": 3.3e-4, "h3 (d 32)": 3.3e-4, "hyena (d 32)": (9e-3, 24_000),
+                  "hyena (d 64)": (3e-3, 24_000), "hyena (d 128)": (3e-3, 24_000),
                   "mamba (d 32)": (1e-2, 32_000), "mamba (d 64)": (9.9e-3, 32_000),
                   "mamba (d 128)": 3.3e-3, "deltanet (d 16)": (3e-3, 12_000)},
     "mamba-conv": {"mamba (d_conv 1, d 64)": 1.1e-3, "mamba (d_conv 2, d 64)": 1.1e-3,
@@ -607,7 +605,8 @@ def cell_choice(cfg, done):
     (diagnose), it trains again at 2x, 4x the steps, then CAP_STEPS, and the ladder runs again around
     that rate at the budget where it stopped (README, difference 18)."""
     at = lambda lr, steps: done.get(config_key(replace(cfg, lr=lr, steps=steps, seed=0)))
-    budgets = [s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS] if cfg.task == "ar" else []
+    budgets = ([s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS]
+               if cfg.task == "ar" else [])
     lr, steps, choice = cfg.lr, cfg.steps, None
     while True:
         lr, untried = chosen_lr(lr, {rung(lr, k): r for k in (-2, -1, 0, 1, 2) if (r := at(rung(lr, k), steps))})
