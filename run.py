@@ -107,43 +107,81 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # the grid's (every other cell trains at QUICK_LRS'). A test recomputes each from results/ and names
 # the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
 CHOSEN = {
-    "ar-widths": {"attention (d 16)": 1.5e-3, "attention (d 128)": 1.7e-4, "base_conv (d 16)": 1e-3,
-                  "base_conv (d 32)": (1e-3, 24_000), "base_conv (d 64)": (9e-3, 24_000),
-                  "base_conv (d 128)": (3e-3, 12_000), "based (d 16)": (9e-3, 16_000),
-                  "based (d 32)": 9e-3, "based (d 64)": 1e-3, "based (d 128)": 1e-3,
-                  "h3 (d 16)": 3.3e-4, "h3 (d 32)": 3.3e-4, "hyena (d 32)": (9e-3, 24_000),
-                  "hyena (d 64)": (3e-3, 24_000), "hyena (d 128)": (3e-3, 24_000),
-                  "mamba (d 32)": (1e-2, 32_000), "mamba (d 64)": (9.9e-3, 32_000),
-                  "mamba (d 128)": 3.3e-3, "deltanet (d 16)": (3e-3, 12_000)},
-    "mamba-conv": {"mamba (d_conv 1, d 64)": 1.1e-3, "mamba (d_conv 2, d 64)": 1.1e-3,
-                   "mamba (d_conv 3, d 64)": (3.3e-3, 16_000), "mamba (default conv, d 64)": (9.9e-3, 32_000)},
-    "based-ablation": {"based (long convs only, d 64)": 1e-3, "based (d_conv 1, d 64)": (1e-3, 16_000),
-                       "based (default conv, d 64)": 1e-3, "based (d_conv 4, d 64)": 1e-3},
-    "ar-layers": {"mamba (1 layer, d 64)": 3.3e-3, "attention (1 layer, d 64)": 1.7e-4,
-                  "mamba (2 layers, d 64)": (9.9e-3, 32_000),
-                  "mamba (3 layers, d 64)": (1e-2, 32_000)},
-    "atr": {"mamba (d 64)": 3.3e-3, "h3 (d 64)": 3e-3, "based (d 64)": 9e-3,
-            "base_conv (d 64)": 9e-3},
-    "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 1.1e-3, "mamba (default conv, d 64)": 3.3e-3},
-    "ar": {"mamba (d 64)": (9.9e-3, 32_000), "gated_deltanet (d 64)": 3.3e-4, "hyena (d 64)": (3e-3, 24_000),
-           "based (d 64)": 1e-3, "mamba (256 keys, d 64)": 3.3e-3, "base_conv (d 64)": (9e-3, 24_000),
-           "hyena (256 keys, d 64)": (3e-3, 24_000)},
+    "ar-widths": {"attention (d 16)": 0.0015, "attention (d 128)": 0.00017,
+                  "base_conv (d 16)": 0.001, "based (d 16)": (0.009, 16_000),
+                  "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
+                  "h3 (d 16)": 0.00033, "h3 (d 32)": 0.00033, "hyena (d 64)": 0.001,
+                  "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.03, 16_000),
+                  "mamba (d 64)": (0.0033, 32_000), "mamba (d 128)": 0.0033,
+                  "deltanet (d 16)": 0.003},
+    "mamba-conv": {"mamba (d_conv 1, d 64)": 0.0011, "mamba (d_conv 2, d 64)": 0.0011,
+                   "mamba (default conv, d 64)": (0.0033, 32_000)},
+    "based-ablation": {"based (long convs only, d 64)": 0.001,
+                       "based (d_conv 1, d 64)": (0.001, 16_000),
+                       "based (default conv, d 64)": 0.001, "based (d_conv 4, d 64)": 0.001},
+    "ar-layers": {"mamba (1 layer, d 64)": 0.0033, "attention (1 layer, d 64)": 0.00017,
+                  "mamba (2 layers, d 64)": (0.0033, 32_000),
+                  "mamba (3 layers, d 64)": (0.01, 32_000)},
+    "atr": {"mamba (d 64)": 0.0033, "h3 (d 64)": 0.003, "based (d 64)": 0.009,
+            "base_conv (d 64)": 0.009},
+    "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 0.0011, "mamba (default conv, d 64)": 0.0033},
+    "ar": {"mamba (d 64)": (0.0033, 32_000), "gated_deltanet (d 64)": 0.00033,
+           "hyena (d 64)": 0.001, "based (d 64)": 0.001, "mamba (256 keys, d 64)": 0.0033,
+           "hyena (256 keys, d 64)": (0.003, 24_000)},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
-CAP_STEPS = 50_016   # the paper's AR budget: the last rung of a cell's budget ladder
+CAP_STEPS = {"ar": 50_016, "atr": 100_032}   # the paper's budgets: the last rung of a budget ladder
 run_score = lambda record: (record["status"] == "ok", record["final"].get("acc") or 0.0)   # a failed run never wins
 
 
-def chosen_lr(lr, seed0):
-    """(a cell's rate or None while undecided, the rates seed 0 must train next) from {lr: its seed-0
-    record} and the grid's rate `lr`."""
+def within_noise(a, b):
+    """Whether two finished runs' accuracies differ by less than two standard errors over their
+    evaluation documents (a tie that seed 0 alone cannot decide)."""
+    if "ok" != a["status"] or "ok" != b["status"]:
+        return False
+    pa, pb = (r["final"].get("acc") or 0.0 for r in (a, b))
+    return abs(pa - pb) < 2 * math.sqrt((pa * (1 - pa) + pb * (1 - pb)) / a["config"]["eval_size"])
+
+
+def rate_scores(first, second):
+    """({lr: its score}, the tied rates still without a second seed) of {lr: seed 0's record} and
+    {lr: seed 1's}: seed 0's (finished, accuracy); where rates tie with seed 0's best (within_noise)
+    and each has a seed 1, those rank first, by the mean accuracy of seeds 0 and 1."""
+    top = max(first.values(), key=run_score)
+    tied = [lr for lr, r in first.items() if within_noise(r, top)]
+    missing = [lr for lr in tied if lr not in second] if len(tied) > 1 else []
+    decided = lambda lr: len(tied) > 1 and not missing and lr in tied
+    mean = lambda lr: statistics.mean(run_score(r)[1] for r in (first[lr], second[lr]))
+    return {lr: (run_score(r)[0], decided(lr), mean(lr) if decided(lr) else run_score(r)[1])
+            for lr, r in first.items()}, missing
+
+
+def chosen_lr(lr, seed0, seed1=None):
+    """(a cell's rate, the (rate, seed) still to train) from {lr: its seed-0 record}, {lr: its seed-1
+    record} and the grid's rate `lr`: the best of x3^k, k = -1, 0, 1 (one step more past a best end),
+    None while seed 0 has a rung to train; where rates tie within noise (rate_scores), seed 0's best
+    until seed 1 has trained at each, then the best mean of the two."""
     missing = [rung(lr, k) for k in (-1, 0, 1) if rung(lr, k) not in seed0]
     if missing:
-        return None, missing
+        return None, [(r, 0) for r in missing]
     tried = [k for k in (-2, -1, 0, 1, 2) if rung(lr, k) in seed0]
-    best = max(tried, key=lambda k: (*run_score(seed0[rung(lr, k)]), -abs(k)))
-    return (None, [rung(lr, 2 * best)]) if abs(best) == 1 and 2 * best not in tried else (
-        rung(lr, best), [])
+    scores, untied = rate_scores({rung(lr, k): seed0[rung(lr, k)] for k in tried}, seed1 or {})
+    best = max(tried, key=lambda k: (*scores[rung(lr, k)], -abs(k)))
+    if abs(best) == 1 and 2 * best not in tried:
+        return None, [(rung(lr, 2 * best), 0)]
+    return rung(lr, best), [(r, 1) for r in untied]
+
+
+doubled = lambda steps, cap: cap if 2.5 * steps > cap else 2 * steps   # a budget ladder's next rung
+
+
+def paid(short, long):
+    """Whether seed 0's run at twice the steps gained on the shorter one: 2 points of accuracy, or
+    5% of evaluation loss; a run that failed or memorised did not."""
+    if long["status"] != "ok" or diagnose(long) == "memorised":
+        return False
+    gain = (long["final"].get("acc") or 0.0) - (short["final"].get("acc") or 0.0)
+    return gain >= 0.02 or long["final"]["loss"] <= 0.95 * short["final"]["loss"]
 
 
 # quick ATR: batches are padded to their longest document, so the quick grids reject sentences over
@@ -403,7 +441,7 @@ budget_of = lambda record: record.get("total_steps") or record["config"].get("st
 def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
     steps with the most seeds (ties: the most steps; the budget ladder: README, difference 18), there at the
-    lr whose first seed is the most accurate (as chosen_lr; a failed run never wins; ties: the lr with
+    lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never wins; ties: the lr with
     the most seeds, then the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them),
     label, first ({lr: the first seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
@@ -420,9 +458,10 @@ def best_by_lr(records, ladder=True):
         for r in runs:
             if budget_of(r) == budget:
                 per_lr.setdefault(r["config"]["lr"], []).append(r)
-        first = {lr: r for lr, rs in sorted(per_lr.items()) for r in rs if r["config"]["seed"] == seed}
-        best_lr = max(per_lr, key=lambda lr: (run_score(first[lr]) if lr in first else (False, -1.0),
-                                               len(per_lr[lr]), -lr))
+        first, second = ({lr: r for lr, rs in sorted(per_lr.items()) for r in rs if r["config"]["seed"] == s}
+                         for s in (seed, seed + 1))
+        scores = rate_scores(first, second)[0] if first else {}
+        best_lr = max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)), len(per_lr[lr]), -lr))
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
@@ -599,26 +638,50 @@ def main(argv=None):
 # --- The grid's helpers
 
 def cell_choice(cfg, done):
-    """((rate, steps) chosen so far, or None; the seed-0 (rate, steps) still to train) of cfg's cell (cfg
-    at the grid's rate and steps) from its seed-0 records in `done` ({run_key: record}): the rate ladder
-    (chosen_lr) at the grid's steps; then on AR, while seed 0 at the chosen rate is still learning
-    (diagnose), it trains again at 2x, 4x the steps, then CAP_STEPS, and the ladder runs again around
-    that rate at the budget where it stopped (README, difference 18)."""
-    at = lambda lr, steps: done.get(config_key(replace(cfg, lr=lr, steps=steps, seed=0)))
-    budgets = ([s for s in (2 * cfg.steps, 4 * cfg.steps) if s < CAP_STEPS] + [CAP_STEPS]
-               if cfg.task == "ar" else [])
-    lr, steps, choice = cfg.lr, cfg.steps, None
+    """((rate, steps) chosen so far, or None; the (rate, steps, seed) still to train) of cfg's cell
+    (cfg at the grid's rate and steps) from its records in `done` ({run_key: record}): the rate
+    ladder (chosen_lr) at the grid's steps; then the budget ladder: seed 0 at that rate trains at 2x,
+    4x, ... the steps, up to the paper's (CAP_STEPS), while the doubled run (or a longer one recorded)
+    gains (paid), or until it is at 98%; where the budget grew 4x or more, the rate ladder runs again there and the budget
+    climbs on from it (README, difference 18)."""
+    at = lambda lr, steps, seed=0: done.get(config_key(replace(cfg, lr=lr, steps=steps, seed=seed)))
+    cap, lr, steps, choice, ties = CAP_STEPS[cfg.task], cfg.lr, cfg.steps, None, []
     while True:
-        lr, untried = chosen_lr(lr, {rung(lr, k): r for k in (-2, -1, 0, 1, 2) if (r := at(rung(lr, k), steps))})
+        ladder = lambda seed: {rung(lr, k): r for k in (-2, -1, 0, 1, 2) if (r := at(rung(lr, k), steps, seed))}
+        lr, untried = chosen_lr(lr, ladder(0), ladder(1))
         if lr is None:
-            return choice, [(r, steps) for r in untried]
-        choice = lr, steps
-        while budgets and diagnose(at(lr, steps)) == "still learning":
-            steps = budgets.pop(0)
-            if at(lr, steps) is None:
-                return choice, [(lr, steps)]
-        if choice[1] == steps:
-            return choice, []
+            return choice, ties + [(r, steps, seed) for r, seed in untried]
+        ties += [(r, steps, seed) for r, seed in untried]     # seed 1 to break a tie: the rate is provisional
+        choice, start = (lr, steps), steps
+        while steps < cap and run_score(now := at(lr, steps)) < (True, 0.98):
+            if at(lr, doubled(steps, cap)) is None:
+                return choice, ties + [(lr, doubled(steps, cap), 0)]
+            rungs = [doubled(steps, cap)]          # the doubled run, then any longer one recorded
+            while rungs[-1] < cap:
+                rungs.append(doubled(rungs[-1], cap))
+            paying = [s for s in rungs if at(lr, s) and paid(now, at(lr, s))]
+            if not paying:
+                break
+            steps = paying[0]
+            choice = lr, steps
+        if steps < 4 * start:
+            return choice, ties
+
+
+def climb(row):
+    """What a cell's budget ladder found, from seed 0's best record at each budget it trained
+    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "converged at N"
+    (no longer run gained: paid), "not converged at the cap", "not converged at N" (cut off while a
+    doubling still paid), or None (one budget: no ladder to read)."""
+    budgets, n = row.get("budgets") or {}, row["budget"]
+    if len(budgets) < 2 or n not in budgets:
+        return None
+    if run_score(budgets[n]) >= (True, 0.98):
+        return f"at 98% or more by {n:,}"
+    if any(s > n for s in budgets) and not any(paid(budgets[n], budgets[s]) for s in budgets if s > n):
+        return f"converged at {n:,}"
+    return "not converged at the cap" if n >= CAP_STEPS[row["best"]["config"]["task"]] else \
+        f"not converged at {n:,}"
 
 
 def cell_name(family, width):
@@ -870,7 +933,7 @@ def choice_round(configs, out):
     done, todo = by_run(read_results(out, warn=False)), []
     for cell in make_groups(configs):                       # whole cells
         choice, untried = cell_choice(cell[0], done)
-        todo += [replace(cell[0], lr=lr, steps=steps, seed=0) for lr, steps in untried] or [
+        todo += [replace(cell[0], lr=lr, steps=steps, seed=seed) for lr, steps, seed in untried] or [
             replace(c, lr=choice[0], steps=choice[1]) for c in cell]
     return todo
 

@@ -2374,11 +2374,14 @@ def test_choose_lr_trains_seed_0_at_each_rung_then_every_seed_at_the_choice_and_
             "--out", str(tmp_path), "--choose-lr"]
     assert run_cli.main(argv) == 0
     records = run_cli.latest(run_cli.read_results(str(tmp_path)))
-    seed0 = {r["config"]["lr"]: r for r in records if r["config"]["seed"] == 0}
-    lr, untried = run_cli.chosen_lr(5e-4, seed0)                   # attention's grid rate
-    assert untried == [] and {1.7e-4, 5e-4, 1.5e-3} <= set(seed0) and len(seed0) <= 4
-    assert sorted(r["config"]["seed"] for r in records if r["config"]["lr"] == lr) == [0, 1, 2]
-    assert len(records) == len(seed0) + 2
+    seed0 = {r["config"]["lr"]: r for r in records if r["config"]["seed"] == 0 and r["config"]["steps"] == 20}
+    grid, = {run_cli.config_key(c): c for c in run_cli.experiment_configs(
+        "ar", archs=["attention"], widths=[16], seeds=[0], chosen_lrs=False, num_keys=16, num_values=16,
+        num_pairs=4, train_size=320, eval_size=32, eval_every=100000, steps=20)}.values()
+    (lr, steps), untried = run_cli.cell_choice(grid, run_cli.by_run(records))     # attention's grid rate
+    assert untried == [] and {1.7e-4, 5e-4, 1.5e-3} <= set(seed0)
+    at_choice = [r for r in records if (r["config"]["lr"], r["config"]["steps"]) == (lr, steps)]
+    assert sorted(r["config"]["seed"] for r in at_choice) == [0, 1, 2]
     capsys.readouterr()
     assert run_cli.main(argv) == 0 and "already in" in capsys.readouterr().err
     assert len(run_cli.latest(run_cli.read_results(str(tmp_path)))) == len(records)
@@ -2412,21 +2415,33 @@ def test_best_lr_never_picks_a_failed_run():
 
 def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
     """chosen_lr: undecided (None) while a rung of x3^-1, x1, x3 is missing or the best sits at an end
-    not yet extended; ties go to the rung nearest the grid's rate; a failed run never wins."""
-    rec = lambda lr, acc, status="ok": fake_record(tiny(lr=lr, seed=0), acc=acc, status=status)
-    at = lambda *pairs: {lr: rec(lr, acc) for lr, acc in pairs}
+    not yet extended; ties go to the rung nearest the grid's rate; a failed run never wins; rates
+    within two standard errors of seed 0's best (over the evaluation documents) wait for seed 1, and
+    the mean of seeds 0 and 1 decides among them."""
+    rec = lambda lr, acc, status="ok", seed=0, n=10**6: fake_record(tiny(lr=lr, seed=seed, eval_size=n),
+                                                                    acc=acc, status=status)
+    at = lambda *pairs, **kw: {lr: rec(lr, acc, **kw) for lr, acc in pairs}
     assert [run_cli.rung(5e-4, k) for k in (-2, -1, 0, 1, 2)] == [5.6e-05, 1.7e-4, 5e-4, 1.5e-3, 4.5e-3]
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5))) == (None, [1e-3, 3e-3])    # rungs missing
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5), (1e-3, 0.5), (3e-3, 0.5))) == (1e-3, [])  # a tie
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.5))) == (None, [(1e-3, 0), (3e-3, 0)])    # rungs missing
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 1.0), (1e-3, 1.0), (3e-3, 1.0))) == (1e-3, [])  # a tie
     assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.2), (1e-3, 0.5), (3e-3, 0.4))) == (1e-3, [])
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) == (None, [1.1e-4])
-    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.4), (1e-3, 0.5), (3e-3, 0.6))) == (None, [9e-3])
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4))) == (None, [(1.1e-4, 0)])
+    assert run_cli.chosen_lr(1e-3, at((3.3e-4, 0.4), (1e-3, 0.5), (3e-3, 0.6))) == (None, [(9e-3, 0)])
     assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.95), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4)))[0] == 1.1e-4
     assert run_cli.chosen_lr(1e-3, at((1.1e-4, 0.6), (3.3e-4, 0.9), (1e-3, 0.5), (3e-3, 0.4)))[0] == 3.3e-4
     seed0 = {**at((3.3e-4, 0.2), (1e-3, 0.5)), 3e-3: rec(3e-3, 0.99, status="failed")}
     assert run_cli.chosen_lr(1e-3, seed0) == (1e-3, [])
-    row, = run_cli.best_by_lr([*seed0.values(), fake_record(tiny(lr=1e-3, seed=1), acc=0.1)])
+    row, = run_cli.best_by_lr([*seed0.values(), fake_record(tiny(lr=1e-3, seed=1, eval_size=10**6), acc=0.1)])
     assert row["best_lr"] == 1e-3 and len(row["runs"]) == 2 and sorted(row["first"]) == [3.3e-4, 1e-3, 3e-3]
+    # 320 documents: 52.5% against 50% is 8 documents, under two standard errors (about 7.9 points)
+    close = at((3.3e-4, 0.2), (1e-3, 0.525), (3e-3, 0.5), n=320)
+    assert run_cli.chosen_lr(1e-3, close) == (1e-3, [(1e-3, 1), (3e-3, 1)])   # seed 0's best, for now
+    second = at((1e-3, 0.1), (3e-3, 0.7), seed=1, n=320)
+    assert run_cli.chosen_lr(1e-3, close, second) == (None, [(9e-3, 0)])     # 60% against 31%: an end
+    close[9e-3] = rec(9e-3, 0.1, n=320)
+    assert run_cli.chosen_lr(1e-3, close, second) == (3e-3, [])
+    rows = run_cli.best_by_lr([*close.values(), *second.values()])
+    assert rows[0]["best_lr"] == 3e-3                                   # the report decides as the ladder
 
 
 def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder():
@@ -2435,48 +2450,59 @@ def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder
     column; a probe (ladder=False) keeps both rows."""
     learning = {"history": [{"step": s, "acc": 0.1 * s / 8, "loss": 3.0, "train_loss": 6.0 - s / 2}
                             for s in range(9)]}
-    short = fake_record(tiny(lr=1e-3, seed=0, steps=8), acc=0.8, **learning)
+    short = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=0, steps=8), acc=0.8, **learning)
     short["final"].update(loss=3.0, train_loss=2.0)
-    runs = [fake_record(tiny(lr=lr, seed=seed, steps=16), acc=acc)
+    runs = [fake_record(tiny(eval_size=10**6, lr=lr, seed=seed, steps=16), acc=acc)
             for lr, seed, acc in [(1e-3, 0, 0.5), (3e-3, 0, 0.6), (3e-3, 1, 0.2), (1e-3, 1, 0.9)]]
     row, = run_cli.best_by_lr([short, *runs])
     assert row["best_lr"] == 3e-3 and [r["config"]["seed"] for r in row["runs"]] == [0, 1]
     assert list(row["budgets"]) == [8, 16] and row["budgets"][16] is runs[1] and "steps" not in row["label"]
     assert markdown_rows(run_cli.result_table([row]))[0]["steps"] == "8: 80.0%, still learning · **16**"
-    row, = run_cli.best_by_lr([short, fake_record(tiny(lr=1e-3, seed=1, steps=8)), runs[0]])
+    row, = run_cli.best_by_lr([short, fake_record(tiny(eval_size=10**6, lr=1e-3, seed=1, steps=8)), runs[0]])
     assert row["budget"] == 8 and len(row["runs"]) == 2          # 2 seeds at 8 steps, 1 at 16
     assert len(run_cli.best_by_lr([short, *runs], ladder=False)) == 2
 
 
-def test_a_cells_budget_climbs_while_seed_0_is_still_learning_then_its_rate_ladder_runs_again():
-    """cell_choice on AR: seed 0 at the chosen rate still learning at the grid's steps trains at 2x,
-    4x, then CAP_STEPS; where it stops learning, the rates around it; ATR never climbs."""
-    learning = lambda r: {**r, "history": [{"step": s, "acc": 0.1, "loss": 3.0, "train_loss": 6.0 - s}
-                                           for s in range(5)], "final": {"acc": 0.1, "loss": 3.0, "train_loss": 2.0}}
-    flat = lambda r: {**r, "history": [{"step": s, "acc": 0.5, "loss": 1.0, "train_loss": 1.0 if s else 5.0}
-                                       for s in range(5)], "final": {"acc": 0.5, "loss": 1.0, "train_loss": 1.0}}
-    cfg = tiny(lr=1e-3, steps=100, seed=0)
+def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
+    """cell_choice: seed 0 at the chosen rate trains at 2x the steps while the doubled run gains 2
+    points or 5% of its loss (a longer run recorded counts too), up to CAP_STEPS or 98%; where the
+    budget grew 4x, the rates around it there; ATR climbs the same way to its own cap; climb() reads
+    the ladder's finding."""
+    cfg = tiny(lr=1e-3, steps=100, seed=0, eval_size=10**6)
     done = {}
-    def add(lr, steps, kind, acc=0.5):
-        r = kind(fake_record(replace(cfg, lr=lr, steps=steps), acc=acc))
-        r["final"]["acc"] = acc
-        for h in r["history"]:
-            h["acc"] = acc
+    def add(lr, steps, acc, loss=1.0, seed=0, task="ar"):
+        r = fake_record(replace(cfg, lr=lr, steps=steps, seed=seed, task=task), acc=acc)
+        r["final"].update(loss=loss, train_loss=loss)
         done[run_cli.run_key(r["config"])] = r
+        return r
     for lr, acc in [(3.3e-4, 0.1), (1e-3, 0.5), (3e-3, 0.2)]:
-        add(lr, 100, learning if lr == 1e-3 else flat, acc)
-    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(1e-3, 200)])
-    add(1e-3, 200, learning)
-    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(1e-3, 400)])
-    add(1e-3, 400, flat)
-    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(3.3e-4, 400), (3e-3, 400)])
-    add(3.3e-4, 400, flat, 0.4)
-    add(3e-3, 400, flat, 0.6)
-    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(9e-3, 400)])      # best at an end: one more
-    add(9e-3, 400, flat, 0.3)
-    assert run_cli.cell_choice(cfg, done) == ((3e-3, 400), [])
+        add(lr, 100, acc)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 100), [(1e-3, 200, 0)])
+    add(1e-3, 200, 0.6)                                                   # +10 points: it paid
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 200), [(1e-3, 400, 0)])
+    add(1e-3, 400, 0.61, loss=0.97)                                      # +1 point, -3% loss: converged
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 200), [])
+    add(1e-3, 800, 0.7)                                                   # a longer run recorded that paid
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 800), [(1e-3, 1600, 0)])
+    add(1e-3, 1600, 0.7)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 800), [(3.3e-4, 800, 0), (3e-3, 800, 0)])
+    add(3.3e-4, 800, 0.4)
+    add(3e-3, 800, 0.8)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 800), [(9e-3, 800, 0)])   # best at an end: one more
+    add(9e-3, 800, 0.3)
+    assert run_cli.cell_choice(cfg, done) == ((3e-3, 800), [(3e-3, 1600, 0)])  # the new rate climbs on
+    add(3e-3, 1600, 0.99)
+    assert run_cli.cell_choice(cfg, done) == ((3e-3, 1600), [])              # 98%: done
+    assert run_cli.doubled(24_000, 50_016) == 50_016 and run_cli.doubled(16_000, 50_016) == 32_000
     atr = replace(cfg, task="atr")
-    assert run_cli.cell_choice(atr, {}) == (None, [(3.3e-4, 100), (1e-3, 100), (3e-3, 100)])
+    assert run_cli.cell_choice(atr, {}) == (None, [(3.3e-4, 100, 0), (1e-3, 100, 0), (3e-3, 100, 0)])
+    assert run_cli.CAP_STEPS == {"ar": 50_016, "atr": 100_032}
+    budgets = lambda *accs: {s: add(1e-3, s, a, task="atr") for s, a in zip((100, 200, 400), accs)}
+    row = lambda b, at: {"budgets": b, "budget": at, "best": b[at]}
+    assert run_cli.climb(row(budgets(0.5, 0.6, 0.605), 200)) == "converged at 200"
+    assert run_cli.climb(row(budgets(0.5, 0.6, 0.7), 400)) == "not converged at 400"
+    assert run_cli.climb(row(budgets(0.5, 0.99, 0.99), 200)) == "at 98% or more by 200"
+    assert run_cli.climb(row({100: add(1e-3, 100, 0.5)}, 100)) is None     # one budget: no ladder read
 
 
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
@@ -2485,8 +2511,8 @@ LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "a
 
 def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose():
     """Every cell of the grids that choose: the catalogue's (rate, steps) is cell_choice of its seed-0
-    records in results/ (the grid's while undecided), and its table row, once its seeds have trained
-    there, reports that rate's seeds."""
+    records in results/ (the grid's while undecided), and its table row, once the cell is decided and
+    its seeds have trained there, reports that rate's seeds at that budget."""
     cell = lambda c: run_cli.run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
     for name in LR_CHOICE:
         records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
@@ -2494,11 +2520,14 @@ def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose
         rows = {cell(row["best"]["config"]): row for row in run_cli.best_by_lr(records)}
         grid = run_cli.experiment_configs(name, seeds=[0], chosen_lrs=False)
         for base, cfg in zip(grid, run_cli.experiment_configs(name, seeds=[0])):
-            choice = run_cli.cell_choice(base, done)[0] or (base.lr, base.steps)
+            choice, untried = run_cli.cell_choice(base, done)
+            choice = choice or (base.lr, base.steps)
             assert (cfg.lr, cfg.steps) == choice, (name, base.name())
             row = rows.get(cell(asdict(cfg.resolved())))
-            if row is not None and len(row["runs"]) > 1:
-                assert row["best_lr"] == choice[0], (name, base.name())
+            there = [r for r in records if cell(r["config"]) == cell(asdict(cfg.resolved()))
+                     and (r["config"]["lr"], r["config"]["steps"]) == choice]
+            if not untried and len(there) > 1:          # decided, and its seeds trained there
+                assert (row["best_lr"], row["budget"]) == choice, (name, base.name())
 
 
 def choices_of(folder):
@@ -2528,7 +2557,7 @@ def test_the_catalogue_states_each_chosen_rate_and_a_test_names_the_entry_to_cha
                 if (old := chosen.get(name, {}).get(cell)) != (new := found.get(name, {}).get(cell))]
     assert not stale(), "the records in results/ choose other rates; in run.py set " + "; ".join(stale())
     monkeypatch.setitem(run_cli.CHOSEN, "ar", {**run_cli.CHOSEN["ar"], "mamba (d 64)": 1e-2})
-    assert stale() == ["CHOSEN['ar']['mamba (d 64)']: 0.01 -> (0.0099, 32000)"]
+    assert stale() == ["CHOSEN['ar']['mamba (d 64)']: 0.01 -> (0.0033, 32000)"]
     mamba, = [c for c in run_cli.experiment_configs("ar", archs=["mamba"], seeds=[0]) if c.num_keys == 1024]
     assert mamba.lr == 1e-2                                          # what the catalogue says is what runs
 
