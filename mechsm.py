@@ -356,7 +356,7 @@ def train(cfg, *, data=None, log=None, on_eval=None):
     final model's metrics), history (one entry per evaluation), wall_s, steps_done...
     on_eval(model, data, cfg, step) -> dict: what the driver adds to each evaluation's entry
     (run.py passes its timeline, the attribution pair); its seconds are summed in timeline_s."""
-    cfg = Config.check(cfg).resolved()
+    cfg = check_hooks(Config.check(cfg).resolved(), log, on_eval)
     data = make_data(cfg, data)            # documents cfg's model cannot take fail here
     prefix = f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] "
     log = log or (lambda msg: print(prefix + msg, file=sys.stderr, flush=True))
@@ -375,14 +375,8 @@ def train(cfg, *, data=None, log=None, on_eval=None):
             rate = step / max(time.time() - start, 1e-9)    # steps per second
             eta = f"{(total - step) / rate / 60:.1f} min" if step else "?"
             loss_text = "-" if train_loss is None else f"{train_loss:.3f}"
-            if "attrib_value" not in entry:                 # no timeline (on_eval) given
-                attrib = ""
-            elif entry["attrib_low_signal"]:
-                attrib = " | attrib -"
-            else:
-                attrib = f" | attrib V {entry['attrib_value']:.2f} Q {entry['attrib_query']:.2f}"
-            log(f"step {step}/{total} | loss {loss_text} | acc {entry['acc']:.3f}{attrib} | "
-                f"{rate:.1f} steps/s | ETA {eta}")
+            log(f"step {step}/{total} | loss {loss_text} | acc {entry['acc']:.3f} | "   # on_eval's:
+                f"{rate:.1f} steps/s | ETA {eta}")                                     # its own
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break
@@ -416,6 +410,14 @@ def run_record(cfg, model, history, steps_done, error, wall):
 
 # --- One evaluation during training: the history's entry.
 
+def check_hooks(cfg, log, on_eval):
+    """cfg, once log and on_eval are each a function or None (else a ValueError naming it)."""
+    for name, hook in (("log", log), ("on_eval", on_eval)):
+        if hook is not None and not callable(hook):
+            raise ValueError(f"{name} must be a function or None; got {hook!r}")
+    return cfg
+
+
 def history_entry(model, data, cfg, step, train_loss, on_eval=None):
     """{step, lr, train_loss, acc, prob, loss (+ test_*, novel_*)}, then what
     on_eval(model, data, cfg, step) returns (run.py: attrib_value/query/gap/low_signal, paper
@@ -425,6 +427,10 @@ def history_entry(model, data, cfg, step, train_loss, on_eval=None):
     if on_eval is not None:
         start = time.time()
         timeline = on_eval(model, data, cfg, step)
+        ours = [k for k in timeline if not isinstance(k, str) or k in entry or k.startswith((
+            "test_", "novel_", "timeline_"))] if isinstance(timeline, dict) else [timeline]
+        if ours:                            # it adds keys, never replaces a measured one
+            raise ValueError(f"on_eval must return a dict of keys of its own; got {ours[0]!r}")
         entry.update(timeline, timeline_s=time.time() - start)
     return entry
 
@@ -469,9 +475,10 @@ def _rebuild(blob, device, fail):
             if k != "seed" and a != b and not all(v is None or v is False for v in (a, b)):
                 raise ValueError(f"the config builds {k}={a!r}, the weights were built with "
                                  f"{k}={b!r}")
-        weights = blob["state_dict"].values()
-        if any(torch.is_tensor(v) and v.dtype == torch.float64 for v in weights):
-            model.double()                                  # a float64 model comes back float64
+        kinds = {v.dtype for v in blob["state_dict"].values() if torch.is_tensor(v)
+                 and v.is_floating_point()}
+        if len(kinds) == 1:
+            model.to(kinds.pop())           # a float64 or bfloat16 model comes back as it was
         model.load_state_dict(blob["state_dict"])           # strict: the same keys and shapes
     except (AttributeError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise fail(" ".join(str(e).split())[:300]) from None
@@ -615,7 +622,7 @@ def train_group(configs, *, data=None, log=None, on_eval=None):
     [(result, model)], each what train(cfg, on_eval=on_eval) returns (to rounding) plus "group":
     {"size", "index"}; wall_s is the group's. A member whose loss goes NaN/inf fails there; the
     others go on."""
-    cfgs = [Config.check(c, "configs").resolved() for c in configs]
+    cfgs = [check_hooks(Config.check(c, "configs").resolved(), log, on_eval) for c in configs]
     if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
         raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
                          "and seed, no two alike")

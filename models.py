@@ -857,7 +857,11 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         hint = (f" (did you mean {close[0]!r}?)" if close
                 else f"; expected one of {', '.join(known)}")
         raise ValueError(f"build_model: unknown option {unknown[0]!r}{hint}")
-    kinds = {k: type(v) for opts in MIXER_OPTIONS.values() for k, v in opts.items()}
+    defaults = {k: v for opts in MIXER_OPTIONS.values() for k, v in opts.items()}
+    foreign = [k for k, v in options.items() if k not in mixer_options(arch) and v != defaults[k]]
+    if foreign:                             # another mixer's option, not at its default: refused
+        raise ValueError(f"{foreign[0]}: {arch} has no such option; got {options[foreign[0]]!r}.")
+    kinds = {k: type(v) for k, v in defaults.items()}
     for name, value in options.items():                  # a mixer's option: of its default's kind
         kind = kinds[name]
         if kind is bool and not isinstance(value, bool) or kind is int and not whole(value, 1):

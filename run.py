@@ -387,6 +387,9 @@ def timeline(model, data, cfg, step):
     if not cfg.timeline_docs:
         return {}
     head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
+    print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] step {step} | attrib " + (   # as
+        "-" if head["low_signal"] else f"V {fmt_num(head['value'])} Q {fmt_num(head['query'])}"),   # train's
+        file=sys.stderr, flush=True)
     return {"attrib_value": head["value"], "attrib_query": head["query"], "attrib_gap": head["gap"],
             "attrib_low_signal": head["low_signal"]}
 
