@@ -44,12 +44,26 @@ LOW_SIGNAL_GAP = 0.01        # P̄_clean − P̄_corrupt <= this -> "no signal" 
 CHUNK_ROWS = 128             # rows per forward: Mamba's scan tensors stay in cache (2x faster)
 
 
-def _check_threshold(threshold):
-    """threshold is a gap of probabilities in [0, 1) (a NaN would make every verdict "mixed")."""
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) \
-            or not 0 <= threshold < 1:
-        raise ValueError("threshold must be a number in [0, 1) (the P̄_clean − P̄_corrupt "
-                         f"gap at or below which there is no signal); got {threshold!r}.")
+_real = lambda v, lo, hi: isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi
+_whole = lambda v, lo=0, hi=2**63 - 1: isinstance(v, int) and _real(v, lo, hi)
+ARGS = {  # what each public function's arguments of these names must be (NaN passes no test)
+    "threshold": (lambda v: _real(v, 0, 1) and v < 1, "a number in [0, 1) (the P̄_clean − "
+                  "P̄_corrupt gap at or below which there is no signal)"),
+    "target": (lambda v: _real(v, 0, 1) and v > 0, "a recovery in (0, 1]"),
+    "cut": (lambda v: _real(v, -math.inf, math.inf), "a finite number"),
+    "seed": (_whole, "an int in [0, 2**63)"), "atp_above": (_whole, "a non-negative int"),
+    "n_docs": (lambda v: _whole(v, 1), "a positive int (documents to patch)"),
+    "strict": (lambda v: isinstance(v, bool), "True or False"),
+    "model": (lambda v: isinstance(v, torch.nn.Module) and hasattr(v, "blocks"),
+              "a model of models.build_model (or mechsm.load)")}
+
+
+def _check(**args):
+    """A one-line ValueError naming the first argument that is not what ARGS allows."""
+    for name, value in args.items():
+        ok, allowed = ARGS[name]
+        if not ok(value):
+            raise ValueError(f"{name} must be {allowed}; got {value!r}.")
 
 
 def _check_names(name, names, allowed):
@@ -65,6 +79,7 @@ def _check_names(name, names, allowed):
 
 def hook_points(model):
     """{name: HookPoint} for every patchable site (HookPoint with a seq_dim), in module order."""
+    _check(model=model)
     return {name: m for name, m in model.named_modules()
             if isinstance(m, HookPoint) and m.seq_dim is not None}
 
@@ -92,6 +107,9 @@ def default_sites(model):
 def patch(model, edits):
     """Within the block, site s outputs edits[s](activation); hooks are global state, removed on
     any exit."""
+    _check(model=model)
+    if not isinstance(edits, dict):
+        raise ValueError(f"edits must be a dict {{site: function}}; got {edits!r}.")
     modules = dict(model.named_modules())
     handles = []
 
@@ -140,6 +158,7 @@ def _answer_prob(logits, answers):
 @torch.no_grad()
 def answer_prob(model, tokens, answers, query):
     """Probability of answers (b,) at positions query (b,) in an unpatched forward, in chunks."""
+    _check(model=model)
     chunks = [slice(a, a + CHUNK_ROWS) for a in range(0, len(tokens), CHUNK_ROWS)]
     return torch.cat([_answer_prob(model(tokens[c], readout=query[c]), answers[c]) for c in chunks])
 
@@ -149,6 +168,8 @@ def corrupt(dataset, role="key", seed=0, strict=False):
     by a uniformly drawn other token of its class (dataset.classes[role], [lo, hi); README
     difference 1); strict=True also excludes the document's own tokens (the corrupted key points to
     no other answer). One draw per document, reused by every site (README, difference 6)."""
+    check_dataset(None, dataset)
+    _check(seed=seed, strict=strict)
     if not isinstance(role, str) or role not in dataset.classes:
         raise ValueError(f"role must be among {', '.join(dataset.classes)}; got {role!r}.")
     lo, hi = dataset.classes[role]
@@ -173,6 +194,7 @@ def corrupt(dataset, role="key", seed=0, strict=False):
 def interchange_reference(model, clean_tokens, corrupt_tokens, site, pos, answers, query):
     """Slow, obviously correct twin of interchange for ONE position tensor pos (b,): record the
     whole clean activation, then patch document by document in a Python loop."""
+    _check(model=model)
     model.eval()
     seq_dim = hook_points(model)[site].seq_dim
     clean = record(model, clean_tokens, [site])[site]
@@ -193,7 +215,7 @@ def attribution(p_clean, p_corrupt, p_patched, threshold=LOW_SIGNAL_GAP):
         score = (P̄_patched − P̄_corrupt) / (P̄_clean − P̄_corrupt), on probabilities (b,).
     low_signal when the gap is <= threshold or not a number; score is None when the gap is 0 (or a
     probability is not a number), so that every result is JSON."""
-    _check_threshold(threshold)
+    _check(threshold=threshold)
     clean, corrupted, patched = (float(p.double().mean()) for p in (p_clean, p_corrupt, p_patched))
     gap = clean - corrupted
     score = (patched - corrupted) / gap if gap != 0 else math.nan
@@ -214,7 +236,7 @@ def verdict(attribs, low_signal, threshold=LOW_SIGNAL_GAP, cut=CUT):
     READINGS name of the one site at or above `cut` (the paper reads its box plots by eye: README,
     difference 16); "mixed" when none or several are; "no signal" when the gap is at or below the
     filter or an attribution is not a number."""
-    _check_threshold(threshold)
+    _check(threshold=threshold, cut=cut)
     scores = [attribs[site] for site in READINGS]
     if low_signal or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in scores):
         return "no signal", f"P̄_clean − P̄_corrupt <= {threshold}: nothing to attribute"
@@ -254,6 +276,7 @@ def interchange(model, clean_tokens, corrupt_tokens, site, positions, answers, q
     vector at positions[p][i]. Exact shortcuts: rows whose clean vector equals the corrupted one bit
     for bit patch nothing (p_corrupt, no forward); the forward starts at the site's layer: the
     layers before see only the corrupted input (cached); block input i is block output i-1."""
+    _check(model=model)
     model.eval()
     names = list(positions)
     P, b = len(names), corrupt_tokens.shape[0]
@@ -297,8 +320,7 @@ def headline_site(n_layers):
 def _documents(model, dataset, n_docs, corrupt_role, seed, strict=False):
     """The first n_docs documents and, on the model's device, their clean and corrupted tokens
     (b, l), answers (b,) and query positions (b,)."""
-    if not isinstance(n_docs, int) or isinstance(n_docs, bool) or n_docs < 1:
-        raise ValueError(f"n_docs must be a positive int (documents to patch); got {n_docs!r}.")
+    _check(model=model, n_docs=n_docs)
     check_dataset(model, dataset)
     if len(dataset) == 0:
         raise ValueError("dataset has no documents to patch (n_docs needs at least one).")
@@ -336,7 +358,7 @@ def _table_rows(attribs):
 def headline(model, dataset, *, n_docs=64, corrupt_role="key", seed=0, threshold=LOW_SIGNAL_GAP):
     """Only the headline pair, cheaply (mechsm.train's timeline): Attrib@Key/Value/Query at
     headline_site on the first n_docs documents, {"key", "value", "query", "gap", "low_signal"}."""
-    _check_threshold(threshold)
+    _check(model=model, threshold=threshold)
     was_training = model.training
     model.eval()
     site = headline_site(len(model.blocks))
@@ -356,6 +378,7 @@ def mechanism(model, dataset, *, n_docs=320, corrupt_role="key", seed=0, strict=
     {key, value, query}, verdict, verdict_reason, later_layers (3+ layers), mixer_out (1 layer),
     extra {name: attribution} (the layer-0 mixer's READS, e.g. Mamba's conv@next_key), seconds."""
     start = time.perf_counter()
+    _check(model=model, n_docs=n_docs, seed=seed, strict=strict, threshold=threshold)
     _check_names("positions", positions, POSITIONS)
     if sites is not None:
         _check_names("sites", sites, list(hook_points(model)))
@@ -433,6 +456,7 @@ def role_masks(dataset):
     next_key, divider, query that names it, else other_<class> for a token of that corruption class
     alone (AR: other_key, other_value), else other (BOS; ATR's other terminals). The answer and what
     follows belong to no role: the readout at the query cannot see them. Roles nowhere: left out."""
+    check_dataset(None, dataset)
     tokens, pos = dataset.tokens, dataset.positions
     where = torch.arange(tokens.shape[1])                                    # (l,)
     free = where <= pos["query"][:, None]                                    # (b, l)
@@ -490,19 +514,18 @@ def minimal_circuit(model, dataset, *, target=0.9, n_docs=320, corrupt_role="key
     2304.14997, Algorithm 1) with exact patches throughout (the paper's interchange, Sec. 3). A node
     is (site, role): a circuit_sites output at the positions of a role_masks role where it can
     change the readout: where it can differ between the runs (from the first corrupted token on;
-    the embedding: at a corrupted token) and, in the last block, at the query. Circuit S: run the
-    clean documents with every node outside S set to its corrupted-run value, the nodes in S
-    computed from what reaches them; its recovery, (P̄_S − P̄_corrupt) / (P̄_clean − P̄_corrupt)
-    (the tables' ratio of means), is 1 for every node and 0 for none. From all nodes, each is
-    dropped in turn, from the output back (ACDC's order; over atp_above nodes: the smallest by
-    attribution patching first), when the recovery stays >= target; passes repeat until one drops
-    nothing. Returns target, members [[site, role], ...] input to output, restored (its recovery),
-    drop_one (the recovery without each member), atp_vs_exact (how attribution patching ranked and
+    the embedding: at a corrupted token, at any depth) and, of the last block, at the query.
+    Circuit S: run the clean documents with every node outside S set to its corrupted-run value,
+    the nodes in S computed from what reaches them; its recovery, (P̄_S − P̄_corrupt) /
+    (P̄_clean − P̄_corrupt) (the tables' ratio of means), is 1 for every node and 0 for none.
+    From all nodes, each is dropped in turn, from the output back (ACDC's order; over atp_above
+    nodes: the smallest by attribution patching first), when the recovery stays >= target; passes
+    repeat until one drops nothing. Returns target, members [[site, role], ...] input to output,
+    restored (its recovery: a circuit only if >= target), drop_one (the recovery without each member), atp_vs_exact (how attribution patching ranked and
     sized each node's own interchange: Spearman's rho, mean |error| in recoveries), patches (exact
     patched forwards over the documents); with no signal (mechanism's rule): no members, a
     reason."""
-    if not 0 < target <= 1:
-        raise ValueError(f"target must be a recovery in (0, 1]; got {target!r}.")
+    _check(model=model, target=target, threshold=threshold, atp_above=atp_above)
     model.eval()
     data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
     p_clean, p_corrupt = (float(answer_prob(model, t, answers, query).mean())
@@ -514,8 +537,8 @@ def minimal_circuit(model, dataset, *, target=0.9, n_docs=320, corrupt_role="key
     roles = {r: m.to(clean.device) for r, m in role_masks(data).items()}     # {role: (b, l)}
     matter = {s: (clean != corrupted).cumsum(1) > 0 for s in sites}        # (b, l), causality
     matter[sites[0]] = clean != corrupted                                   # the embedding
-    for s in [s for s in sites if site_layer(s) == len(model.blocks) - 1]:  # the last block's:
-        matter[s] = matter[s] & roles["query"]                              # only the query read
+    for s in [s for s in sites[1:] if site_layer(s) == len(model.blocks) - 1]:  # the last
+        matter[s] = matter[s] & roles["query"]              # block's outputs: only the query read
     nodes = [(s, r) for s in sites for r in roles
              if (roles[r] & matter[s]).any()]                               # input to output
     none = torch.zeros_like(clean, dtype=torch.bool)
@@ -561,6 +584,7 @@ def effective_attention(model, tokens):
     the mean of |M| over the heads or channels of the mixer's own exact map M (b, c, l, l)
     (Mixer.effective_map). Lost: signs (channels that cancel both count), which channel reads
     where, and the size of the value read (a position whose value is ~0 still counts)."""
+    _check(model=model)
     hooks = [f"blocks.{i}.mixer.hook_in" for i in range(len(model.blocks))]
     inputs = record(model, tokens, hooks)
     maps = [block.mixer.effective_map(inputs[h]) for block, h in zip(model.blocks, hooks)]
@@ -574,6 +598,10 @@ def effective_record(model, dataset, doc=None,
     doc None: the first whose queried pair is neither the first nor the last, so each role has its
     own token."""
     check_dataset(model, dataset)
+    _check_names("roles", roles, list(dataset.positions))
+    if not (doc is None or _whole(doc) and doc < len(dataset)):
+        raise ValueError(f"doc must be None or a document of dataset, 0..{len(dataset) - 1}; "
+                         f"got {doc!r}.")
     p = dataset.positions
     if doc is None:
         doc = int(((p["key"] > 1) & (p["next_key"] < p["divider"])).int().argmax())
@@ -590,6 +618,8 @@ SHADES = " ░▒▓█"  # attribution 0 .. 1 in five steps, so structure shows
 def render_heatmap(result, *, sites=None):
     """Terminal heatmap (the PNG figures are run.py's): rows 'L{layer} {label}' (sites: names or
     labels to keep), cells score*100."""
+    if not (isinstance(result, dict) and {"positions", "rows", "verdict"} <= result.keys()):
+        raise ValueError(f"result must be a table of mechanism(); got {type(result).__name__}.")
     positions = result["positions"]
     if sites is not None:
         known = dict.fromkeys(name for r in result["rows"] for name in (r["site"], r["label"]))

@@ -33,6 +33,8 @@ import collections
 import contextlib
 import difflib
 import glob
+import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -499,14 +501,16 @@ UNREADABLE = ("no signal", "failed", "n/a (1 layer)", "-")   # verdicts that giv
 
 def lean(record):
     """Where a run with no signal points (the site of its largest attribution), or None where its gap
-    P̄_clean − P̄_corrupt is within twice a bound on its standard error over the documents: noise (a
-    mean of values in [0, 1] with mean p has standard deviation at most sqrt(p (1 - p)))."""
+    P̄_clean − P̄_corrupt (signed: a negative one never leans) is within a bound on its standard
+    error over the documents: noise (a mean of values in [0, 1] with mean p has standard deviation
+    at most sqrt(p (1 - p))). Twice the bound could never be passed by a gap under the 0.01 filter at
+    320 documents (it is at least 4/320)."""
     table = record["mechanism_table"]
     if None in (table.get("gap"), table.get("p_clean"), table.get("p_corrupt"), *table["headline"].values()):
         return None                                   # a run whose weights went NaN
     sd = lambda p: math.sqrt(max(p * (1 - p), 0.0))
     noise = (sd(table["p_clean"]) + sd(table["p_corrupt"])) / math.sqrt(table["n_docs"])
-    return max(ATTRIBS, key=table["headline"].get) if abs(table["gap"]) > 2 * noise else None
+    return max(ATTRIBS, key=table["headline"].get) if table["gap"] > noise else None
 
 
 def verdict_of(record):
@@ -568,10 +572,13 @@ def result_table(rows, experiment=None):
 
 def circuit_words(circuit, restored=True):
     """interventions.minimal_circuit's members in words, input to output, and what they restore:
-    'embed@key > L0 mixer@value > L1 mixer@query: 93%'; 'none' when it has none (its reason)."""
+    'embed@key > L0 mixer@value > L1 mixer@query: 93%'; 'none' when it has none (its reason);
+    'none reaches 90% (best: ...: 0%)' when its nodes fall short of its target."""
     name = lambda site: "embed" if site == "blocks.0.hook_resid_pre" else \
         f"L{interventions.site_layer(site)} {site.split('.')[2]}"
     words = " > ".join(f"{name(site)}@{role}" for site, role in circuit["members"]) or "none"
+    if circuit["members"] and circuit["restored"] < circuit["target"]:
+        return f"none reaches {100 * circuit['target']:.0f}% (best: {words}: {100 * circuit['restored']:.0f}%)"
     return words + (f": {100 * circuit['restored']:.0f}%" if restored and circuit["members"] else "")
 
 
@@ -590,10 +597,11 @@ def report_grid(name, preset, records, out):
     """Add the records not already in OUT/<name>.jsonl (never rewritten); of all its runs draw the
     figures, write OUT/<name>.md, print its table, timeline and a heatmap."""
     path = out_path(out, f"{name}.jsonl")
-    kept = by_run(read_results(path))
-    for record in records:
-        if kept.get(run_key(record["config"])) != record:
-            append_result(path, record)
+    with locked(out):                    # another command's records, added meanwhile, are seen
+        kept = by_run(read_results(path))
+        for record in records:
+            if kept.get(run_key(record["config"])) != record:
+                append_result(path, record)
     rows, text = render(name, preset, read_results(path, warn=False), out)
     if draw_figures(rows, name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
@@ -818,19 +826,27 @@ finite = lambda v: v is None or isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def readable(record):
-    """Whether a line is a run record the reports can read: a status, a config naming its arch, and a
-    number wherever they read one (a string there would stop a report, a NaN or inf accuracy top a
-    table without a word)."""
+    """Whether a line is a run record the reports and figures can read: a status, a config naming
+    its arch, a number wherever they read one (a string there would stop a report, a NaN or inf
+    accuracy top a table without a word), and its table and circuit read by what reads them."""
     try:
         config, mechanism = record["config"], record.get("mechanism") or {}
+        table, circuit = record.get("mechanism_table") or {}, record.get("circuit") or {}
         numbers = [record["n_params"], record.get("wall_s"), *record["final"].values(),
                    *(config[k] for k in ("lr", "seed", "d_model", "n_layers", "eval_size")),
                    *(v for h in record.get("history") or () for v in (h["step"], *h.values())),
-                   *(v for k, v in mechanism.items() if k != "verdict")]
-        return (record["status"] in ("ok", "failed") and isinstance(config["arch"], str)
-                and all(map(finite, numbers)))
-    except (TypeError, KeyError, AttributeError):      # not a dict, a field missing
-        return False
+                   *(v for k, v in mechanism.items() if k != "verdict"),
+                   *(table.get("headline") or {}).values(), circuit.get("restored"),
+                   *(v for r in table.get("rows", ()) for v in r["scores"].values())]
+        if not (record["status"] in ("ok", "failed") and isinstance(config["arch"], str)
+                and all(map(finite, numbers))):
+            return False
+        if table:                        # what the reports read of it, each field there
+            interventions.render_heatmap(table), verdict_of(record)
+            table["headline"] and lean(record)
+        return not circuit or bool(circuit_words(circuit))
+    except (TypeError, KeyError, AttributeError, ValueError, IndexError, ArithmeticError):
+        return False                     # not a dict, a field missing or not what it should be
 
 
 def read_results(out, warn=True):
@@ -838,6 +854,7 @@ def read_results(out, warn=True):
     one warning per line skipped: torn, not JSON, or not what the reports read)."""
     records, unknown, say = [], set(), lambda text: warn and print(f"warning: {text}", file=sys.stderr)
     pattern = os.path.join(out, "results*.jsonl") if os.path.isdir(out) else out
+    seen = {}                               # {run_key: (where, its measurements)}
     for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f, 1):
@@ -846,6 +863,12 @@ def read_results(out, warn=True):
                 except (ValueError, RecursionError):      # a blank or torn line
                     record = None
                 if readable(record):
+                    key, measured = run_key(record["config"]), [record[k] for k in ("status", "final")]
+                    where, before = seen.get(key, (None, measured))
+                    if before != measured:      # a patch or a saved checkpoint adds, never changes
+                        say(f"{path}:{i}: a second record of {record.get('name')} ({where}), with other "
+                            "measurements (hand-edited, or trained twice); the later one is read")
+                    seen[key] = f"{path}:{i}", measured
                     records.append(record)
                     unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
                 elif line.strip():
@@ -885,7 +908,7 @@ def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
     try:
-        with open(path, "a+b") as f:
+        with locked(os.path.dirname(path) or "."), open(path, "a+b") as f:
             if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
@@ -968,6 +991,9 @@ def do_job(kind, payload, out, wants):
         return []
 
 
+quiet = lambda msg: None
+
+
 def recorded_without(cfg, what, e):
     why = getattr(e, "strerror", None) or " ".join(str(e).split())[:200]
     print(f"warning: {cfg.name()}: {what} ({why}); the run is recorded without it", file=sys.stderr)
@@ -992,45 +1018,138 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         if not ok:
             raise ValueError(f"{name}: got {value!r}, expected {expected}")
     check_runs(configs)
+    check_links(out)
     unique = {}
     for cfg in configs:
         unique.setdefault(config_key(cfg), cfg)
     mine = [key for j, key in enumerate(unique) if j % n == i]
-    done = by_run(read_results(out))
-    saved = lambda r: os.path.isfile(os.path.join(out, r.get("checkpoint") or ""))
-    tabled = lambda r: not patch or r.get("mechanism_table") is not None
-    complete = lambda r: r["status"] != "ok" or tabled(r) and (not save or saved(r))
-    todo = [key for key in mine if not (key in done and complete(done[key]))]
-    if len(todo) < len(mine):
-        log(f"sweep: {len(mine) - len(todo)} of {len(mine)} runs already in {out}; skipped")
-    patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
     results = out_path(out, results_name(shard))
     open(results, "ab").close()                     # writable (its OSError names it), before training
-    for key in [k for k in todo if k in done and k not in patchable]:     # why a recorded run is trained
-        log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
-    groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-    work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
-    for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
-        append_result(results, record)
+    saved = lambda r, say=quiet: (path := checkpoint_in(out, r, say)) and os.path.isfile(path)
+    complete = lambda r, say=quiet: r["status"] != "ok" or (
+        not patch or r.get("mechanism_table") is not None) and (not save or saved(r, say))
+    while True:       # a run another command trains (its byte of OUT/.lock held) is left to it
+        first = by_run(read_results(out, warn=False))
+        wanted = [k for k in mine if not (k in first and complete(first[k]))]
+        busy = [k for k in wanted if not lock_byte(out, k, fcntl.LOCK_EX | fcntl.LOCK_NB)]
+        done = by_run(read_results(out))            # after the claims: what the others finished
+        todo = [k for k in wanted if k not in busy and not (k in done and complete(done[k], log))]
+        if len(mine) - len(wanted):
+            log(f"sweep: {len(mine) - len(wanted)} of {len(mine)} runs already in {out}; skipped")
+        if busy:
+            log(f"sweep: {len(busy)} runs are being trained by another command into {out}; "
+                "waiting for it after this command's own")
+        patchable = [k for k in todo if k in done and saved(done[k])]   # all "ok"
+        for key in [k for k in todo if k in done and k not in patchable]:     # why it is trained
+            log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
+        groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
+        work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
+        try:
+            for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
+                append_result(results, record)
+        finally:
+            for k in set(wanted) - set(busy):
+                lock_byte(out, k, fcntl.LOCK_UN)
+        if not busy:
+            break
+        for k in busy:                              # wait until the other command lets it go
+            lock_byte(out, k, fcntl.LOCK_EX) and lock_byte(out, k, fcntl.LOCK_UN)
     newest = by_run(read_results(out, warn=False))
     return [newest[k] for k in unique if k in newest]
 
 
-def read_commands(folder, name):
-    """{command: its record} of folder/<name>.command.json (each command that trained its runs, and
-    how long it took), or {}; warns if bad."""
-    path = os.path.join(folder, f"{name}.command.json")
-    if not os.path.exists(path):
-        return {}
+LOCKS = {}   # {OUT/.lock's real path: [its descriptor, depth of locked()]}: one per process, never
+#              closed (closing any descriptor of a file drops every POSIX lock the process holds on it)
+
+
+def lock_byte(out, key, how):
+    """fcntl.lockf on one byte of OUT/.lock (POSIX locks: NFS honours them): byte 0 the folder's
+    (locked), a run's own byte (key: its run_key) while this process trains it. how: LOCK_EX
+    (wait), LOCK_EX | LOCK_NB (False if another process holds it) or LOCK_UN."""
+    path = os.path.realpath(out_path(out, ".lock"))
+    if path not in LOCKS:
+        LOCKS[path] = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644), 0]
+    start = int(hashlib.sha1(key.encode()).hexdigest()[:12], 16) + 1 if key else 0
     try:
-        c = json.loads(Path(path).read_text(encoding="utf-8"))
-        if all({"command", "date", "machine", "load", "trained", "jobs"} <= set(v)
-               and math.isfinite(v["wall_s"]) for v in c.values()):
-            return c
-    except (ValueError, OSError, RecursionError, TypeError, KeyError, AttributeError):
-        pass
-    print(f"warning: {path}: not a command record (corrupt or hand-edited); skipped", file=sys.stderr)
-    return {}
+        fcntl.lockf(LOCKS[path][0], how, 1, start)
+    except (BlockingIOError, PermissionError):      # held by another process
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def locked(out):
+    """Hold the folder's lock of `out` around a read-then-replace (one writer at a time); taken
+    again inside, by the same process, it is held until the outermost lets go."""
+    lock_byte(out, "", fcntl.LOCK_EX)              # a process never waits on its own locks
+    held = LOCKS[os.path.realpath(os.path.join(out, ".lock"))]
+    held[1] += 1
+    try:
+        yield
+    finally:
+        held[1] -= 1
+        if not held[1]:
+            lock_byte(out, "", fcntl.LOCK_UN)
+
+
+def checkpoint_in(out, record, log):
+    """The path in `out` of the checkpoint a record names, or None: none named, or one outside
+    `out` (a record is data: the path it names is never followed out of its folder; said once)."""
+    path = record.get("checkpoint")
+    if path and (not isinstance(path, str) or os.path.isabs(path)
+                 or os.path.normpath(path).split(os.sep)[0] == os.pardir):
+        log(f"sweep: {record['name']}: its record names the checkpoint {path!r}, a path outside "
+            f"{out}; not read")
+        return None
+    return path and os.path.join(out, path)
+
+
+def check_links(out):
+    """A link in OUT or OUT/ckpt that leads nowhere (dangling: a disk not mounted; or looping):
+    bad input, named before any training."""
+    for folder in (out, os.path.join(out, "ckpt")):
+        entries = [e.path for e in os.scandir(folder)] if os.path.isdir(folder) else []
+        for path in filter(os.path.islink, [folder, *entries]):
+            try:
+                os.stat(path)
+            except OSError as e:                    # a link: the file it names is not there
+                kind = "looping" if e.errno == errno.ELOOP else "dangling"
+                raise ValueError(f"{path}: a {kind} link (to {os.readlink(path)}); mend it or "
+                                 "remove it") from None
+
+
+def command_file(folder, name):
+    """(path, {key: entry}) of folder/<name>.command.json as found, every entry kept (an older
+    file's single record: one entry; a file that is not a JSON object: one entry, its text)."""
+    path = os.path.join(folder, f"{name}.command.json")
+    if not os.path.isfile(path):
+        return path, {}
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    try:
+        entries = json.loads(text)
+    except (ValueError, RecursionError):
+        entries = None
+    if not isinstance(entries, dict):
+        return path, {"unreadable, as found": text}
+    return path, {entries["command"]: entries} if isinstance(entries.get("command"), str) else entries
+
+
+COMMAND_FIELDS = {"command": str, "trained": int, "jobs": int, "wall_s": (int, float), "date": str,
+                  "machine": str, "load": str}
+
+
+def read_commands(folder, name):
+    """{command: its record that trained the most runs} of folder/<name>.command.json (each command
+    that trained runs there, how long it took); an entry that is not one: skipped, with a warning."""
+    (path, entries), best = command_file(folder, name), {}
+    for key, c in entries.items():
+        if not (isinstance(c, dict) and all(isinstance(c.get(k), t) for k, t in COMMAND_FIELDS.items())
+                and math.isfinite(c["wall_s"])):
+            print(f"warning: {path}: {key[:80]!r} is not a command record (corrupt or hand-edited); "
+                  "skipped", file=sys.stderr)
+        elif c["trained"] >= best.get(c["command"], {"trained": -1})["trained"]:
+            best[c["command"]] = c
+    return best
 
 
 FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else works without it)"
@@ -1379,16 +1498,20 @@ def sweep_plan(args, name, configs, device, notes, out):
 
 def record_command(argv, out, name, trained, jobs, seconds):
     """OUT/<name>.command.json, {command: its record}: the command line that trained `trained` runs
-    (--out relative to the project: no machine's path), how long it took; other commands' kept."""
+    (--out relative to the project: no machine's path), how long it took; every other entry kept."""
     rel = os.path.relpath(out, HERE)
     argv = [w.replace(out, rel) if w in (out, "--out=" + out) else w
             for w in (sys.argv[1:] if argv is None else argv)]
     command, p = shlex.join(["python", "run.py", *argv]), provenance()
-    commands = {**read_commands(out, name), command: {"command": command,
-        "trained": trained, "jobs": jobs, "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
-        "machine": machine_of(p), "commit": p.get("commit"),   # what its speed depends on
-        "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}}
-    mechsm.write_whole(out_path(out, f"{name}.command.json"), json.dumps(commands, indent=1).encode())
+    with locked(out):                    # every entry kept: a rerun's under a key of its own
+        path, commands = command_file(out, name)
+        key = next(k for k in (command, *(f"{command} ({i})" for i in range(2, 2**31)))
+                   if k not in commands)
+        commands[key] = {"command": command, "trained": trained, "jobs": jobs,
+                         "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
+                         "machine": machine_of(p), "commit": p.get("commit"),   # its speed's
+                         "load": "load average %.1f over the last 15 minutes" % os.getloadavg()[2]}
+        mechsm.write_whole(path, json.dumps(commands, indent=1).encode())
 
 
 @contextlib.contextmanager
