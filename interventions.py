@@ -521,10 +521,10 @@ def minimal_circuit(model, dataset, *, target=0.9, n_docs=320, corrupt_role="key
     From all nodes, each is dropped in turn, from the output back (ACDC's order; over atp_above
     nodes: the smallest by attribution patching first), when the recovery stays >= target; passes
     repeat until one drops nothing. Returns target, members [[site, role], ...] input to output,
-    restored (its recovery: a circuit only if >= target), drop_one (the recovery without each member), atp_vs_exact (how attribution patching ranked and
-    sized each node's own interchange: Spearman's rho, mean |error| in recoveries), patches (exact
-    patched forwards over the documents); with no signal (mechanism's rule): no members, a
-    reason."""
+    restored (its recovery: a circuit only if >= target), drop_one (the recovery without each
+    member), atp_vs_exact (how attribution patching ranked and sized each node's own
+    interchange: Spearman's rho, mean |error| in recoveries), patches (exact patched forwards over
+    the documents); with no signal (mechanism's rule): no members, a reason."""
     _check(model=model, target=target, threshold=threshold, atp_above=atp_above)
     model.eval()
     data, clean, corrupted, answers, query = _documents(model, dataset, n_docs, corrupt_role, seed)
