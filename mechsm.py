@@ -241,21 +241,25 @@ def make_data(cfg, data=None):
     either way cfg must pass Config.check and its documents fit its model (learned positions,
     filters of fixed length)."""
     key = data_key(Config.check(cfg))
+    fits(cfg, cfg.task == "ar" and 2 * cfg.num_pairs + 5)    # AR's length: before making them
     data = make_documents(key) if data is None else data
     made = dict(data.key) if isinstance(data, Data) else {}
     wrong = [name for name, value in key if made.get(name) != value]
     if wrong:
         raise ValueError(f"data was made with {wrong[0]}={made.get(wrong[0])!r}, but cfg has "
                          f"{wrong[0]}={getattr(cfg, wrong[0])!r}: pass make_data(cfg) or no data.")
-    cfg = cfg.resolved()
-    if cfg.pos_emb or models.MIXER_CLASSES[cfg.arch].FIXED_LENGTH:
-        length = max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None)
-        if length > cfg.n_positions:
-            what = "learned positions" if cfg.pos_emb else "implicit filter positions"
-            raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s "
-                             f"model has {cfg.n_positions} {what}; raise n_positions or shorten "
-                             "the documents")
+    fits(cfg, max(d.tokens.shape[1] for d in (data.train, data.eval, data.test) if d is not None))
     return data
+
+
+def fits(cfg, length):
+    """A ValueError naming n_positions if cfg's model cannot take documents of `length` tokens."""
+    cfg = cfg.resolved()
+    if (cfg.pos_emb or models.MIXER_CLASSES[cfg.arch].FIXED_LENGTH) and length > cfg.n_positions:
+        what = "learned positions" if cfg.pos_emb else "implicit filter positions"
+        raise ValueError(f"n_positions: documents of up to {length} tokens, but {cfg.arch}'s "
+                         f"model has {cfg.n_positions} {what}; raise n_positions or shorten "
+                         "the documents")
 
 
 def probe_task(cfg):

@@ -342,7 +342,8 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
                        chosen_lrs=True, **fields_):
     """The Configs of an experiment's grid (runs -> widths -> lrs -> seeds), `fields_` set on every
     run; archs / widths / lrs / seeds narrow or replace the grid's (a new arch: a plain run). The
-    quick grids train each cell at its CHOSEN rate (chosen_lrs=False: the grid's rate)."""
+    quick grids train each cell at its CHOSEN rate and steps (lrs: its steps at those rates;
+    chosen_lrs=False: the grid's rate and steps)."""
     for param, value, allowed in (("experiment", name, EXPERIMENTS), ("preset", preset, PRESETS)):
         if value not in [*allowed]:                      # a list: unhashable
             raise ValueError(f"{param}: got {value!r}, expected one of {', '.join(allowed)}")
@@ -358,7 +359,7 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
     runs = spec["runs"] if archs is None else [r for r in spec["runs"] if r["arch"] in archs] + [
         dict(arch=a) for a in archs if a not in {r["arch"] for r in spec["runs"]}]
     pick = lambda table, arch, default=None: table.get(arch, table.get("*", default))
-    chosen = CHOSEN.get(name, {}) if preset == "quick" and chosen_lrs and not lrs else {}
+    chosen = CHOSEN.get(name, {}) if preset == "quick" and chosen_lrs else {}   # lrs: its steps
     configs = []
     for family in runs:
         arch = family["arch"]
@@ -368,7 +369,8 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         for width in widths or spec["widths"]:
             for lr in family_lrs:
                 choice = chosen.get(cell_name(family, width), lr)     # a rate, or (rate, steps)
-                lr, steps = choice if isinstance(choice, tuple) else (choice, base.get("steps"))
+                pick_lr, steps = choice if isinstance(choice, tuple) else (choice, base.get("steps"))
+                lr = lr if lrs else pick_lr
                 configs += [mechsm.Config(**{**base, "d_model": width, "seed": seed, "steps": steps,
                                              "lr": float(lr) if isinstance(lr, (int, float)) else lr})
                             for seed in seeds or pick(spec["seeds"], arch)]
@@ -447,7 +449,7 @@ def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
     steps with the most seeds (ties: the most steps; the budget ladder: README, difference 18), there at the
     lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never wins; ties: the lr with
-    the most seeds, then the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them),
+    the most seeds, then, as chosen_lr, the one nearest the middle of the ladder, then the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them),
     label, first ({lr: the first seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
     for r in latest(records):
@@ -466,7 +468,10 @@ def best_by_lr(records, ladder=True):
         first, second = ({lr: r for lr, rs in sorted(per_lr.items()) for r in rs if r["config"]["seed"] == s}
                          for s in (seed, seed + 1))
         scores = rate_scores(first, second)[0] if first else {}
-        best_lr = max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)), len(per_lr[lr]), -lr))
+        mid = statistics.mean(math.log(lr) for lr in per_lr)      # as chosen_lr: nearest the grid's
+        near = lambda lr: -round(abs(math.log(lr) - mid) / math.log(3), 1)
+        best_lr = max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)), len(per_lr[lr]),
+                                              near(lr), -lr))
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
@@ -617,11 +622,16 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         if other_command(args):                  # bench, --list, --figures, --report, --checkpoint
             return 0
+        status.training = True
         t0, name, out = time.time(), args.experiment or args.task or "ar", args.out or "out"
         device = mechsm.resolve_device(args.device or "auto")
         configs, notes = grid_runs(args, name, device)    # the catalogue's grid, narrowed by flags
         check_runs(configs)                               # bad input: one line, before any training
         jobs, shard, group_size = sweep_plan(args, name, configs, device, notes, out)   # printed
+        if shard[0] >= len(set(map(config_key, configs))):
+            print(f"shard {shard[0]}/{shard[1]}: the grid's runs are all other shards'; nothing to do",
+                  file=sys.stderr)
+            return 0
         before = by_run(read_results(out, warn=False))
         options = dict(jobs=jobs, shard=shard, patch=not args.no_interventions,
                        save=not args.no_save, group_size=group_size)
@@ -924,8 +934,8 @@ def append_result(path, record):
 
 def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
-    for cfg in configs:
-        mechsm.Config.check(cfg, "configs")
+    for cfg in configs:                          # every document length before any is made
+        mechsm.fits(mechsm.Config.check(cfg, "configs"), cfg.task == "ar" and 2 * cfg.num_pairs + 5)
     built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
         vocab = mechsm.make_data(cfg).vocab_size  # documents that do not fit the model: ValueError
@@ -1395,6 +1405,7 @@ def grid_runs(args, name, device):
                        ("--epochs", "--steps", args.epochs and args.steps),
                        ("--replicates", "--seeds", args.replicates and args.seeds),
                        ("--choose-lr", "--lr", args.choose_lr and args.lr),
+                       ("--choose-lr", "--epochs", args.choose_lr and args.epochs),
                        ("--choose-lr", "--seeds", args.choose_lr and args.seeds),
                        ("--choose-lr", "--preset paper", args.choose_lr and args.preset == "paper"),
                        ("--replicates", "--preset paper", args.replicates and args.preset == "paper")]:
@@ -1433,6 +1444,7 @@ def evaluate_checkpoint(args):
     digest = hashlib.sha1(os.path.abspath(args.checkpoint).encode()).hexdigest()[:8]
     path = out_path(args.out or "out", "checkpoint_eval", Path(args.checkpoint).stem
                     + "-" + digest, f"result_eval{cfg.eval_size}{'_unpatched' * bool(args.no_interventions)}.json")
+    writable(os.path.dirname(path))                       # before evaluating
     data = mechsm.make_data(cfg)
     record = {"config": asdict(cfg), "name": cfg.name(), "status": "ok", "checkpoint": None,
               "n_params": models.count_parameters(model), "final": mechsm.evaluate_all(model, data)}
@@ -1479,21 +1491,28 @@ def sweep_plan(args, name, configs, device, notes, out):
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
     if not args.jobs and device == "cpu":                       # one worker per core
-        cores = os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         jobs = min(cores, runs)
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
-    try:                                               # before any training: --out unwritable
-        os.makedirs(out, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise OSError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    writable(out)                                       # before any training
     print(f"mechsm | experiment {name} ({EXPERIMENTS[name].section}) | preset "
           f"{args.preset or 'quick'} | {runs} runs"
           + (f" | shard {shard[0]}/{shard[1]}" if shard[1] > 1 else "")
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why})", file=sys.stderr)
     return jobs, shard, group_size
+
+
+def writable(folder, flag="--out"):
+    """An OSError naming flag unless folder can be written (made if missing), checked before the
+    work that would end in writing there; a dangling or looping link there: a ValueError."""
+    check_links(folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise OSError(f"{flag} {folder}: cannot write there ({e.strerror or e})") from None
 
 
 def record_command(argv, out, name, trained, jobs, seconds):
@@ -1505,8 +1524,9 @@ def record_command(argv, out, name, trained, jobs, seconds):
     command, p = shlex.join(["python", "run.py", *argv]), provenance()
     with locked(out):                    # every entry kept: a rerun's under a key of its own
         path, commands = command_file(out, name)
-        key = next(k for k in (command, *(f"{command} ({i})" for i in range(2, 2**31)))
-                   if k not in commands)
+        key, i = command, 1
+        while key in commands:
+            key, i = f"{command} ({i + 1})", i + 1
         commands[key] = {"command": command, "trained": trained, "jobs": jobs,
                          "wall_s": round(seconds, 1), "date": time.strftime("%Y-%m-%d"),
                          "machine": machine_of(p), "commit": p.get("commit"),   # its speed's
@@ -1520,7 +1540,7 @@ def exit_status():
     and SIGTERM (143), which stops the workers as Ctrl-C does."""
     def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
         raise KeyboardInterrupt("SIGTERM")
-    status, previous = types.SimpleNamespace(code=None), signal.signal(signal.SIGTERM, on_sigterm)
+    status, previous = types.SimpleNamespace(code=None, training=False), signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield status
     except (ValueError, OSError, BrokenExecutor) as e:   # bad input, ..., a worker process died
@@ -1529,8 +1549,8 @@ def exit_status():
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
         sigterm = e.args == ("SIGTERM",)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}: finished runs are kept "
-              "in the results files; rerun to continue", file=sys.stderr)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}" + (": finished runs are kept "
+              "in the results files; rerun to continue") * status.training, file=sys.stderr)
         status.code = 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -1588,8 +1608,11 @@ def worker_init(parent):
 def shard_of(text):
     """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
     source = "--shard"
-    if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:
-        text = f"{os.environ['SLURM_ARRAY_TASK_ID']}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
+    if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:      # an array from 1, or 0-6:2, too
+        task, first, step = (os.environ.get(f"SLURM_ARRAY_TASK_{k}", "") for k in ("ID", "MIN", "STEP"))
+        if (task + first + step).isdigit() and int(step or 1):
+            task = str((int(task) - int(first or 0)) // int(step or 1))
+        text = f"{task}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"
         source = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT (the shard when --shard is not given)"
     if text is None:
         return 0, 1
@@ -1606,7 +1629,7 @@ def provenance():
     """Where and with what a record was made: date, machine, CPU and torch's kernels for it, commit
     (of this project's own git checkout alone, '+dirty' when a tracked file differs from it)."""
     git = lambda *a: subprocess.run(["git", "--no-optional-locks", *a], capture_output=True, text=True,
-                                    cwd=HERE, timeout=10).stdout.strip()
+                                    cwd=HERE, timeout=10, check=True).stdout.strip()
     try:
         top, _, commit = git("rev-parse", "--show-toplevel", "--short", "HEAD").partition("\n")
         commit = (commit + "+dirty" * bool(git("status", "--porcelain", "--untracked-files=no"))
@@ -1670,12 +1693,21 @@ def results_readme(folder):
             + summary_table(folder, rel=".") + "\n")
 
 
+def preset_of(command):
+    """The --preset of a recorded command line (None: one this code cannot parse)."""
+    try:
+        return build_parser().parse_args(shlex.split(command)[2:]).preset or "quick"
+    except ValueError:
+        return None
+
+
 def report_folder(folder):
     """--report FOLDER: <experiment>.md of each <experiment>.jsonl (results/: the READMEs too)."""
     written = {name: records for name, records in folder_records(folder).items() if records}
     for name, records in written.items():
-        preset = max(PRESETS, key=lambda p: len(by_run(records).keys()      # the records' grid
-                                                & set(map(config_key, experiment_configs(name, p)))))
+        made = {preset_of(c["command"]) for c in read_commands(folder, name).values()} - {None}
+        preset = made.pop() if len(made) == 1 else max(PRESETS, key=lambda p: len(  # else the grid
+            by_run(records).keys() & set(map(config_key, experiment_configs(name, p)))))
         mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, preset, records, folder)[1].encode())
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
     if readme:
@@ -1886,6 +1918,11 @@ def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=pri
     its fast kernels and readout-only head against kernels="reference" and the full head; the median
     of `repeats` interleaved rounds of `steps` steps after a warm-up round."""
     device, threads = torch.device(mechsm.resolve_device(device)), torch.get_num_threads()
+    line = lambda row: print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}"
+                                        for v in row))      # each row as it is measured
+    print_fn(f"mechsm bench | torch {torch.__version__} | {device}, one thread on a CPU | "
+             f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}\n")
+    line(["shape", "tokens", "arch", "fast_steps_s", "reference_steps_s", "speedup"])
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rows = []
     torch.set_num_threads(1 if device.type == "cpu" else threads)
@@ -1905,12 +1942,9 @@ def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=pri
                 t = {name: statistics.median(s[1:]) for name, s in seconds.items()}
                 rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=steps / t["fast"],
                                  reference_steps_s=steps / t["reference"], speedup=t["reference"] / t["fast"]))
+                line(rows[-1].values())
     finally:
         torch.set_num_threads(threads)
-    print_fn(f"mechsm bench | torch {torch.__version__} | {device}, one thread on a CPU | "
-             f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}\n")
-    for row in [rows[0].keys(), *(r.values() for r in rows)]:
-        print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
     return rows
 
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, fields, replace
 import collections
 import contextlib
 import glob
+import hashlib
 import importlib.util
 import json
 import math
@@ -19,6 +20,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -3710,3 +3713,301 @@ def test_the_readmes_circuit_sentences_say_what_the_mamba_ladder_records_hold():
     assert run_cli.circuit_words(fast["circuit"], restored=False) == "embed@key > L0 mixer@query"
     assert f"3.3e-3 ({run_cli.fmt_pct(slow['final']['acc'])})" in readme
     assert f"9.9e-3 ({run_cli.fmt_pct(fast['final']['acc'])})" in readme
+
+
+# --- Odd flags, hand-edited records, dangling links and two commands at once: nothing silently wrong
+
+class _DirectLookup(models.Mixer):
+    """Planted one-layer retrieval: at each position, the token after the earlier copy of its own
+    token (the value after the queried key), read sharply, into the last third of the stream."""
+    def mix(self, x):
+        v, l = x.shape[-1] // 3, x.shape[1]
+        scores = (30 * x[..., :v] @ x[:, :-1, :v].transpose(1, 2)).masked_fill(
+            torch.ones(l, l - 1, dtype=torch.bool).triu(0), float("-inf"))   # (b, l, l-1), earlier
+        return torch.cat([torch.zeros_like(x[..., :2 * v]), scores.softmax(-1) @ x[:, 1:, :v]], -1)
+
+
+def test_a_one_layer_circuit_holds_the_embedding_at_the_key_and_a_short_one_says_so(data):
+    """`$SIG --layers 1`: the circuit of a 1-layer model read `L0 mixer@query: 0%`, the embedding held
+    to the query (the last layer's rule), where the runs agree. It is embed@key > L0 mixer@query, 100%;
+    a record whose circuit falls short of its target reads 'none reaches'."""
+    model = PlantedInduction(data.vocab_size)
+    model.blocks = torch.nn.ModuleList([_PlantedBlock(_DirectLookup())])
+    found = iv.minimal_circuit(model, data, n_docs=40)
+    assert found["members"] == [["blocks.0.hook_resid_pre", "key"], ["blocks.0.mixer.hook_out", "query"]]
+    assert found["restored"] == pytest.approx(1, abs=1e-9)
+    short = {"members": [["blocks.0.mixer.hook_out", "query"]], "restored": 0.0, "target": 0.9}
+    assert run_cli.circuit_words(short) == "none reaches 90% (best: L0 mixer@query: 0%)"
+    assert run_cli.circuit_words(found) == "embed@key > L0 mixer@query: 100%"
+
+
+def test_interventions_refuse_every_bad_argument_naming_it(data):
+    model = patching_model("attention", data.vocab_size)
+    table = iv.mechanism(model, data, n_docs=8)
+    for call, name in [(lambda: iv.minimal_circuit(model, data, threshold=2), "threshold"),
+                       (lambda: iv.minimal_circuit(model, data, threshold=float("nan")), "threshold"),
+                       (lambda: iv.minimal_circuit(model, data, target=float("nan")), "target"),
+                       (lambda: iv.minimal_circuit(model, data, target="0.9"), "target"),
+                       (lambda: iv.minimal_circuit(model, data, atp_above=-1), "atp_above"),
+                       (lambda: iv.mechanism(model, data, seed=-1), "seed"),
+                       (lambda: iv.mechanism(model, data, strict="yes"), "strict"),
+                       (lambda: iv.headline(model, data, seed=2**64), "seed"),
+                       (lambda: iv.attribution_patching(model, data, seed=1.5), "seed"),
+                       (lambda: iv.corrupt(data, seed=-3), "seed"),
+                       (lambda: iv.corrupt("documents"), "dataset"),
+                       (lambda: iv.effective_record(model, data, doc=99), "doc"),
+                       (lambda: iv.effective_record(model, data, doc=-1), "doc"),
+                       (lambda: iv.effective_record(model, data, roles=("keyy",)), "roles"),
+                       (lambda: iv.verdict(table["headline"], False, cut=float("nan")), "cut"),
+                       (lambda: iv.render_heatmap([1]), "result"),
+                       (lambda: iv.hook_points("model"), "model"),
+                       (lambda: iv.mechanism(None, data), "model"),
+                       (lambda: iv.effective_attention(data, data.tokens), "model"),
+                       (lambda: iv.role_masks(None), "dataset"),
+                       (lambda: iv.patch(model, [("blocks.0.hook_resid_pre", abs)]).__enter__(), "edits")]:
+        with pytest.raises(ValueError, match=name) as excinfo:
+            call()
+        assert one_line_value_error(excinfo, name)
+
+
+def test_on_eval_adds_keys_never_replaces_a_measured_one_and_the_log_prints_only_mechsms():
+    cfg = tiny(steps=4, eval_every=2, timeline_docs=0)
+    for hook, name in [(lambda *a: {"loss": 123.0, "acc": 1.0}, "'loss'"),
+                       (lambda *a: {"step": 1000}, "'step'"), (lambda *a: {"test_acc": 1.0}, "test_acc"),
+                       (lambda *a: None, "None")]:
+        with pytest.raises(ValueError, match="on_eval") as excinfo:
+            mechsm.train(cfg, log=quiet, on_eval=hook)
+        assert name in str(excinfo.value)
+    for kw, name in [(dict(log=5), "log"), (dict(on_eval="timeline"), "on_eval")]:
+        for train in (lambda: mechsm.train(cfg, **kw), lambda: mechsm.train_group([cfg], **kw)):
+            with pytest.raises(ValueError, match=name) as excinfo:
+                train()
+            assert one_line_value_error(excinfo, name)
+    lines = []
+    result, _ = mechsm.train(cfg, log=lines.append, on_eval=lambda *a: {
+        "attrib_value": 0.5, "attrib_query": 0.25, "attrib_low_signal": False})
+    assert result["history"][-1]["attrib_value"] == 0.5 and result["final"]["loss"] != 123.0
+    assert lines and not any("attrib" in line for line in lines)      # the driver prints its own
+
+
+def test_a_command_record_is_never_lost(tmp_path, capsys):
+    """A bad entry beside a good one, the older single-record form, and a rerun that trains fewer
+    runs: every entry stays in <experiment>.command.json; the report quotes each command's most
+    complete record (`trained 4`, never `trained 1`)."""
+    out, path = str(tmp_path), tmp_path / "ar.command.json"
+    good = {"command": "python run.py", "trained": 4, "jobs": 2, "wall_s": 90.0, "date": "2026-12-01",
+            "machine": "x86_64", "load": "load average 1.0 over the last 15 minutes"}
+    path.write_text(json.dumps({"python run.py": good, "python run.py --seeds 0-2": {
+        k: v for k, v in good.items() if k != "load"}}))
+    run_cli.record_command(["--arch", "mamba"], out, "ar", 1, 1, 1.0)
+    kept = json.loads(path.read_text())
+    assert len(kept) == 3 and kept["python run.py"] == good and "load" not in kept["python run.py --seeds 0-2"]
+    assert set(run_cli.read_commands(out, "ar")) == {"python run.py", "python run.py --arch mamba"}
+    assert "'python run.py --seeds 0-2' is not a command record" in capsys.readouterr().err
+    run_cli.record_command([], out, "ar", 1, 1, 1.1)                          # a rerun trained 1 of 4
+    commands = run_cli.read_commands(out, "ar")
+    assert commands["python run.py"] == good and len(json.loads(path.read_text())) == 4
+    assert "it trained 4 runs in 1.5 minutes" in run_cli.run_py_line(out)
+    path.write_text(json.dumps(good))                                        # the older form
+    run_cli.record_command(["--arch", "h3"], out, "ar", 1, 1, 1.0)
+    assert json.loads(path.read_text())["python run.py"] == good
+    path.write_text("{torn")
+    run_cli.record_command(["--arch", "h3"], out, "ar", 1, 1, 1.0)
+    assert "{torn" in json.loads(path.read_text()).values()                 # kept, as found
+
+
+def _hold(path, offset, then=""):
+    """A process (no torch) that holds byte `offset` of `path` (fcntl.lockf) until its stdin is
+    closed, then runs `then` and lets go: returned once it holds the lock."""
+    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX, 1, int(sys.argv[2])); print('held', flush=True); "
+            f"sys.stdin.read(); {then}")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path), str(offset)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline() == "held\n"
+    return p
+
+
+def test_a_run_another_command_is_training_is_waited_for_never_trained_twice(tmp_path):
+    """`$T --seeds 0-3` twice at once into one --out trained every run twice. A run whose byte of
+    OUT/.lock another process holds is left to it: waited for, then read from its record; the
+    folder's own byte serialises every read-then-replace."""
+    out, cfgs = tmp_path / "out", [tiny(steps=2, seed=s, timeline_docs=0) for s in (0, 1)]
+    out.mkdir()
+    key = run_cli.config_key(cfgs[1])
+    offset = int(hashlib.sha1(key.encode()).hexdigest()[:12], 16) + 1
+    line = json.dumps(fake_record(cfgs[1], acc=0.75)).replace("'", "\\'")
+    other = _hold(out / ".lock", offset,
+                  then=f"open(sys.argv[1].replace('.lock', 'results.jsonl'), 'a').write('{line}\\n')")
+    logs = []
+    let_go = lambda m: logs.append(m) or "being trained by another" in m and other.stdin.close()
+    records = run_cli.sweep(cfgs, str(out), log=let_go, patch=False, save=False)
+    assert other.wait() == 0 and any("being trained by another command" in m for m in logs)
+    assert [r["final"]["acc"] for r in records][1] == 0.75          # its record, not a second run
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2
+    folder, lines = _hold(out / ".lock", 0), lambda: len((out / "results.jsonl").read_text().splitlines())
+    append = threading.Thread(target=run_cli.append_result, args=(str(out / "results.jsonl"), fake_record(cfgs[0])))
+    append.start()
+    time.sleep(0.5)
+    assert lines() == 2                                               # it waits for the folder's lock
+    folder.stdin.close()
+    append.join()
+    assert folder.wait() == 0 and lines() == 3
+
+
+def test_a_records_checkpoint_path_is_data_and_a_dangling_link_is_named_before_training(tmp_path, capsys):
+    """A record naming /etc/passwd, ../x or another folder's checkpoint is never read: one line, the
+    run trained again, its new checkpoint inside --out. A dangling ckpt/ link, or a looping
+    ar.jsonl, is one line naming the link, before any training."""
+    cfg = tiny(steps=2, timeline_docs=0)
+    other = tmp_path / "other"
+    tiny_checkpoint(other / "x.pt", steps=2, timeline_docs=0)
+    for i, named in enumerate(["/etc/passwd", "../other/x.pt", str(other / "x.pt")]):
+        out = tmp_path / f"out{i}"
+        run_cli.append_result(str(out / "results.jsonl"), fake_record(cfg, checkpoint=named,
+                                                                      mechanism_table=None))
+        logs = []
+        record, = run_cli.sweep([cfg], str(out), log=logs.append, patch=False, save=True)
+        assert any("outside" in m and named in m for m in logs) and record["checkpoint"].startswith("ckpt")
+        assert "delete" not in capsys.readouterr().err
+    for name, target in [("ckpt", tmp_path / "not-mounted"), ("ar.jsonl", None)]:
+        out = tmp_path / f"links-{name}"
+        out.mkdir()
+        (out / name).symlink_to(target or out / name)                 # None: a link to itself
+        assert run_cli.main(TINY_CLI + ["--steps", "2", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert one_error_line(err, "dangling link" if target else "looping link") and name in err
+        assert not (out / "results.jsonl").exists()
+
+
+def test_choose_lr_refuses_what_it_cannot_combine_and_lr_keeps_a_cells_chosen_steps(tmp_path, capsys):
+    assert run_cli.main(["--choose-lr", "--epochs", "1", "--out", str(tmp_path)]) == 2
+    assert one_error_line(capsys.readouterr().err, "--choose-lr and --epochs")
+    chosen = run_cli.CHOSEN["ar-widths"]["mamba (d 32)"]                # (rate, steps)
+    cfg, = run_cli.experiment_configs("ar-widths", archs=["mamba"], widths=[32], lrs=[1e-2], seeds=[0])
+    assert isinstance(chosen, tuple) and (cfg.lr, cfg.steps) == (1e-2, chosen[1])
+    # --steps above the cap: seed 0's rungs there, then the seeds at those steps, never fewer
+    base = tiny(steps=60_000, lr=1e-3)
+    done = {run_cli.config_key(replace(base, lr=lr)): fake_record(replace(base, lr=lr), acc=acc)
+            for lr, acc in ((3.3e-4, 0.2), (1e-3, 0.5), (3e-3, 0.3))}
+    assert all(s >= 60_000 for _, s, _ in run_cli.cell_choice(base, done)[1]) and \
+        run_cli.cell_choice(base, done)[0] == (1e-3, 60_000)
+
+
+def test_records_the_reports_cannot_read_are_named_and_skipped(tmp_path, capsys):
+    """A hand-edited record (no n_docs, threshold or positions; a malformed circuit; a NaN in the
+    table) is one warning naming its file and line, and skipped; a second, different record of one
+    run is named with both lines."""
+    good = kvq_record("mamba", 0, 0.5, 0.1, 0.2, 0.9)
+    good["mechanism_table"].update(n_docs=320, p_clean=0.5, p_corrupt=0.0, positions=["key"], rows=[],
+                                   low_signal=False, verdict="direct retrieval", verdict_reason="")
+    good["circuit"] = {"members": [["blocks.0.mixer.hook_out", "query"]], "restored": 0.95, "target": 0.9}
+    assert run_cli.readable(good)
+    bad = []
+    for path, value in [("n_docs", None), ("threshold", None), ("positions", None), ("n_docs", 0),
+                        ("threshold", 2.0), ("headline", {"key": float("nan"), "value": 0, "query": 0})]:
+        bad.append(json.loads(json.dumps(good)))
+        if value is None:
+            del bad[-1]["mechanism_table"][path]
+        else:
+            bad[-1]["mechanism_table"][path] = value
+    for circuit in ({"members": [["blocks"]], "restored": 1, "target": 0.9}, {"members": "x", "target": 1},
+                    {"members": [["blocks.0.mixer.hook_out", "query"]], "target": 0.9}):
+        bad.append({**json.loads(json.dumps(good)), "circuit": circuit})
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
+    assert len(run_cli.read_results(str(path))) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [f"{path}:{i}:" in line for i, line in enumerate(err, 2)] == [True] * len(bad)
+    edited = {**good, "final": {"acc": 0.99}}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(edited) + "\n")
+    assert run_cli.read_results(str(path))[-1]["final"]["acc"] == 0.99
+    assert f"{path}:2: a second record" in capsys.readouterr().err and f"{path}:1" in err[0] + str(path) + ":1"
+
+
+def test_a_no_signal_run_leans_only_on_a_positive_gap_beyond_the_noise():
+    """lean() used |gap|, so a negative gap leaned; and twice the bound is at least 4/320 > 0.01, so
+    a positive gap under AR's filter never could."""
+    record = lambda gap, p_corrupt=0.0: {"mechanism_table": {
+        "gap": gap, "p_clean": p_corrupt + gap, "p_corrupt": p_corrupt, "n_docs": 320,
+        "headline": {"key": 0.9, "value": 0.1, "query": 0.0}}}
+    assert run_cli.lean(record(0.009)) == "key"                           # under the filter, leans
+    assert run_cli.lean(record(-0.2, 0.5)) is None                        # a negative gap never
+    assert run_cli.lean(record(0.001)) is None                            # within the noise
+
+
+def test_the_smaller_cases_give_the_right_result_or_one_line(tmp_path, capsys, monkeypatch):
+    # float16 / bfloat16 models come back as they were saved
+    for dtype in (torch.float16, torch.bfloat16):
+        cfg = tiny()
+        model = mechsm.build(cfg, mechsm.probe_task(cfg)).to(dtype)
+        mechsm.save(model, cfg, str(tmp_path / "half.pt"))
+        assert next(mechsm.load(str(tmp_path / "half.pt"))[0].parameters()).dtype == dtype
+    with pytest.raises(ValueError, match="feature_dim") as excinfo:     # another mixer's option
+        models.build_model("gated_deltanet", 20, 16, 1, feature_dim=4)
+    assert one_line_value_error(excinfo, "feature_dim")
+    # a SLURM array numbered from 1 (or in steps) trains shard 0 too
+    for task, low, step, shard in [("1", "1", "", (0, 4)), ("4", "1", "1", (3, 4)), ("6", "0", "2", (3, 4))]:
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", task)
+        monkeypatch.setenv("SLURM_ARRAY_TASK_MIN", low)
+        monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", step)
+        monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
+        assert run_cli.shard_of(None) == shard
+    # --shard 3/4 of a 2-run grid: nothing to do, exit 0
+    assert run_cli.main(TINY_CLI + ["--seeds", "0-1", "--shard", "3/4", "--out", str(tmp_path / "s")]) == 0
+    assert "nothing to do" in capsys.readouterr().err and not (tmp_path / "s" / "results.jsonl").exists()
+    # --num-pairs 50000: the documents' length is checked before any is made
+    start = time.time()
+    assert run_cli.main(["--num-pairs", "50000", "--num-keys", "50000", "--num-values", "50000",
+                         "--out", str(tmp_path / "n")]) == 2
+    assert one_error_line(capsys.readouterr().err, "n_positions") and time.time() - start < 30
+    # taskset -c 0: one core usable, one job planned
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    args = run_cli.build_parser().parse_args(TINY_CLI + ["--seeds", "0-1"])
+    assert run_cli.sweep_plan(args, "ar", [tiny(seed=0), tiny(seed=1)], "cpu", [], str(tmp_path / "p"))[0] == 1
+    # a failing `git status` never records a modified tree as clean
+    real = subprocess.run
+    def git(cmd, **kw):
+        if "status" in cmd:
+            result = subprocess.CompletedProcess(cmd, 128, "", "fatal")
+            if kw.get("check"):
+                raise subprocess.CalledProcessError(128, cmd)
+            return result
+        return real(cmd, **kw)
+    monkeypatch.setattr(run_cli.subprocess, "run", git)
+    assert run_cli.provenance()["commit"] is None
+    monkeypatch.setattr(run_cli.subprocess, "run", real)
+    # the report's bold rate breaks ties as --choose-lr does: nearest the grid's rate
+    ladder = {lr: fake_record(tiny(lr=lr), acc=1.0) for lr in (3.3e-4, 1e-3, 3e-3)}
+    row, = run_cli.best_by_lr(list(ladder.values()))
+    assert row["best_lr"] == run_cli.chosen_lr(1e-3, ladder)[0] == 1e-3
+    # --checkpoint into a folder it cannot write: refused before evaluating
+    path, _ = tiny_checkpoint(tmp_path / "c.pt")
+    def unwritable(dir=None):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(run_cli.tempfile, "TemporaryFile", unwritable)
+    monkeypatch.setattr(mechsm, "evaluate_all", lambda *a: pytest.fail("evaluated first"))
+    assert run_cli.main(["--checkpoint", path, "--out", str(tmp_path / "ro")]) == 2
+    assert one_error_line(capsys.readouterr().err, "cannot write")
+
+
+def test_a_report_keeps_its_preset_and_bench_keeps_what_it_measured(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path)
+    assert run_cli.main(TINY_CLI + ["--preset", "paper", "--steps", "2", "--no-interventions",
+                                    "--no-save", "--jobs", "1", "--out", out]) == 0
+    assert run_cli.main(["--report", out]) == 0
+    assert open(os.path.join(out, "ar.md")).readline().rstrip().endswith("preset paper")
+    calls = []
+    def timed(*a):
+        calls.append(1)
+        if len(calls) > 4:                                            # the second shape's first round
+            raise KeyboardInterrupt
+        return 0.01
+    monkeypatch.setattr(run_cli, "timed_steps", timed)
+    lines = []
+    with pytest.raises(KeyboardInterrupt):
+        run_cli.bench("cpu", steps=1, repeats=1, archs=["attention"], print_fn=lines.append)
+    assert len(lines) == 3 and lines[-1].split()[:3] == ["quick", "21", "attention"]
+    monkeypatch.setattr(run_cli, "bench", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    capsys.readouterr()
+    assert run_cli.main(["bench"]) == 130 and "finished runs" not in capsys.readouterr().err
