@@ -674,14 +674,16 @@ def cell_choice(cfg, done):
 
 def climb(row):
     """What a cell's budget ladder found, from seed 0's best record at each budget it trained
-    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "converged at N"
-    (no longer run gained: paid), "not converged at the cap", "not converged at N" (cut off while a
-    doubling still paid), or None (one budget: no ladder to read)."""
+    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "memorised at N",
+    "never left the start at N", "converged at N" (no longer run gained: paid), "not converged at
+    the cap", "not converged at N" (cut off while a doubling still paid), or None (one budget)."""
     budgets, n = row.get("budgets") or {}, row["budget"]
     if len(budgets) < 2 or n not in budgets:
         return None
     if run_score(budgets[n]) >= (True, 0.98):
         return f"at 98% or more by {n:,}"
+    if diagnose(budgets[n]) in ("memorised", "never left the start"):    # a longer run would not mend it
+        return f"{diagnose(budgets[n])} at {n:,}"
     if any(s > n for s in budgets) and not any(paid(budgets[n], budgets[s]) for s in budgets if s > n):
         return f"converged at {n:,}"
     return "not converged at the cap" if n >= CAP_STEPS[row["best"]["config"]["task"]] else \

@@ -2503,6 +2503,10 @@ def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_wh
     assert run_cli.climb(row(budgets(0.5, 0.6, 0.7), 400)) == "not converged at 400"
     assert run_cli.climb(row(budgets(0.5, 0.99, 0.99), 200)) == "at 98% or more by 200"
     assert run_cli.climb(row({100: add(1e-3, 100, 0.5)}, 100)) is None     # one budget: no ladder read
+    memorised = budgets(0.5, 0.6, 0.7)
+    memorised[400] = {**diag_record(train=(10.0, 1.0), loss=(6.0, 5.9, 6.0), acc=(0.1, 0.125)),
+                      "config": memorised[400]["config"]}
+    assert run_cli.climb(row(memorised, 400)) == "memorised at 400"
 
 
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
