@@ -677,7 +677,7 @@ def climb(row):
     (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "memorised at N",
     "never left the start at N", "converged at N" (no longer run gained: paid), "not converged at
     the cap", "not converged at N" (cut off while a doubling still paid), or None (one budget)."""
-    budgets, n = row.get("budgets") or {}, row["budget"]
+    budgets, n = row.get("budgets") or {}, row.get("budget")
     if len(budgets) < 2 or n not in budgets:
         return None
     if run_score(budgets[n]) >= (True, 0.98):
