@@ -369,7 +369,8 @@ def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=Non
         for width in widths or spec["widths"]:
             for lr in family_lrs:
                 choice = chosen.get(cell_name(family, width), lr)     # a rate, or (rate, steps)
-                pick_lr, steps = choice if isinstance(choice, tuple) else (choice, base.get("steps"))
+                pick_lr, steps = choice if isinstance(choice, tuple) else (choice,
+                                                                          base.get("steps"))
                 lr = lr if lrs else pick_lr
                 configs += [mechsm.Config(**{**base, "d_model": width, "seed": seed, "steps": steps,
                                              "lr": float(lr) if isinstance(lr, (int, float)) else lr})
@@ -391,9 +392,9 @@ def timeline(model, data, cfg, step):
     if not cfg.timeline_docs:
         return {}
     head = interventions.headline(model, data.eval, n_docs=cfg.timeline_docs, threshold=cfg.gap_filter)
-    print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] step {step} | attrib " + (   # as
-        "-" if head["low_signal"] else f"V {fmt_num(head['value'])} Q {fmt_num(head['query'])}"),   # train's
-        file=sys.stderr, flush=True)
+    pair = "-" if head["low_signal"] else f"V {fmt_num(head['value'])} Q {fmt_num(head['query'])}"
+    print(f"[{cfg.arch} d{cfg.d_model} lr{cfg.lr:g} s{cfg.seed}] step {step} | attrib {pair}",
+          file=sys.stderr, flush=True)                      # beside train's line of the step
     return {"attrib_value": head["value"], "attrib_query": head["query"], "attrib_gap": head["gap"],
             "attrib_low_signal": head["low_signal"]}
 
@@ -449,8 +450,9 @@ def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
     steps with the most seeds (ties: the most steps; the budget ladder: README, difference 18), there at the
     lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never wins; ties: the lr with
-    the most seeds, then, as chosen_lr, the one nearest the middle of the ladder, then the smaller): arch, d_model, best_lr, runs (best_lr's seeds), best (of them),
-    label, first ({lr: the first seed's record}), budgets ({steps: the first seed's best record})."""
+    the most seeds, then, as chosen_lr, the one nearest the ladder's middle, then the smaller):
+    arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr: the first
+    seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
     for r in latest(records):
         groups.setdefault(cell_key({**r["config"], "steps": None} if ladder else r["config"]), []).append(r)
@@ -468,10 +470,10 @@ def best_by_lr(records, ladder=True):
         first, second = ({lr: r for lr, rs in sorted(per_lr.items()) for r in rs if r["config"]["seed"] == s}
                          for s in (seed, seed + 1))
         scores = rate_scores(first, second)[0] if first else {}
-        mid = statistics.mean(math.log(lr) for lr in per_lr)      # as chosen_lr: nearest the grid's
+        mid = statistics.mean(math.log(lr) for lr in per_lr)    # as chosen_lr: nearest the grid's
         near = lambda lr: -round(abs(math.log(lr) - mid) / math.log(3), 1)
-        best_lr = max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)), len(per_lr[lr]),
-                                              near(lr), -lr))
+        best_lr = max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)),
+                                              len(per_lr[lr]), near(lr), -lr))
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
@@ -512,8 +514,8 @@ def lean(record):
     """Where a run with no signal points (the site of its largest attribution), or None where its gap
     P̄_clean − P̄_corrupt (signed: a negative one never leans) is within a bound on its standard
     error over the documents: noise (a mean of values in [0, 1] with mean p has standard deviation
-    at most sqrt(p (1 - p))). Twice the bound could never be passed by a gap under the 0.01 filter at
-    320 documents (it is at least 4/320)."""
+    at most sqrt(p (1 - p))). Twice the bound could never be passed by a gap under the 0.01 filter
+    at 320 documents (it is at least 4/320)."""
     table = record["mechanism_table"]
     if None in (table.get("gap"), table.get("p_clean"), table.get("p_corrupt"), *table["headline"].values()):
         return None                                   # a run whose weights went NaN
@@ -587,7 +589,8 @@ def circuit_words(circuit, restored=True):
         f"L{interventions.site_layer(site)} {site.split('.')[2]}"
     words = " > ".join(f"{name(site)}@{role}" for site, role in circuit["members"]) or "none"
     if circuit["members"] and circuit["restored"] < circuit["target"]:
-        return f"none reaches {100 * circuit['target']:.0f}% (best: {words}: {100 * circuit['restored']:.0f}%)"
+        return (f"none reaches {100 * circuit['target']:.0f}% (best: {words}: "
+                f"{100 * circuit['restored']:.0f}%)")
     return words + (f": {100 * circuit['restored']:.0f}%" if restored and circuit["members"] else "")
 
 
@@ -633,8 +636,8 @@ def main(argv=None):
         check_runs(configs)                               # bad input: one line, before any training
         jobs, shard, group_size = sweep_plan(args, name, configs, device, notes, out)   # printed
         if shard[0] >= len(set(map(config_key, configs))):
-            print(f"shard {shard[0]}/{shard[1]}: the grid's runs are all other shards'; nothing to do",
-                  file=sys.stderr)
+            print(f"shard {shard[0]}/{shard[1]}: the grid's runs are all other shards'; nothing "
+                  "to do", file=sys.stderr)
             return 0
         before = by_run(read_results(out, warn=False))
         options = dict(jobs=jobs, shard=shard, patch=not args.no_interventions,
@@ -882,11 +885,12 @@ def read_results(out, warn=True):
                 except (ValueError, RecursionError):      # a blank or torn line
                     record = None
                 if readable(record):
-                    key, measured = run_key(record["config"]), [record[k] for k in ("status", "final")]
+                    key, measured = run_key(record["config"]), [record["status"], record["final"]]
                     where, before = seen.get(key, (None, measured))
                     if before != measured:      # a patch or a saved checkpoint adds, never changes
-                        say(f"{path}:{i}: a second record of {record.get('name')} ({where}), with other "
-                            "measurements (hand-edited, or trained twice); the later one is read")
+                        say(f"{path}:{i}: a second record of {record.get('name')} ({where}), "
+                            "with other measurements (hand-edited, or trained twice); the later "
+                            "one is read")
                     seen[key] = f"{path}:{i}", measured
                     records.append(record)
                     unknown |= set(record["config"]) - set(DEFAULTS) - {"device"}
@@ -927,7 +931,7 @@ def append_result(path, record):
     """Append one JSON line, on a line of its own (after a torn line too), then fsync."""
     line = (json.dumps(json_safe(record), sort_keys=True) + "\n").encode()
     try:
-        with locked(os.path.dirname(path) or "."), open(path, "a+b") as f:
+        with open(path, "a+b") as f:
             if f.seek(0, os.SEEK_END):                   # not empty: does its last line end?
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
@@ -944,7 +948,8 @@ def append_result(path, record):
 def check_runs(configs):
     """Raise ValueError (one line) for the first bad run of `configs`, before a sweep starts."""
     for cfg in configs:                          # every document length before any is made
-        mechsm.fits(mechsm.Config.check(cfg, "configs"), cfg.task == "ar" and 2 * cfg.num_pairs + 5)
+        mechsm.fits(mechsm.Config.check(cfg, "configs"),
+                    cfg.task == "ar" and 2 * cfg.num_pairs + 5)
     built = set()                                # a model per group: lr and seed change no shape
     for cfg in configs:
         vocab = mechsm.make_data(cfg).vocab_size  # documents that do not fit the model: ValueError
@@ -1062,10 +1067,12 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         for key in [k for k in todo if k in done and k not in patchable]:     # why it is trained
             log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
         groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
-        work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
+        work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g)
+                                                                       for g in groups]
         try:
             for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
-                append_result(results, record)
+                with locked(out):
+                    append_result(results, record)
         finally:
             for k in set(wanted) - set(busy):
                 lock_byte(out, k, fcntl.LOCK_UN)
@@ -1077,8 +1084,8 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
     return [newest[k] for k in unique if k in newest]
 
 
-LOCKS = {}   # {OUT/.lock's real path: [its descriptor, depth of locked()]}: one per process, never
-#              closed (closing any descriptor of a file drops every POSIX lock the process holds on it)
+LOCKS = {}   # {OUT/.lock's real path: its descriptor}: one per process, never closed (closing any
+#              descriptor of a file drops every POSIX lock the process holds on it)
 
 
 def lock_byte(out, key, how):
@@ -1087,10 +1094,10 @@ def lock_byte(out, key, how):
     (wait), LOCK_EX | LOCK_NB (False if another process holds it) or LOCK_UN."""
     path = os.path.realpath(out_path(out, ".lock"))
     if path not in LOCKS:
-        LOCKS[path] = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644), 0]
+        LOCKS[path] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     start = int(hashlib.sha1(key.encode()).hexdigest()[:12], 16) + 1 if key else 0
     try:
-        fcntl.lockf(LOCKS[path][0], how, 1, start)
+        fcntl.lockf(LOCKS[path], how, 1, start)
     except (BlockingIOError, PermissionError):      # held by another process
         return False
     return True
@@ -1098,17 +1105,13 @@ def lock_byte(out, key, how):
 
 @contextlib.contextmanager
 def locked(out):
-    """Hold the folder's lock of `out` around a read-then-replace (one writer at a time); taken
-    again inside, by the same process, it is held until the outermost lets go."""
-    lock_byte(out, "", fcntl.LOCK_EX)              # a process never waits on its own locks
-    held = LOCKS[os.path.realpath(os.path.join(out, ".lock"))]
-    held[1] += 1
+    """Hold the folder's lock of `out` around a read-then-replace (one writer at a time; never
+    nested: the inner one's end would end the outer's)."""
+    lock_byte(out, "", fcntl.LOCK_EX)
     try:
         yield
     finally:
-        held[1] -= 1
-        if not held[1]:
-            lock_byte(out, "", fcntl.LOCK_UN)
+        lock_byte(out, "", fcntl.LOCK_UN)
 
 
 def checkpoint_in(out, record, log):
@@ -1150,7 +1153,8 @@ def command_file(folder, name):
         entries = None
     if not isinstance(entries, dict):
         return path, {"unreadable, as found": text}
-    return path, {entries["command"]: entries} if isinstance(entries.get("command"), str) else entries
+    older = isinstance(entries.get("command"), str)
+    return path, {entries["command"]: entries} if older else entries
 
 
 COMMAND_FIELDS = {"command": str, "trained": int, "jobs": int, "wall_s": (int, float), "date": str,
@@ -1159,13 +1163,14 @@ COMMAND_FIELDS = {"command": str, "trained": int, "jobs": int, "wall_s": (int, f
 
 def read_commands(folder, name):
     """{command: its record that trained the most runs} of folder/<name>.command.json (each command
-    that trained runs there, how long it took); an entry that is not one: skipped, with a warning."""
+    that trained runs there, how long it took); an entry that is not one: skipped, warned of."""
     (path, entries), best = command_file(folder, name), {}
     for key, c in entries.items():
-        if not (isinstance(c, dict) and all(isinstance(c.get(k), t) for k, t in COMMAND_FIELDS.items())
-                and math.isfinite(c["wall_s"])):
-            print(f"warning: {path}: {key[:80]!r} is not a command record (corrupt or hand-edited); "
-                  "skipped", file=sys.stderr)
+        whole = isinstance(c, dict) and all(isinstance(c.get(k), t)
+                                            for k, t in COMMAND_FIELDS.items())
+        if not (whole and math.isfinite(c["wall_s"])):
+            print(f"warning: {path}: {key[:80]!r} is not a command record (corrupt or "
+                  "hand-edited); skipped", file=sys.stderr)
         elif c["trained"] >= best.get(c["command"], {"trained": -1})["trained"]:
             best[c["command"]] = c
     return best
@@ -1500,7 +1505,8 @@ def sweep_plan(args, name, configs, device, notes, out):
         print(note, file=sys.stderr)
     jobs, why = (args.jobs, "--jobs") if args.jobs else (1, "one process drives the GPU")
     if not args.jobs and device == "cpu":                       # one worker per core
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            os.cpu_count() or 1                                     # taskset's, else the machine's
         jobs = min(cores, runs)
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
@@ -1526,7 +1532,7 @@ def writable(folder, flag="--out"):
 
 def record_command(argv, out, name, trained, jobs, seconds):
     """OUT/<name>.command.json, {command: its record}: the command line that trained `trained` runs
-    (--out relative to the project: no machine's path), how long it took; every other entry kept."""
+    (--out relative to the project: no machine's path), how long it took; every entry kept."""
     rel = os.path.relpath(out, HERE)
     argv = [w.replace(out, rel) if w in (out, "--out=" + out) else w
             for w in (sys.argv[1:] if argv is None else argv)]
@@ -1549,7 +1555,8 @@ def exit_status():
     and SIGTERM (143), which stops the workers as Ctrl-C does."""
     def on_sigterm(signum, frame):     # as Ctrl-C is: the workers stop, finished runs stay kept
         raise KeyboardInterrupt("SIGTERM")
-    status, previous = types.SimpleNamespace(code=None, training=False), signal.signal(signal.SIGTERM, on_sigterm)
+    status = types.SimpleNamespace(code=None, training=False)      # main: training once it starts
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield status
     except (ValueError, OSError, BrokenExecutor) as e:   # bad input, ..., a worker process died
@@ -1558,8 +1565,8 @@ def exit_status():
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # a second Ctrl-C cannot cut this short
         sigterm = e.args == ("SIGTERM",)
-        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}" + (": finished runs are kept "
-              "in the results files; rerun to continue") * status.training, file=sys.stderr)
+        print(f"\n{'terminated (SIGTERM)' if sigterm else 'interrupted'}" + (": finished runs are "
+              "kept in the results files; rerun to continue") * status.training, file=sys.stderr)
         status.code = 143 if sigterm else 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -1618,7 +1625,8 @@ def shard_of(text):
     """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
     source = "--shard"
     if text is None and "SLURM_ARRAY_TASK_ID" in os.environ:      # an array from 1, or 0-6:2, too
-        task, first, step = (os.environ.get(f"SLURM_ARRAY_TASK_{k}", "") for k in ("ID", "MIN", "STEP"))
+        task, first, step = (os.environ.get(f"SLURM_ARRAY_TASK_{k}", "")
+                             for k in ("ID", "MIN", "STEP"))
         if (task + first + step).isdigit() and int(step or 1):
             task = str((int(task) - int(first or 0)) // int(step or 1))
         text = f"{task}/{os.environ.get('SLURM_ARRAY_TASK_COUNT', '')}"

@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -3855,14 +3856,14 @@ def test_a_run_another_command_is_training_is_waited_for_never_trained_twice(tmp
     assert other.wait() == 0 and any("being trained by another command" in m for m in logs)
     assert [r["final"]["acc"] for r in records][1] == 0.75          # its record, not a second run
     assert len((out / "results.jsonl").read_text().splitlines()) == 2
-    folder, lines = _hold(out / ".lock", 0), lambda: len((out / "results.jsonl").read_text().splitlines())
-    append = threading.Thread(target=run_cli.append_result, args=(str(out / "results.jsonl"), fake_record(cfgs[0])))
-    append.start()
+    folder = _hold(out / ".lock", 0)                                  # the folder's byte
+    write = threading.Thread(target=run_cli.record_command, args=([], str(out), "ar", 1, 1, 1.0))
+    write.start()
     time.sleep(0.5)
-    assert lines() == 2                                               # it waits for the folder's lock
+    assert not (out / "ar.command.json").exists()                     # it waits for the lock
     folder.stdin.close()
-    append.join()
-    assert folder.wait() == 0 and lines() == 3
+    write.join()
+    assert folder.wait() == 0 and (out / "ar.command.json").exists()
 
 
 def test_a_records_checkpoint_path_is_data_and_a_dangling_link_is_named_before_training(tmp_path, capsys):
@@ -3899,7 +3900,7 @@ def test_choose_lr_refuses_what_it_cannot_combine_and_lr_keeps_a_cells_chosen_st
     # --steps above the cap: seed 0's rungs there, then the seeds at those steps, never fewer
     base = tiny(steps=60_000, lr=1e-3)
     done = {run_cli.config_key(replace(base, lr=lr)): fake_record(replace(base, lr=lr), acc=acc)
-            for lr, acc in ((3.3e-4, 0.2), (1e-3, 0.5), (3e-3, 0.3))}
+            for lr, acc in ((3.3e-4, 0.1), (1e-3, 0.9), (3e-3, 0.2))}
     assert all(s >= 60_000 for _, s, _ in run_cli.cell_choice(base, done)[1]) and \
         run_cli.cell_choice(base, done)[0] == (1e-3, 60_000)
 
@@ -3909,6 +3910,7 @@ def test_records_the_reports_cannot_read_are_named_and_skipped(tmp_path, capsys)
     table) is one warning naming its file and line, and skipped; a second, different record of one
     run is named with both lines."""
     good = kvq_record("mamba", 0, 0.5, 0.1, 0.2, 0.9)
+    good["config"]["eval_size"] = 320
     good["mechanism_table"].update(n_docs=320, p_clean=0.5, p_corrupt=0.0, positions=["key"], rows=[],
                                    low_signal=False, verdict="direct retrieval", verdict_reason="")
     good["circuit"] = {"members": [["blocks.0.mixer.hook_out", "query"]], "restored": 0.95, "target": 0.9}
@@ -3932,7 +3934,8 @@ def test_records_the_reports_cannot_read_are_named_and_skipped(tmp_path, capsys)
     edited = {**good, "final": {"acc": 0.99}}
     path.write_text(json.dumps(good) + "\n" + json.dumps(edited) + "\n")
     assert run_cli.read_results(str(path))[-1]["final"]["acc"] == 0.99
-    assert f"{path}:2: a second record" in capsys.readouterr().err and f"{path}:1" in err[0] + str(path) + ":1"
+    err = capsys.readouterr().err
+    assert f"{path}:2: a second record" in err and f"({path}:1)" in err
 
 
 def test_a_no_signal_run_leans_only_on_a_positive_gap_beyond_the_noise():
@@ -3963,6 +3966,8 @@ def test_the_smaller_cases_give_the_right_result_or_one_line(tmp_path, capsys, m
         monkeypatch.setenv("SLURM_ARRAY_TASK_STEP", step)
         monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
         assert run_cli.shard_of(None) == shard
+    for k in ("ID", "MIN", "STEP", "COUNT"):
+        monkeypatch.delenv(f"SLURM_ARRAY_TASK_{k}")
     # --shard 3/4 of a 2-run grid: nothing to do, exit 0
     assert run_cli.main(TINY_CLI + ["--seeds", "0-1", "--shard", "3/4", "--out", str(tmp_path / "s")]) == 0
     assert "nothing to do" in capsys.readouterr().err and not (tmp_path / "s" / "results.jsonl").exists()
@@ -4020,4 +4025,8 @@ def test_a_report_keeps_its_preset_and_bench_keeps_what_it_measured(tmp_path, ca
     assert len(lines) == 3 and lines[-1].split()[:3] == ["quick", "21", "attention"]
     monkeypatch.setattr(run_cli, "bench", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     capsys.readouterr()
-    assert run_cli.main(["bench"]) == 130 and "finished runs" not in capsys.readouterr().err
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        assert run_cli.main(["bench"]) == 130 and "finished runs" not in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGINT, sigint)          # main ignores a second Ctrl-C
