@@ -62,8 +62,9 @@ def _check(**args):
     """A one-line ValueError naming the first argument that is not what ARGS allows."""
     for name, value in args.items():
         ok, allowed = ARGS[name]
-        if not ok(value):
-            raise ValueError(f"{name} must be {allowed}; got {value!r}.")
+        if not ok(value):                   # a model or a tensor: its type (its repr has lines)
+            shown = repr(value) if isinstance(value, (int, float, str, type(None))) else type(value)
+            raise ValueError(f"{name} must be {allowed}; got {shown}.")
 
 
 def _check_names(name, names, allowed):

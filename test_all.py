@@ -2994,8 +2994,9 @@ def test_a_later_command_into_the_folder_keeps_the_earlier_ones_record(tmp_path,
     assert all(f"The command `{c}` trained 1 of them" in report for c in commands)
     assert "minutes" not in run_cli.run_py_line(str(out))          # no `python run.py` there: no time quoted
     for path in glob.glob(os.path.join(HERE, "results", "*.command.json")):
-        for command, record in json.load(open(path)).items():
-            assert command == record["command"] and not absolute(command), path
+        for key, record in json.load(open(path)).items():      # a rerun's: "<command> (2)"
+            assert re.fullmatch(re.escape(record["command"]) + r"( \(\d+\))?", key), path
+            assert not absolute(record["command"]), path
     default = json.load(open(os.path.join(HERE, "results", "ar.command.json")))["python run.py"]
     assert f"in {default['wall_s'] / 60:.1f} minutes" in run_cli.run_py_line(os.path.join(HERE, "results"))
 
@@ -3875,6 +3876,7 @@ def test_a_records_checkpoint_path_is_data_and_a_dangling_link_is_named_before_t
     tiny_checkpoint(other / "x.pt", steps=2, timeline_docs=0)
     for i, named in enumerate(["/etc/passwd", "../other/x.pt", str(other / "x.pt")]):
         out = tmp_path / f"out{i}"
+        out.mkdir()
         run_cli.append_result(str(out / "results.jsonl"), fake_record(cfg, checkpoint=named,
                                                                       mechanism_table=None))
         logs = []
@@ -3898,7 +3900,7 @@ def test_choose_lr_refuses_what_it_cannot_combine_and_lr_keeps_a_cells_chosen_st
     cfg, = run_cli.experiment_configs("ar-widths", archs=["mamba"], widths=[32], lrs=[1e-2], seeds=[0])
     assert isinstance(chosen, tuple) and (cfg.lr, cfg.steps) == (1e-2, chosen[1])
     # --steps above the cap: seed 0's rungs there, then the seeds at those steps, never fewer
-    base = tiny(steps=60_000, lr=1e-3)
+    base = tiny(steps=60_000, lr=1e-3, seed=0)
     done = {run_cli.config_key(replace(base, lr=lr)): fake_record(replace(base, lr=lr), acc=acc)
             for lr, acc in ((3.3e-4, 0.1), (1e-3, 0.9), (3e-3, 0.2))}
     assert all(s >= 60_000 for _, s, _ in run_cli.cell_choice(base, done)[1]) and \
