@@ -4004,6 +4004,7 @@ def test_the_smaller_cases_give_the_right_result_or_one_line(tmp_path, capsys, m
         raise PermissionError(13, "Permission denied")
     monkeypatch.setattr(run_cli.tempfile, "TemporaryFile", unwritable)
     monkeypatch.setattr(mechsm, "evaluate_all", lambda *a: pytest.fail("evaluated first"))
+    capsys.readouterr()
     assert run_cli.main(["--checkpoint", path, "--out", str(tmp_path / "ro")]) == 2
     assert one_error_line(capsys.readouterr().err, "cannot write")
 
