@@ -2054,6 +2054,84 @@ def test_nan_member_fails_and_the_others_finish_as_alone(float64_models):
         _assert_same_run(mechsm.train(cfg, log=quiet), member, 1e-9, 1e-8)
 
 
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Inside: an op that reads a tensor's value back to Python (.item(), float(), bool(), int()
+    reach aten::_local_scalar_dense) raises, but for LM.forward's token-range check, which runs on a
+    CPU only; .cpu(), .tolist(), .numpy() are patched to raise too."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frame = sys._getframe()
+            while frame and frame.f_code is not models.LM.forward.__code__:
+                frame = frame.f_back
+            assert frame and frame.f_locals["tokens"].is_cpu, "a host sync in the step"
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    def refuse(*a, **k):
+        raise AssertionError("a host sync in the step")
+    with pytest.MonkeyPatch.context() as mp, _NoHostSync():
+        for name in ("cpu", "tolist", "numpy"):
+            mp.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_the_group_step_makes_no_host_sync(arch, monkeypatch):
+    """train_group's step between evaluations reads nothing back from the device (on a GPU a read
+    waits for every queued kernel, so Python can no longer dispatch ahead): its lrs come as a tensor
+    already there, and Ensemble.train_step, under the patches, completes. (LM.forward's token-range
+    check reads on a CPU only, and inside vmap it cannot: it falls back without reading.)"""
+    step, seen = mechsm.Ensemble.train_step, []
+
+    def guarded(self, *batch, **k):
+        seen.append(batch[3])
+        with no_host_sync():
+            return step(self, *batch, **k)
+    monkeypatch.setattr(mechsm.Ensemble, "train_step", guarded)
+    cfgs = [tiny(arch=arch, **{**GROUP, "steps": 3}, lr=lr) for lr in (1e-3, 3e-3)]
+    mechsm.train_group(cfgs, log=quiet)
+    assert len(seen) == 3 and all(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in seen)
+    with pytest.raises(AssertionError, match="host sync"), no_host_sync():   # the guard does guard
+        torch.ones(1).sum().item()
+
+
+def test_the_step_counted_on_the_device_is_the_step_counted_in_python():
+    """CapturedStep's form of the step (the count a tensor stepped in place, the bias corrections
+    computed from it on the device) gives train_step's weights, moments and failures, float64."""
+    data = tasks.make_ar(8, num_keys=16, num_values=16, num_pairs=4, seed=0)
+    batch = (data.tokens, data.positions["query"], data.answers)
+    pair = [mechsm.Ensemble([small_model("mamba", seed=s) for s in range(3)]) for _ in range(2)]
+    n = torch.zeros((), dtype=torch.long)
+    for step in range(4):
+        lrs = torch.tensor([1e-3, 3e-3, 1e300], dtype=torch.float64)
+        pair[0].train_step(*batch, lrs)
+        pair[1].train_step(*batch, lrs, n=n)
+    assert n.item() == 4 and pair[0].failed_step.tolist() == pair[1].failed_step.tolist() != [-1] * 3
+    for name in ("flat", "exp_avg", "exp_avg_sq", "failed_loss"):
+        torch.testing.assert_close(getattr(pair[1], name), getattr(pair[0], name), rtol=1e-13, atol=0,
+                                   equal_nan=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_captured_group_trains_as_the_eager_one_on_a_gpu(float64_models):
+    """train_group(captured=True): 3 warm-up steps, then a CUDA graph replayed; float64, 30 steps, a
+    NaN member among them: every record and weight is the eager group's."""
+    cfgs = [tiny(**GROUP, device="cuda", lr=lr) for lr in (1e-3, 3e-3, 1e200)]
+    eager, captured = (mechsm.train_group(cfgs, log=quiet, captured=c) for c in (False, True))
+    for (r0, m0), (r1, m1) in zip(eager, captured):
+        assert (r0["status"], r0["steps_done"]) == (r1["status"], r1["steps_done"])
+        for p0, p1 in zip(m0.parameters(), m1.parameters()):
+            torch.testing.assert_close(p1, p0, rtol=1e-10, atol=1e-12)
+
+
+def test_captured_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="captured"):
+        mechsm.train_group([tiny(device="cpu")], log=quiet, captured=True)
+
+
 @pytest.mark.parametrize("form", ["cpu", "gpu"])
 @pytest.mark.parametrize("arch,options", VARIANTS[:len(ARCH_UNDER_TEST)] + [("mamba", {"d_conv": 0}),
                                                                            ("base_conv", {"long_only": True})],
