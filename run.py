@@ -613,7 +613,7 @@ def main(argv=None):
         jobs, shard, group_size = sweep_plan(args, name, configs, device, notes, out)   # printed
         before = by_run(read_results(out, warn=False))
         options = dict(jobs=jobs, shard=shard, patch=not args.no_interventions,
-                       save=not args.no_save, group_size=group_size)
+                       save=not args.no_save, group_size=group_size, captured=bool(args.cuda_graph))
         if args.choose_lr:              # in rounds: each cell's rates at seed 0, then its seeds
             configs = choose_lrs(configs, out, **options)
         records = sweep(configs, out, **options)          # one_run per run not yet in out
@@ -941,11 +941,13 @@ def choice_round(configs, out):
 def do_job(kind, payload, out, wants):
     """A worker's job: train a group of configs (one_run, or mechsm.train_group for several), or
     patch a recorded run from its checkpoint: the records; none if it fails (a rerun retries it)."""
+    wants = dict(wants)
+    captured = wants.pop("captured", False)             # train_group's; patch and save: finish's
     try:
         if kind == "train":
             if len(payload) == 1:
                 return [one_run(payload[0], out, **wants)]
-            pairs = mechsm.train_group(payload, on_eval=timeline)
+            pairs = mechsm.train_group(payload, on_eval=timeline, captured=captured)
             return [finish(record, model, out, **wants) for record, model in pairs]
         cfg, record = payload
         model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
@@ -971,9 +973,10 @@ def recorded_without(cfg, what, e):
 
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
-          log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+          captured=False, log=lambda msg: print(msg, file=sys.stderr, flush=True)):
     """Train this shard's runs of `configs` not complete in `out` (patch one with a checkpoint),
-    each record appended as it ends; return the grid's in `out`. group_size: runs per model."""
+    each record appended as it ends; return the grid's in `out`. group_size: runs per model;
+    captured: a group's steps replayed as a CUDA graph (mechsm.CapturedStep)."""
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
     size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for name, value, ok, expected in [
@@ -981,6 +984,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
              "a non-empty list of mechsm.Config"),
             ("patch", patch, isinstance(patch, bool), "True or False"),
             ("save", save, isinstance(save, bool), "True or False"),
+            ("captured", captured, isinstance(captured, bool), "True or False"),
             ("out", out, isinstance(out, (str, os.PathLike)) and os.fspath(out), "a folder's path"),
             ("jobs", jobs, size(jobs), "a positive integer"),
             ("group_size", group_size, group_size is None or size(group_size),
@@ -1007,7 +1011,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
-    for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
+    for record in run_jobs(work, out, dict(patch=patch, save=save, captured=captured), jobs):
         append_result(results, record)
     newest = by_run(read_results(out, warn=False))
     return [newest[k] for k in unique if k in newest]
@@ -1234,6 +1238,8 @@ def build_parser():
     a("--jobs", int, help="runs trained in parallel (default: one per CPU core, 1 on cuda)")
     a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
       "one batched model (default: 1 on a CPU, a whole cell on cuda)")
+    a("--cuda-graph", switch=True, help="on cuda: a group's steps replayed as a CUDA graph "
+      "(mechsm.CapturedStep; off by default until measured faster: README)")
     a("--shard", metavar="I/N", help="train runs I, I+N, ... of the grid (default: SLURM's "
       "array task); shards of one --out read each other's results")
     a("--out", str, help="output folder (default: out/)")
@@ -1361,6 +1367,8 @@ def sweep_plan(args, name, configs, device, notes, out):
         jobs = min(cores, runs)
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
+    if args.cuda_graph and not device.startswith("cuda"):
+        raise ValueError(f"--cuda-graph: needs a CUDA device (got {device})")
     try:                                               # before any training: --out unwritable
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
