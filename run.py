@@ -1243,6 +1243,8 @@ def build_parser():
     a("--shard", metavar="I/N", help="train runs I, I+N, ... of the grid (default: SLURM's "
       "array task); shards of one --out read each other's results")
     a("--out", str, help="output folder (default: out/)")
+    a("--dry-run", switch=True, help="print the runs, their groups and an estimated time from "
+      "measured rates; train nothing")
     a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
     a("--checkpoint", str, help="evaluate and patch this saved model (OUT/ckpt/*.pt), no training")
@@ -1339,7 +1341,7 @@ def other_command(args):
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
     if command == "train":
-        return False
+        return bool(args.dry_run) and dry_run(args)
     flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
     if args.given - COMMAND_OPTIONS[command]:
         raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
@@ -1380,6 +1382,94 @@ def sweep_plan(args, name, configs, device, notes, out):
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why})", file=sys.stderr)
     return jobs, shard, group_size
+
+
+# --- --dry-run: the grid's groups and a time from measured rates, before anything trains
+GPU_BENCH = os.path.join(HERE, "results", "gpu", "bench.txt")   # `run.py bench` on a GPU
+
+
+def dry_run(args):
+    """Print the runs and groups the training command `args` would train, each group's step rate
+    and the time its steps take: timed here (2 steps of each group shape) on the device at hand, or
+    for --device cuda without one, read from results/gpu/bench.txt. Evaluations not counted."""
+    name, wanted = args.experiment or args.task or "ar", args.device or "auto"
+    here = not wanted.startswith("cuda") or torch.cuda.is_available()
+    device = mechsm.resolve_device(wanted) if here else "cuda"
+    configs, notes = grid_runs(args, name, device if here else "cpu")
+    check_runs(configs)
+    groups = make_groups(configs, args.group_size or (1 if device == "cpu" else None))
+    rates, source = (None, f"timed here, 2 steps of each group shape on {device}" + (
+        f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else "")) if here else \
+        gpu_rates()
+    jobs = args.jobs or (min(os.cpu_count() or 1, len(groups)) if device == "cpu" else 1)
+    print(f"plan: {name} | preset {args.preset or 'quick'} | {len(configs)} runs in {len(groups)} "
+          f"groups | device {device} | {jobs} job{'s' * (jobs > 1)}")
+    print(f"{'group':<36}{'runs':>6}{'steps':>9}{'model-steps/s':>15}{'time':>10}")
+    lasting = lambda s: f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min"
+    total, shapes = 0.0, {}
+    for group in groups:
+        c = group[0].resolved()
+        key = (mechsm.group_key(c), len(group))
+        if key not in shapes:
+            shapes[key] = group_seconds(group) if here else rate_from(rates, c.arch, len(group))
+        seconds = shapes[key] and c.total_steps() * shapes[key]
+        total += seconds or 0
+        rate = f"{len(group) / shapes[key]:,.0f}" if shapes[key] else "-"
+        print(f"{row_label(c, configs, LABEL_FIELDS[1:]) + f' d {c.d_model}':<36}{len(group):>6}"
+              f"{c.total_steps():>9,}{rate:>15}{lasting(seconds) if seconds else 'unmeasured':>10}")
+    missing = sum(s is None for s in shapes.values())
+    print(f"estimate: {lasting(total / jobs)} of training steps with {jobs} job"
+          f"{'s' * (jobs > 1)}" + (f", {missing} group shapes not measured" if missing else "")
+          + f"; rates {source}. Evaluations and patching add to it.")
+    return True
+
+
+def gpu_rates():
+    """{(arch, K): (group model-steps/s, one model's steps/s)} from results/gpu/bench.txt's table of
+    K runs as one batched model, and where that was measured."""
+    text = Path(GPU_BENCH).read_text() if os.path.exists(GPU_BENCH) else ""
+    rates = {(w[0], int(w[1])): (float(w[2].replace(",", "")), float(w[3].replace(",", "")))
+             for w in map(str.split, text.splitlines())
+             if len(w) >= 4 and w[0] in models.ARCHS and w[1].isdigit()}
+    gpu = next((w[w.index("NVIDIA"):] for w in text[:text.find("\n")].split("|") if "NVIDIA" in w),
+               "GPU")
+    return rates, (f"measured on an {gpu} (results/gpu/bench.txt) at d 64 on the paper's "
+                   "AR shape: wider models, or ATR's longer documents, may step slower" if rates
+                   else "not measured on a GPU (no results/gpu/bench.txt)")
+
+
+def rate_from(rates, arch, k):
+    """Seconds a step of k runs of `arch` takes by the measured rates: one model's (K 1, trained
+    alone), else a group step's seconds linear in K between the measured sizes; None: unmeasured."""
+    sizes = sorted(kk for a, kk in rates if a == arch)
+    if k == 1 and (arch, 1) in rates:
+        return 1 / rates[arch, 1][1]
+    if len(sizes) < 2:
+        return None
+    k0, k1 = next(((a, b) for a, b in zip(sizes, sizes[1:]) if k <= b), sizes[-2:])
+    t0, t1 = (kk / rates[arch, kk][0] for kk in (k0, k1))      # seconds a group step
+    return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+
+
+def group_seconds(group):
+    """Seconds a training step of `group` takes here (2 steps after one, at one thread on a CPU as
+    a worker): as train() steps one model, or as train_group steps several."""
+    cfg, threads = group[0].resolved(), torch.get_num_threads()
+    data, device = mechsm.make_data(cfg), torch.device(mechsm.resolve_device(cfg.device))
+    batch = mechsm.training_batches(cfg, data)(0)
+    if len(group) == 1:
+        model = mechsm.build(cfg, data.vocab_size)
+        step = lambda: train_steps(model, model, mechsm.adamw(model, cfg.lr), batch, 1)
+    else:
+        ens = mechsm.Ensemble([mechsm.build(c, data.vocab_size) for c in group])
+        lrs = torch.tensor([c.lr for c in group], dtype=torch.float64, device=device)
+        step = lambda: ens.train_step(*batch, lrs)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    torch.set_num_threads(1 if device.type == "cpu" else threads)
+    try:
+        return medians({"step": lambda: [step() for _ in range(2)]}, 1, sync)["step"] / 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def record_command(argv, out, name, trained, jobs, seconds):
@@ -1757,56 +1847,150 @@ def draw_figures(rows, name, folder):
     return out
 
 
-# --- `python run.py bench`: training steps/s, the fast kernels against kernels="reference"
-# Each fast kernel gives its slow twin's values and gradients (test_all.py checks it); this times
-# what that buys in training: medians of interleaved repeats, one thread as a sweep's workers run.
+# --- `python run.py bench`: where a training step's time goes, each a ratio measured in one run
+# 1. K runs as one batched model (mechsm.Ensemble, as train_group steps them) against the same K
+#    models stepped one after another, with the operators each model-step dispatches: on a GPU a
+#    small model's step is bound by those launches, and batching is what cuts them.
+# 2. Training steps, the fast kernels and readout-only head against kernels="reference".
+# 3. The parallel scan against the loop, fft_conv against the direct sum, at long lengths.
+# Each kernel gives its slow twin's values and gradients (test_all.py checks it); this times them:
+# medians of interleaved rounds after a warm-up round, one thread on a CPU as a sweep's workers run.
 # With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
-# 2 cores: run OMP_WAIT_POLICY=PASSIVE. results/bench.txt: a fuller bench of commit 48d5897.
+# 2 cores: run OMP_WAIT_POLICY=PASSIVE. results/gpu/bench.txt: an H200's (commit e574a2b).
 
-def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=print):
-    """Training steps/s of each arch (d 64, 2 layers, AdamW) at the quick and the paper's AR shape:
-    its fast kernels and readout-only head against kernels="reference" and the full head; the median
-    of `repeats` interleaved rounds of `steps` steps after a warm-up round."""
+def bench(device="auto", batch=32, steps=None, repeats=None, archs=None, ks=(1, 7, 35),
+          lengths=(256, 1024, 4096), print_fn=print):
+    """Print and return {"groups", "train", "kernels": rows}, each arch at d 64 with 2 layers on AR
+    documents. steps, repeats: per round (default 10 and 5 on a GPU, 2 and 2 on a CPU)."""
     device, threads = torch.device(mechsm.resolve_device(device)), torch.get_num_threads()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    rows = []
+    steps, repeats = steps or (10 if device.type == "cuda" else 2), repeats or (
+        5 if device.type == "cuda" else 2)
+    timed = lambda fns: medians(fns, repeats, sync)
     torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        for shape, pairs in (("quick", 8), ("paper", 16)):
-            data = mechsm.tasks.make_ar(batch, num_pairs=pairs, seed=0)
-            tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
-            for arch in archs or models.ARCHS:
-                fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
-                             for k in ("fast", "reference"))
-                full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
-                runs = {"fast": (fast, mechsm.adamw(fast, 1e-3)), "reference": (full_head, mechsm.adamw(ref, 1e-3))}
-                seconds = {name: [] for name in runs}
-                for _ in range(repeats + 1):                     # the first round warms up
-                    for name, (forward, optimizer) in runs.items():
-                        seconds[name].append(timed_steps(forward, optimizer, tensors, steps, sync))
-                t = {name: statistics.median(s[1:]) for name, s in seconds.items()}
-                rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=steps / t["fast"],
-                                 reference_steps_s=steps / t["reference"], speedup=t["reference"] / t["fast"]))
+        tables = {"groups": bench_groups(device, batch, steps, archs, ks, timed),
+                  "train": bench_train(device, batch, steps, archs, timed),
+                  "kernels": bench_kernels(device, lengths, timed)}
     finally:
         torch.set_num_threads(threads)
-    print_fn(f"mechsm bench | torch {torch.__version__} | {device}, one thread on a CPU | "
-             f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}\n")
-    for row in [rows[0].keys(), *(r.values() for r in rows)]:
-        print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
+    print_fn(f"mechsm bench | torch {torch.__version__} | {device}" + (
+        f" {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ", one thread")
+        + f" | OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')} | batch {batch} | {steps} steps "
+        f"a round, median of {repeats} rounds")
+    for title, rows in zip(BENCH_TITLES, tables.values()):
+        print_fn(f"\n{title}")
+        for row in [rows[0].keys(), *(r.values() for r in rows)]:
+            print_fn("".join(f"{v:>18,.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
+    return tables
+
+
+BENCH_TITLES = (
+    "1. K runs as one batched model (Ensemble.train_step) against K models stepped one after "
+    "another: model-steps/s, and operators per model-step (aten operators dispatched, views not "
+    "counted; optimizer included), the paper's AR shape (37 tokens)",
+    "2. Training steps/s: fast kernels and readout-only head against kernels='reference' and the "
+    "full-vocabulary head",
+    "3. Forward+backward ms: parallel_scan_custom_grad against sequential_scan (a, b of "
+    "(B, L, 64, 16), B L = 4,096); fft_conv against direct_conv's Toeplitz sum (B 8, D channels)")
+
+
+def bench_groups(device, batch, steps, archs, ks, timed):
+    data = mechsm.tasks.make_ar(batch, seed=0)                 # the paper's AR shape
+    tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
+    rows = []
+    for arch in archs or models.ARCHS:
+        for k in ks:
+            members = [models.build_model(arch, data.vocab_size, 64, 2, seed=s).to(device)
+                       for s in range(k)]
+            group, opts = mechsm.Ensemble(members), [mechsm.adamw(m, 1e-3) for m in members]
+            lrs = torch.full((k,), 1e-3, dtype=torch.float64, device=device)
+            one = lambda: group.train_step(*tensors, lrs)
+            t = timed({"group": lambda: [one() for _ in range(steps)], "separate": lambda: [
+                train_steps(m, m, o, tensors, steps) for m, o in zip(members, opts)]})
+            ops = ops_of(one) / k, ops_of(lambda: train_steps(members[0], members[0], opts[0], tensors, 1))
+            rows.append(dict(arch=arch, K=k, group_steps_s=k * steps / t["group"],
+                             separate_steps_s=k * steps / t["separate"],
+                             speedup=t["separate"] / t["group"], group_ops=ops[0], separate_ops=ops[1]))
     return rows
 
 
-def timed_steps(forward, optimizer, tensors, steps, sync):
-    """Seconds of `steps` AdamW steps (lr 1e-3) of the model behind forward(tokens, readout)."""
-    sync()
-    start = time.perf_counter()
+def bench_train(device, batch, steps, archs, timed):
+    rows = []
+    for shape, pairs in (("quick", 8), ("paper", 16)):
+        data = mechsm.tasks.make_ar(batch, num_pairs=pairs, seed=0)
+        tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
+        for arch in archs or models.ARCHS:
+            fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
+                         for k in ("fast", "reference"))
+            full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
+            opts = mechsm.adamw(fast, 1e-3), mechsm.adamw(ref, 1e-3)
+            t = timed({"fast": lambda: train_steps(fast, fast, opts[0], tensors, steps),
+                       "reference": lambda: train_steps(ref, full_head, opts[1], tensors, steps)})
+            rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch,
+                             fast_steps_s=steps / t["fast"], reference_steps_s=steps / t["reference"],
+                             speedup=t["reference"] / t["fast"]))
+    return rows
+
+
+def bench_kernels(device, lengths, timed):
+    rows, g = [], torch.Generator().manual_seed(0)
+    for length in lengths:
+        b, d = max(1, 4096 // length), max(1, min(64, 2**24 // length**2))  # Toeplitz <= 64 MiB
+        a, x = torch.rand(b, length, 64, 16, generator=g), torch.randn(b, length, 64, 16, generator=g)
+        u, k = torch.randn(8, length, d, generator=g), torch.randn(length, d, generator=g) / length ** 0.5
+        for slow, fast, inputs, shape in [
+                (models.sequential_scan, models.parallel_scan_custom_grad, (a, x), f"B {b}"),
+                (models.direct_conv, models.fft_conv, (u, k), f"B 8, D {d}")]:
+            inputs = [t.to(device) for t in inputs]
+            t = timed({"slow": lambda: backward_of(slow, inputs), "fast": lambda: backward_of(fast, inputs)})
+            rows.append(dict(kernel=fast.__name__ if fast is models.fft_conv else "parallel_scan", L=length,
+                             shape=shape, reference_ms=1e3 * t["slow"], fast_ms=1e3 * t["fast"],
+                             speedup=t["slow"] / t["fast"]))
+    return rows
+
+
+def backward_of(kernel, inputs):
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    kernel(*inputs).sum().backward()
+
+
+def train_steps(model, forward, optimizer, tensors, steps):
+    """`steps` AdamW steps of `model`, its answer loss from forward(tokens, readout)."""
     for _ in range(steps):
         loss = mechsm.answer_loss(forward, *tensors)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    sync()
-    return time.perf_counter() - start
+
+
+def medians(fns, repeats, sync):
+    """{name: median seconds of fns[name]()} over `repeats` interleaved rounds after a warm-up."""
+    seconds = {name: [] for name in fns}
+    for _ in range(repeats + 1):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s[1:]) for name, s in seconds.items()}
+
+
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Inside: counts the aten operators dispatched to a kernel (a view launches none)."""
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(fn):
+    fn()                                                    # warm: no one-time setup counted
+    with OpCount() as count:
+        fn()
+    return count.n
 
 
 if __name__ == "__main__":

@@ -2192,17 +2192,55 @@ def test_sweep_trains_groups_records_each_run_and_resumes(tmp_path, monkeypatch)
 # ==================================================================================================
 
 def test_bench_tiny_runs_and_reports_finite_numbers():
-    """`run.py bench` at a tiny size: a row per shape and arch, the fast kernels' and the references'
-    training steps/s (each fast kernel's values and gradients are its twin's: the tests above)."""
+    """`run.py bench` at a tiny size: groups of K against K runs one after another with their
+    operator counts, the fast kernels' and the references' training steps/s, the parallel scan and
+    fft_conv against their loops (each fast kernel's values and gradients are its twin's: the tests
+    above). No timing is asserted."""
     lines = []
-    rows = run_cli.bench(device="cpu", batch=4, steps=2, repeats=1, archs=("attention", "mamba"),
-                        print_fn=lines.append)
-    json.dumps(rows)  # the whole result must be JSON-serialisable
-    assert "cpu" in lines[0] and len(lines) == 2 + len(rows)
-    assert [(row["shape"], row["tokens"], row["arch"]) for row in rows] == \
+    tables = run_cli.bench(device="cpu", batch=4, steps=1, repeats=1, archs=("attention", "mamba"),
+                           ks=(1, 3), lengths=(256,), print_fn=lines.append)
+    json.dumps(tables)  # the whole result must be JSON-serialisable
+    assert "cpu" in lines[0] and len(lines) == 1 + sum(2 + len(rows) for rows in tables.values())
+    assert [(r["arch"], r["K"]) for r in tables["groups"]] == [("attention", 1), ("attention", 3),
+                                                               ("mamba", 1), ("mamba", 3)]
+    assert [(row["shape"], row["tokens"], row["arch"]) for row in tables["train"]] == \
         [("quick", 21, "attention"), ("quick", 21, "mamba"), ("paper", 37, "attention"), ("paper", 37, "mamba")]
-    for row in rows:
-        assert row["fast_steps_s"] > 0 and row["reference_steps_s"] > 0 and math.isfinite(row["speedup"])
+    assert [(r["kernel"], r["L"]) for r in tables["kernels"]] == [("parallel_scan", 256), ("fft_conv", 256)]
+    for row in (r for rows in tables.values() for r in rows):
+        assert all(math.isfinite(v) and v > 0 for v in row.values() if isinstance(v, (int, float)))
+    one, three = tables["groups"][:2]            # one group step for 3 runs: fewer operators a run
+    assert three["group_ops"] < one["group_ops"] and one["separate_ops"] == three["separate_ops"]
+
+
+def test_the_paper_dry_run_prices_a_gpu_grid_from_the_committed_gpu_rates(monkeypatch, capsys):
+    """--dry-run --device cuda without a GPU: every group of the paper's ar-widths grid, its rate read
+    from results/gpu/bench.txt, hours that add up, the GPU named; nothing trained."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(mechsm, "train_group", lambda *a, **k: pytest.fail("a dry run trained"))
+    assert run_cli.main(["--preset", "paper", "--experiment", "ar-widths", "--device", "cuda",
+                         "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rates, where = run_cli.gpu_rates()
+    assert out[0].startswith("plan: ar-widths | preset paper | 280 runs in 40 groups | device cuda")
+    rows = [line.split() for line in out[2:-1]]
+    assert len(rows) == 40 and {int(r[-5]) for r in rows} == {7}
+    hours = lambda n, unit: float(n) / (1 if unit == "h" else 60)
+    assert abs(sum(hours(*r[-2:]) for r in rows) - hours(*out[-1].split()[1:3])) < 0.01
+    assert "measured on an NVIDIA H200 (results/gpu/bench.txt)" in out[-1] and where in out[-1]
+    assert run_cli.rate_from(rates, "mamba", 7) == 7 / rates["mamba", 7][0]   # a measured size
+    assert 35 / rates["mamba", 35][0] > run_cli.rate_from(rates, "mamba", 20) > 7 / rates["mamba", 7][0]
+
+
+def test_a_dry_run_on_the_device_at_hand_times_each_group_shape(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("a dry run trained"))
+    assert run_cli.main(["--arch", "attention,mamba", "--device", "cpu", "--steps", "100",
+                         "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("plan: ar | preset quick | 3 runs in 3 groups | device cpu")
+    assert sorted(" ".join(line.split()[:-5]) for line in out[2:5]) == [
+        "attention d 64", "mamba (1024 keys) d 64", "mamba (256 keys) d 64"]
+    assert "timed here, 2 steps of each group shape on cpu" in out[-1] and not os.listdir(tmp_path)
 
 
 # ==================================================================================================
