@@ -668,8 +668,8 @@ def train_group(configs, *, data=None, log=None, on_eval=None, captured=False):
     log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
         f"seeds {','.join(str(c.seed) for c in cfgs)}")
     batch, total, start = training_batches(cfg, data), cfg.total_steps(), time.time()
-    lrs = torch.tensor([[lr_at(s, total, c.warmup_frac, c.schedule, c.lr) for c in cfgs]
-                        for s in range(total)], dtype=torch.float64).to(ens.flat.device)  # (steps, r)
+    lrs = torch.tensor([[lr_at(s, total, c.warmup_frac, c.schedule, c.lr) for c in cfgs]  # (steps,
+                        for s in range(total)], dtype=torch.float64).to(ens.flat.device)  # r)
     train_step = CapturedStep(ens) if captured else ens.train_step
     histories, loss_sum, n_losses = [[] for _ in cfgs], 0.0, 0      # the members: in train mode
     for step in range(total + 1):

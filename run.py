@@ -32,6 +32,7 @@ import argparse
 import collections
 import contextlib
 import difflib
+import functools
 import glob
 import hashlib
 import io
@@ -1398,9 +1399,9 @@ def dry_run(args):
     configs, notes = grid_runs(args, name, device if here else "cpu")
     check_runs(configs)
     groups = make_groups(configs, args.group_size or (1 if device == "cpu" else None))
-    rates, source = (None, f"timed here, 2 steps of each group shape on {device}" + (
-        f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else "")) if here else \
-        gpu_rates()
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") and here else ""
+    rates, source = gpu_rates() if not here else (
+        None, f"timed here, 2 steps of each group shape on {device}{gpu}")
     jobs = args.jobs or (min(os.cpu_count() or 1, len(groups)) if device == "cpu" else 1)
     print(f"plan: {name} | preset {args.preset or 'quick'} | {len(configs)} runs in {len(groups)} "
           f"groups | device {device} | {jobs} job{'s' * (jobs > 1)}")
@@ -1440,15 +1441,12 @@ def gpu_rates():
 
 def rate_from(rates, arch, k):
     """Seconds a step of k runs of `arch` takes by the measured rates: one model's (K 1, trained
-    alone), else a group step's seconds linear in K between the measured sizes; None: unmeasured."""
+    alone), else a group step's seconds linear in K between measured sizes; None: unmeasured."""
     sizes = sorted(kk for a, kk in rates if a == arch)
-    if k == 1 and (arch, 1) in rates:
-        return 1 / rates[arch, 1][1]
-    if len(sizes) < 2:
-        return None
-    k0, k1 = next(((a, b) for a, b in zip(sizes, sizes[1:]) if k <= b), sizes[-2:])
-    t0, t1 = (kk / rates[arch, kk][0] for kk in (k0, k1))      # seconds a group step
-    return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+    if k == 1 or not sizes:
+        return 1 / rates[arch, 1][1] if (arch, 1) in rates else None
+    seconds = np.interp(k, sizes, [kk / rates[arch, kk][0] for kk in sizes])   # a group step
+    return float(seconds) * max(1, k / sizes[-1])          # past the largest: in proportion
 
 
 def group_seconds(group):
@@ -1459,15 +1457,14 @@ def group_seconds(group):
     batch = mechsm.training_batches(cfg, data)(0)
     if len(group) == 1:
         model = mechsm.build(cfg, data.vocab_size)
-        step = lambda: train_steps(model, model, mechsm.adamw(model, cfg.lr), batch, 1)
+        step = functools.partial(train_steps, model, model, mechsm.adamw(model, cfg.lr), batch, 1)
     else:
         ens = mechsm.Ensemble([mechsm.build(c, data.vocab_size) for c in group])
         lrs = torch.tensor([c.lr for c in group], dtype=torch.float64, device=device)
         step = lambda: ens.train_step(*batch, lrs)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        return medians({"step": lambda: [step() for _ in range(2)]}, 1, sync)["step"] / 2
+        return medians({"step": lambda: [step() for _ in range(2)]}, 1, device)["step"] / 2
     finally:
         torch.set_num_threads(threads)
 
@@ -1863,10 +1860,9 @@ def bench(device="auto", batch=32, steps=None, repeats=None, archs=None, ks=(1, 
     """Print and return {"groups", "train", "kernels": rows}, each arch at d 64 with 2 layers on AR
     documents. steps, repeats: per round (default 10 and 5 on a GPU, 2 and 2 on a CPU)."""
     device, threads = torch.device(mechsm.resolve_device(device)), torch.get_num_threads()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    steps, repeats = steps or (10 if device.type == "cuda" else 2), repeats or (
-        5 if device.type == "cuda" else 2)
-    timed = lambda fns: medians(fns, repeats, sync)
+    gpu = device.type == "cuda"
+    steps, repeats = steps or (10 if gpu else 1), repeats or (5 if gpu else 1)
+    timed = lambda fns: medians(fns, repeats, device)
     torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
         tables = {"groups": bench_groups(device, batch, steps, archs, ks, timed),
@@ -1875,7 +1871,7 @@ def bench(device="auto", batch=32, steps=None, repeats=None, archs=None, ks=(1, 
     finally:
         torch.set_num_threads(threads)
     print_fn(f"mechsm bench | torch {torch.__version__} | {device}" + (
-        f" {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ", one thread")
+        f" {torch.cuda.get_device_name(device)}" if gpu else ", one thread")
         + f" | OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')} | batch {batch} | {steps} steps "
         f"a round, median of {repeats} rounds")
     for title, rows in zip(BENCH_TITLES, tables.values()):
@@ -1908,10 +1904,11 @@ def bench_groups(device, batch, steps, archs, ks, timed):
             one = lambda: group.train_step(*tensors, lrs)
             t = timed({"group": lambda: [one() for _ in range(steps)], "separate": lambda: [
                 train_steps(m, m, o, tensors, steps) for m, o in zip(members, opts)]})
-            ops = ops_of(one) / k, ops_of(lambda: train_steps(members[0], members[0], opts[0], tensors, 1))
+            alone = functools.partial(train_steps, members[0], members[0], opts[0], tensors, 1)
             rows.append(dict(arch=arch, K=k, group_steps_s=k * steps / t["group"],
                              separate_steps_s=k * steps / t["separate"],
-                             speedup=t["separate"] / t["group"], group_ops=ops[0], separate_ops=ops[1]))
+                             speedup=t["separate"] / t["group"], group_ops=ops_of(one) / k,
+                             separate_ops=ops_of(alone)))
     return rows
 
 
@@ -1921,14 +1918,15 @@ def bench_train(device, batch, steps, archs, timed):
         data = mechsm.tasks.make_ar(batch, num_pairs=pairs, seed=0)
         tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
         for arch in archs or models.ARCHS:
-            fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
-                         for k in ("fast", "reference"))
+            fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0)
+                         .to(device) for k in ("fast", "reference"))
             full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
             opts = mechsm.adamw(fast, 1e-3), mechsm.adamw(ref, 1e-3)
             t = timed({"fast": lambda: train_steps(fast, fast, opts[0], tensors, steps),
                        "reference": lambda: train_steps(ref, full_head, opts[1], tensors, steps)})
             rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch,
-                             fast_steps_s=steps / t["fast"], reference_steps_s=steps / t["reference"],
+                             fast_steps_s=steps / t["fast"],
+                             reference_steps_s=steps / t["reference"],
                              speedup=t["reference"] / t["fast"]))
     return rows
 
@@ -1937,16 +1935,17 @@ def bench_kernels(device, lengths, timed):
     rows, g = [], torch.Generator().manual_seed(0)
     for length in lengths:
         b, d = max(1, 4096 // length), max(1, min(64, 2**24 // length**2))  # Toeplitz <= 64 MiB
-        a, x = torch.rand(b, length, 64, 16, generator=g), torch.randn(b, length, 64, 16, generator=g)
-        u, k = torch.randn(8, length, d, generator=g), torch.randn(length, d, generator=g) / length ** 0.5
-        for slow, fast, inputs, shape in [
-                (models.sequential_scan, models.parallel_scan_custom_grad, (a, x), f"B {b}"),
-                (models.direct_conv, models.fft_conv, (u, k), f"B 8, D {d}")]:
+        a, x = (torch.randn(b, length, 64, 16, generator=g) for _ in "ax")   # (b, l, e, n)
+        u, k = torch.randn(8, length, d, generator=g), torch.randn(length, d, generator=g)
+        for name, slow, fast, inputs, shape in [
+                ("parallel_scan", models.sequential_scan, models.parallel_scan_custom_grad,
+                 (a.sigmoid(), x), f"B {b}"),
+                ("fft_conv", models.direct_conv, models.fft_conv, (u, k / length), f"B 8, D {d}")]:
             inputs = [t.to(device) for t in inputs]
-            t = timed({"slow": lambda: backward_of(slow, inputs), "fast": lambda: backward_of(fast, inputs)})
-            rows.append(dict(kernel=fast.__name__ if fast is models.fft_conv else "parallel_scan", L=length,
-                             shape=shape, reference_ms=1e3 * t["slow"], fast_ms=1e3 * t["fast"],
-                             speedup=t["slow"] / t["fast"]))
+            t = timed({"slow": functools.partial(backward_of, slow, inputs),
+                       "fast": functools.partial(backward_of, fast, inputs)})
+            rows.append(dict(kernel=name, L=length, shape=shape, reference_ms=1e3 * t["slow"],
+                             fast_ms=1e3 * t["fast"], speedup=t["slow"] / t["fast"]))
     return rows
 
 
@@ -1964,8 +1963,9 @@ def train_steps(model, forward, optimizer, tensors, steps):
         optimizer.step()
 
 
-def medians(fns, repeats, sync):
+def medians(fns, repeats, device):
     """{name: median seconds of fns[name]()} over `repeats` interleaved rounds after a warm-up."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     seconds = {name: [] for name in fns}
     for _ in range(repeats + 1):
         for name, fn in fns.items():
@@ -1986,8 +1986,7 @@ class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_of(fn):
-    fn()                                                    # warm: no one-time setup counted
+def ops_of(fn):                          # after a timed round: no one-time setup counted
     with OpCount() as count:
         fn()
     return count.n
