@@ -127,8 +127,8 @@ CHOSEN = {
             "base_conv (d 64)": 0.009},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 0.0011, "mamba (default conv, d 64)": 0.0033},
     "ar": {"mamba (d 64)": (0.0033, 32_000), "gated_deltanet (d 64)": 0.00033,
-           "hyena (d 64)": 0.001, "based (d 64)": 0.001, "mamba (256 keys, d 64)": 0.0033,
-           "hyena (256 keys, d 64)": (0.003, 24_000)},
+           "hyena (d 64)": 0.001, "based (d 64)": 0.001,
+           "mamba (256 keys, d 64)": (0.0033, 16_000), "hyena (256 keys, d 64)": (0.003, 24_000)},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 CAP_STEPS = {"ar": 50_016, "atr": 100_032}   # the paper's budgets: the last rung of a budget ladder
@@ -481,12 +481,16 @@ fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
 tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in counts.most_common())
 fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
                                                tally(s["leans"], s["n"], "leans "))))
-fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
+# a row's training: what its budget ladder found (climb), then each seed's history (diagnose)
+fmt_training = lambda row, s: "; ".join(filter(None, (climb(row) or "one budget",
+                                                      tally(s["diagnoses"], s["n"]))))
 laddered = lambda row: len(row.get("budgets") or ()) > 1       # seed 0 trained at several budgets
-fmt_moved = lambda row: f" at {row['budget']:,} steps" if laddered(row) else ""
-# a cell's budget ladder, seed 0's best at each budget: '8,000: 69.1%, still learning · **16,000**'
-fmt_budgets = lambda row: " · ".join(f"**{s:,}**" if s == row["budget"] else f"{s:,}: {fmt_rung(r)}, {diagnose(r)}"
-                                     for s, r in row["budgets"].items())
+fmt_moved = lambda row: f" at {row['budget']:,} steps"
+# a cell's budget ladder, seed 0's best at each budget, what it read and (Mamba) its extra sites:
+# '8,000: 69.1%, direct retrieval, conv@next_key 0.98, still learning · **16,000**: ...'
+extras = lambda r: [f"{k} {fmt_num(v)}" for k, v in (r.get("mechanism") or {}).items() if "@" in k]
+fmt_budgets = lambda row: " · ".join((f"**{s:,}**" if s == row["budget"] else f"{s:,}") + ": " + ", ".join(
+    filter(None, [fmt_rung(r), verdict_of(r), *extras(r), diagnose(r)])) for s, r in row["budgets"].items())
 
 
 # a record's attrib_key / _value / _query: their names in the tables and colours in the figures
@@ -553,7 +557,7 @@ def result_table(rows, experiment=None):
         mechs = [r.get("mechanism") or {} for r in row["runs"]]
         for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
             c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
-        c["verdicts"], c["training"] = fmt_counts(s), fmt_training(s)
+        c["verdicts"], c["training"] = fmt_counts(s), fmt_training(row, s)
         if any(r.get("circuit") for row in rows for r in row["runs"]):     # else no column
             found = row_circuit(row)
             c["circuit (the median seed's; seeds sharing it)"] = \
@@ -671,14 +675,16 @@ def cell_choice(cfg, done):
 
 def climb(row):
     """What a cell's budget ladder found, from seed 0's best record at each budget it trained
-    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "converged at N"
-    (no longer run gained: paid), "not converged at the cap", "not converged at N" (cut off while a
-    doubling still paid), or None (one budget: no ladder to read)."""
-    budgets, n = row.get("budgets") or {}, row["budget"]
+    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "memorised at N",
+    "never left the start at N", "converged at N" (no longer run gained: paid), "not converged at
+    the cap", "not converged at N" (cut off while a doubling still paid), or None (one budget)."""
+    budgets, n = row.get("budgets") or {}, row.get("budget")
     if len(budgets) < 2 or n not in budgets:
         return None
     if run_score(budgets[n]) >= (True, 0.98):
         return f"at 98% or more by {n:,}"
+    if diagnose(budgets[n]) in ("memorised", "never left the start"):    # a longer run would not mend it
+        return f"{diagnose(budgets[n])} at {n:,}"
     if any(s > n for s in budgets) and not any(paid(budgets[n], budgets[s]) for s in budgets if s > n):
         return f"converged at {n:,}"
     return "not converged at the cap" if n >= CAP_STEPS[row["best"]["config"]["task"]] else \
@@ -703,28 +709,31 @@ def copy_guess(cfg):
 
 def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.05, learned=0.95,
              plateau=1.5):
-    """What a run's training did, read from its history: the first of the rule under the README's
-    summary that holds, its thresholds these keywords (None: no history)."""
+    """What one run's history shows (a detail: whether a longer run gains is climb's to say): the
+    first of the rule under the README's summary that holds, its thresholds these keywords (None: no
+    history)."""
     final = record["final"]
     history = [h for h in record.get("history") or [] if None not in map(h.get, ("acc", "loss"))]   # what it reads
     trained = [h for h in history if h.get("train_loss") is not None]
     if record["status"] != "ok" or not trained or None in map(final.get, ("acc", "loss", "train_loss")):
         return None
+    if final["acc"] >= learned:
+        return "learned"
+    if len(trained) < 3:                        # a start, a last quarter and an end to compare
+        return "too few evaluations"
     at = lambda runs, part: ([h for h in runs if h["step"] <= part * runs[-1]["step"]] or runs)[-1]
     if final["train_loss"] >= (1 - start_margin) * trained[0]["train_loss"]:
         return "never left the start"
     if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(history, 2 / 3)["loss"]:
-        return "memorised"                               # before the copy plateau it explains
+        return "memorised"                               # before the copy guess it explains
     fell = at(trained, 3 / 4)["train_loss"] - final["train_loss"]
     rose = final["acc"] - at(history, 3 / 4)["acc"]
-    if final["acc"] >= learned:
-        return "learned"
     if fell >= fall or rose >= rise:
         return "still learning"
     guess = copy_guess(config_of(record))          # on ATR: made from the evaluation documents
     if final["acc"] < plateau * guess and final["loss"] <= plateau * -math.log(guess):
-        return "copy plateau"
-    return "flat"
+        return "near the copy guess"
+    return "slowing"
 
 
 def paper_text(name, row):
@@ -1107,7 +1116,7 @@ def summary_rows(name, rows):
             line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
             s = spread(row)
             line["cells"].append(f"d {row['d_model']}{fmt_moved(row)}: {fmt_acc(s)}; {fmt_counts(s)}; "
-                                 f"{fmt_training(s)}")
+                                 f"{fmt_training(row, s)}")
         return [{"row": label, PAPER: paper_text(name, line["row"]) or "no number quoted",
                  "holds?": "-", OURS: " · ".join(line["cells"])} for label, line in lines.items()]
     out = []
@@ -1119,7 +1128,7 @@ def summary_rows(name, rows):
         box = f"; box {box} ({s['readable']} seeds read)" * ("box" in text)
         out.append({"row": row["label"], PAPER: text or "no number quoted", "holds?": holds(text, s),
                     OURS: f"{split}{fmt_moved(row)}, best seed {fmt_pct(s['acc'][-1])}{box}; {fmt_counts(s)}; "
-                          f"{fmt_training(s)}"})
+                          f"{fmt_training(row, s)}"})
     return out
 
 
@@ -1597,6 +1606,8 @@ SUMMARY = ("<!-- summary: `python run.py --report results` writes this table fro
            "<!-- /summary -->")
 CIRCUITS = ("<!-- circuits: `python run.py --report results` writes this table from results/*.jsonl -->",
             "<!-- /circuits -->")
+CONV = ("<!-- conv: `python run.py --report results` writes this table from results/*.jsonl -->",
+        "<!-- /conv -->")
 HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
 
 
@@ -1614,7 +1625,8 @@ def readme_with_summary(text, folder):
     """The README text with its summary block (the HEADLINE rows) and its circuit table rendered
     anew from `folder`."""
     for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment and the "
-                                  "probes: [results/README.md](results/README.md)."), (CIRCUITS, circuit_table(folder))]:
+                                  "probes: [results/README.md](results/README.md)."), (CIRCUITS, circuit_table(folder)),
+                                 (CONV, conv_table(folder))]:
         start, end = text.index(first) + len(first), text.index(last)
         text = text[:start] + "\n" + block + "\n" + text[end:]
     return text
@@ -1630,6 +1642,28 @@ def circuit_table(folder):
              if (found := row_circuit(row))]
     return markdown(sorted(cells, key=lambda c: arch_rank(c["architecture"]))) if cells else \
         "No record here carries a circuit yet (a patched run made from this commit on does)."
+
+
+def conv_table(folder):
+    """Whether Mamba's short conv carries the key to the next token (conv@next_key: the attribution of
+    layer 0's conv output there) in the AR records of `folder` with signal, by cell and budget: how
+    many of the runs read carry it (0.5 or more), each run's value and accuracy (seed, rate)."""
+    runs = {run_key(r["config"]): r for records in folder_records(folder, warn=False).values()
+            for r in records if r["config"]["task"] == "ar" and r["status"] == "ok"
+            and (r.get("mechanism") or {}).get("conv@next_key") is not None and not r["mechanism"]["low_signal"]}
+    cells = {}
+    for r in sorted(runs.values(), key=lambda r: (r["config"]["lr"], r["config"]["seed"])):
+        c = r["config"]
+        name = ", ".join([f"d {c['d_model']}", f"{c['num_keys']:,} keys", describe("n_layers", c["n_layers"]),
+                          describe("d_conv", c["d_conv"])])
+        order = (c["d_model"], c["num_keys"], c["n_layers"], -1 if c["d_conv"] is None else c["d_conv"])
+        cells.setdefault((order, name, budget_of(r)), []).append(r)
+    carries = lambda rs: sum(r["mechanism"]["conv@next_key"] >= 0.5 for r in rs)
+    return markdown([{"Mamba": name, "steps": f"{steps:,}", "carries the key": f"{carries(rs)}/{len(rs)}",
+                      "conv@next_key, accuracy (seed, rate)": " · ".join(
+                          f"{fmt_num(r['mechanism']['conv@next_key'])}, {fmt_pct(r['final']['acc'])} "
+                          f"(s{r['config']['seed']}, {r['config']['lr']:g})" for r in rs)}
+                     for (_, name, steps), rs in sorted(cells.items(), key=lambda kv: kv[0][::2])])
 
 
 def results_readme(folder):
