@@ -625,6 +625,7 @@ class CapturedStep:
 
     def __init__(self, ens):
         self.ens, self.graphs, self.pool = ens, {}, torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream()                     # warm-ups run there, as capture needs
         self.n = torch.zeros((), dtype=torch.long, device=ens.flat.device)   # steps done
 
     def __call__(self, *inputs):                            # tokens, queries, answers, lrs
@@ -633,11 +634,11 @@ class CapturedStep:
         for static, x in zip(entry["static"], inputs):
             static.copy_(x)
         if entry["warm"] < 3:                               # eager, as the graph will replay it
-            entry["warm"], side = entry["warm"] + 1, torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+            entry["warm"] += 1
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
                 losses = self.ens.train_step(*entry["static"], n=self.n)
-            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.current_stream().wait_stream(self.side)
             return losses
         if "graph" not in entry:                            # recorded, not run: replayed below
             entry["graph"] = torch.cuda.CUDAGraph()

@@ -1891,27 +1891,32 @@ def draw_figures(rows, name, folder):
 
 def bench(device="auto", batch=32, steps=None, repeats=None, archs=None, ks=(1, 7, 35),
           lengths=(256, 1024, 4096), print_fn=print):
-    """Print and return {"groups", "train", "kernels": rows}, each arch at d 64 with 2 layers on AR
-    documents. steps, repeats: per round (default 10 and 5 on a GPU, 2 and 2 on a CPU)."""
+    """Print (each table as it ends) and return {"groups", "train", "kernels": rows}, each arch at
+    d 64 with 2 layers on AR documents. repeats: rounds (default 5 on a GPU, 1 on a CPU), each
+    one step of every group and its K models, `steps` training steps (default 10 on a GPU, 1 on a
+    CPU)."""
     device, threads = torch.device(mechsm.resolve_device(device)), torch.get_num_threads()
     gpu = device.type == "cuda"
     steps, repeats = steps or (10 if gpu else 1), repeats or (5 if gpu else 1)
     timed = lambda fns: medians(fns, repeats, device)
-    torch.set_num_threads(1 if device.type == "cpu" else threads)
-    try:
-        tables = {"groups": bench_groups(device, batch, steps, archs, ks, timed),
-                  "train": bench_train(device, batch, steps, archs, timed),
-                  "kernels": bench_kernels(device, lengths, timed)}
-    finally:
-        torch.set_num_threads(threads)
     print_fn(f"mechsm bench | torch {torch.__version__} | {device}" + (
         f" {torch.cuda.get_device_name(device)}" if gpu else ", one thread")
-        + f" | OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')} | batch {batch} | {steps} steps "
-        f"a round, median of {repeats} rounds")
-    for title, rows in zip(BENCH_TITLES, tables.values()):
-        print_fn(f"\n{title}")
-        for row in [rows[0].keys(), *(r.values() for r in rows)]:
-            print_fn("".join(f"{v:>18,.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
+        + f" | OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')} | batch {batch} | median of "
+        f"{repeats} rounds")
+    parts = {"groups": lambda: bench_groups(device, batch, archs, ks, timed),
+             "train": lambda: bench_train(device, batch, steps, archs, timed),
+             "kernels": lambda: bench_kernels(device, lengths, timed)}
+    tables = {}
+    torch.set_num_threads(1 if device.type == "cpu" else threads)
+    try:
+        for (name, part), title in zip(parts.items(), BENCH_TITLES):
+            rows = tables[name] = part()
+            print_fn("\n" + title.format(steps=steps))
+            for row in [rows[0].keys(), *(r.values() for r in rows)]:
+                print_fn("".join(f"{v:>18,.2f}" if isinstance(v, float) else f"{v!s:>18}"
+                                 for v in row))
+    finally:
+        torch.set_num_threads(threads)
     return tables
 
 
@@ -1919,13 +1924,13 @@ BENCH_TITLES = (
     "1. K runs as one batched model (Ensemble.train_step) against K models stepped one after "
     "another: model-steps/s, and operators per model-step (aten operators dispatched, views not "
     "counted; optimizer included), the paper's AR shape (37 tokens)",
-    "2. Training steps/s: fast kernels and readout-only head against kernels='reference' and the "
-    "full-vocabulary head",
+    "2. Training steps/s ({steps} steps a round): fast kernels and readout-only head against "
+    "kernels='reference' and the full-vocabulary head",
     "3. Forward+backward ms: parallel_scan_custom_grad against sequential_scan (a, b of "
     "(B, L, 64, 16), B L = 4,096); fft_conv against direct_conv's Toeplitz sum (B 8, D channels)")
 
 
-def bench_groups(device, batch, steps, archs, ks, timed):
+def bench_groups(device, batch, archs, ks, timed):
     data = mechsm.tasks.make_ar(batch, seed=0)                 # the paper's AR shape
     tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
     rows = []
@@ -1936,11 +1941,11 @@ def bench_groups(device, batch, steps, archs, ks, timed):
             group, opts = mechsm.Ensemble(members), [mechsm.adamw(m, 1e-3) for m in members]
             lrs = torch.full((k,), 1e-3, dtype=torch.float64, device=device)
             one = lambda: group.train_step(*tensors, lrs)
-            t = timed({"group": lambda: [one() for _ in range(steps)], "separate": lambda: [
-                train_steps(m, m, o, tensors, steps) for m, o in zip(members, opts)]})
+            t = timed({"group": one, "separate": lambda: [
+                train_steps(m, m, o, tensors, 1) for m, o in zip(members, opts)]})
             alone = functools.partial(train_steps, members[0], members[0], opts[0], tensors, 1)
-            rows.append(dict(arch=arch, K=k, group_steps_s=k * steps / t["group"],
-                             separate_steps_s=k * steps / t["separate"],
+            rows.append(dict(arch=arch, K=k, group_steps_s=k / t["group"],
+                             separate_steps_s=k / t["separate"],
                              speedup=t["separate"] / t["group"], group_ops=ops_of(one) / k,
                              separate_ops=ops_of(alone)))
     return rows

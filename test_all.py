@@ -2093,7 +2093,8 @@ def test_the_group_step_makes_no_host_sync(arch, monkeypatch):
     monkeypatch.setattr(mechsm.Ensemble, "train_step", guarded)
     cfgs = [tiny(arch=arch, **{**GROUP, "steps": 3}, lr=lr) for lr in (1e-3, 3e-3)]
     mechsm.train_group(cfgs, log=quiet)
-    assert len(seen) == 3 and all(isinstance(x, torch.Tensor) and x.dtype == torch.float64 for x in seen)
+    assert len(seen) == 3 and all(isinstance(x, torch.Tensor) and x.dtype == torch.float64
+                                  for x in seen)
     with pytest.raises(AssertionError, match="host sync"), no_host_sync():   # the guard does guard
         torch.ones(1).sum().item()
 
@@ -2109,10 +2110,11 @@ def test_the_step_counted_on_the_device_is_the_step_counted_in_python():
         lrs = torch.tensor([1e-3, 3e-3, 1e300], dtype=torch.float64)
         pair[0].train_step(*batch, lrs)
         pair[1].train_step(*batch, lrs, n=n)
-    assert n.item() == 4 and pair[0].failed_step.tolist() == pair[1].failed_step.tolist() != [-1] * 3
+    assert n.item() == 4
+    assert pair[0].failed_step.tolist() == pair[1].failed_step.tolist() != [-1] * 3
     for name in ("flat", "exp_avg", "exp_avg_sq", "failed_loss"):
-        torch.testing.assert_close(getattr(pair[1], name), getattr(pair[0], name), rtol=1e-13, atol=0,
-                                   equal_nan=True)
+        torch.testing.assert_close(getattr(pair[1], name), getattr(pair[0], name), rtol=1e-13,
+                                   atol=0, equal_nan=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -2205,7 +2207,8 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
                                                                ("mamba", 1), ("mamba", 3)]
     assert [(row["shape"], row["tokens"], row["arch"]) for row in tables["train"]] == \
         [("quick", 21, "attention"), ("quick", 21, "mamba"), ("paper", 37, "attention"), ("paper", 37, "mamba")]
-    assert [(r["kernel"], r["L"]) for r in tables["kernels"]] == [("parallel_scan", 256), ("fft_conv", 256)]
+    assert [(r["kernel"], r["L"]) for r in tables["kernels"]] == [("parallel_scan", 256),
+                                                                  ("fft_conv", 256)]
     for row in (r for rows in tables.values() for r in rows):
         assert all(math.isfinite(v) and v > 0 for v in row.values() if isinstance(v, (int, float)))
     one, three = tables["groups"][:2]            # one group step for 3 runs: fewer operators a run
@@ -2213,8 +2216,8 @@ def test_bench_tiny_runs_and_reports_finite_numbers():
 
 
 def test_the_paper_dry_run_prices_a_gpu_grid_from_the_committed_gpu_rates(monkeypatch, capsys):
-    """--dry-run --device cuda without a GPU: every group of the paper's ar-widths grid, its rate read
-    from results/gpu/bench.txt, hours that add up, the GPU named; nothing trained."""
+    """--dry-run --device cuda without a GPU: every group of the paper's ar-widths grid, its rate
+    read from results/gpu/bench.txt, hours that add up, the GPU named; nothing trained."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(mechsm, "train_group", lambda *a, **k: pytest.fail("a dry run trained"))
     assert run_cli.main(["--preset", "paper", "--experiment", "ar-widths", "--device", "cuda",
@@ -2228,7 +2231,8 @@ def test_the_paper_dry_run_prices_a_gpu_grid_from_the_committed_gpu_rates(monkey
     assert abs(sum(hours(*r[-2:]) for r in rows) - hours(*out[-1].split()[1:3])) < 0.01
     assert "measured on an NVIDIA H200 (results/gpu/bench.txt)" in out[-1] and where in out[-1]
     assert run_cli.rate_from(rates, "mamba", 7) == 7 / rates["mamba", 7][0]   # a measured size
-    assert 35 / rates["mamba", 35][0] > run_cli.rate_from(rates, "mamba", 20) > 7 / rates["mamba", 7][0]
+    between = run_cli.rate_from(rates, "mamba", 20)             # a group step: between its sizes
+    assert 35 / rates["mamba", 35][0] > between > 7 / rates["mamba", 7][0]
 
 
 def test_a_dry_run_on_the_device_at_hand_times_each_group_shape(tmp_path, monkeypatch, capsys):
@@ -3215,6 +3219,8 @@ BAD_API_CALLS = [   # (parameter, a call of a public function with a bad value f
     ("freeze_features", lambda: models.build_model("base_conv", 10, freeze_features="x")),
     ("cfg", lambda: mechsm.train({"arch": "attention"})), ("cfg", lambda: mechsm.make_data(None)),
     ("configs", lambda: mechsm.train_group([{}])), ("model", lambda: mechsm.save(None, tiny(), "x.pt")),
+    ("captured", lambda: mechsm.train_group([tiny()], captured="yes")),
+    ("captured", lambda: run_cli.sweep([tiny()], "out", captured=1)),
     ("configs", lambda: run_cli.sweep([{"arch": "attention"}], "out")),
     ("patch", lambda: run_cli.sweep([tiny()], "out", patch="no")), ("jobs", lambda: run_cli.sweep([tiny()], "out", jobs=True)),
     ("experiment", lambda: run_cli.experiment_configs([])), ("archs", lambda: run_cli.experiment_configs("ar", archs=["x"])),
