@@ -20,7 +20,8 @@ and shards, the README summary, figures, the benchmark): nothing above needs it 
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
   python run.py --report results; --figures results   # re-render a results folder from its records
   python run.py --device cuda --preset paper       # the paper's grid on a GPU, a cell batched
-  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against the references
+  python run.py --device cuda --preset paper --dry-run   # its groups and time, from measured rates
+  OMP_WAIT_POLICY=PASSIVE python run.py bench      # batched groups, fast kernels: against references
 
 Shape letters: b batch, l sequence length, d d_model, e Mamba's inner width, n SSM state size,
 r runs trained as one batched model. Outputs under --out (default out/): results.jsonl (a JSON line
