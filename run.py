@@ -119,6 +119,7 @@ CHOSEN = {
                   "mamba (d 64)": (0.0033, 32_000), "mamba (d 128)": 0.0033,
                   "deltanet (d 16)": 0.003},
     "mamba-conv": {"mamba (d_conv 1, d 64)": 0.0011, "mamba (d_conv 2, d 64)": (0.0011, 16_000),
+                   "mamba (d_conv 3, d 64)": (0.01, 16_000),
                    "mamba (default conv, d 64)": (0.0033, 32_000)},
     "based-ablation": {"based (long convs only, d 64)": 0.001,
                        "based (d_conv 1, d 64)": (0.001, 16_000),
