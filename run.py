@@ -332,8 +332,6 @@ EXPERIMENTS = {e.name: e for e in [
                      seeds={"*": [0]}), None, probe=True),
 ]}
 PRESETS = ("quick", "paper")
-LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout",
-                "freeze_features", "num_keys", "steps")
 
 
 def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
@@ -466,7 +464,7 @@ def best_by_lr(records, ladder=True):
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
                      "budget": budget, "budgets": budgets, "records": sum(map(len, per_lr.values())),
-                     "label": row_label(config_of(best), configs, LABEL_FIELDS[:-1] if ladder else LABEL_FIELDS)})
+                     "label": row_label(config_of(best), configs, ladder)})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
@@ -733,7 +731,7 @@ def paper_text(name, row):
 
 
 def describe(name, value):
-    """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
+    """A Config field's value in a row label: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
     words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
              "pos_emb": "PE" if value else "NoPE", "num_keys": f"{value} keys",
              "long_only": "long convs only" if value else None, "steps": f"{value} steps",
@@ -741,13 +739,20 @@ def describe(name, value):
     return words.get(name, f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
 
 
-def row_label(cfg, configs, fields_):
-    """cfg's arch and each of `fields_` varying among its arch's `configs`: 'mamba (d_conv 0)'."""
+def row_label(cfg, configs, ladder=True):
+    """cfg's arch and each Config field varying among its arch's `configs` (but the run's own: lr,
+    seed and, on a budget `ladder`, steps; a field that follows one before it, as num_values
+    follows num_keys, once), in Config's order but d_model first: 'mamba (d_conv 0)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
-    parts = list(filter(None, [describe(name, getattr(cfg, name)) for name in fields_
-                               if len({getattr(c, name) for c in same_arch}) > 1
-                               and not (name == "d_conv" and cfg.long_only)]))
+    own = {"arch", "lr", "seed", "device", *["steps"] * ladder}
+    names = ["d_model"] + [f.name for f in fields(mechsm.Config) if f.name not in own | {"d_model"}]
+    kept = []
+    for name in names:                    # kept when it splits runs the fields before it do not
+        split = lambda keys: len({tuple(getattr(c, k) for k in keys) for c in same_arch})
+        if split(kept + [name]) > split(kept) and not (name == "d_conv" and cfg.long_only):
+            kept.append(name)
+    parts = list(filter(None, [describe(name, getattr(cfg, name)) for name in kept]))
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 

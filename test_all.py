@@ -2135,7 +2135,7 @@ def test_every_experiment_builds_both_presets_with_distinct_row_labels():
     assert {"ar", "ar-widths", "ar-nope", "ar-layers", "mamba-conv", "based-ablation", "atr", "atr-medium",
             "atr-8192", "atr-generalisation", "ar-generalisation", "atr-mamba-conv"} <= set(run_cli.EXPERIMENTS)
     for name, exp in run_cli.EXPERIMENTS.items():
-        fields = run_cli.LABEL_FIELDS if exp.probe else run_cli.LABEL_FIELDS[:-1]   # a budget is no row
+        ladder = not exp.probe                                             # a budget is no row
         aside = ("lr", "seed") if exp.probe else ("lr", "seed", "steps")
         for preset in run_cli.PRESETS:
             configs = run_cli.experiment_configs(name, preset)
@@ -2148,13 +2148,25 @@ def test_every_experiment_builds_both_presets_with_distinct_row_labels():
             families = {}
             for c in configs:
                 family = run_cli.run_key({k: v for k, v in asdict(c.resolved()).items() if k not in aside})
-                families.setdefault(run_cli.row_label(c, configs, fields), set()).add(family)
+                families.setdefault(run_cli.row_label(c, configs, ladder), set()).add(family)
             assert all(len(f) == 1 for f in families.values()), (name, preset, families)
         rows = set()                                                       # the paper's rows exist
         for preset in run_cli.PRESETS:
             configs = run_cli.experiment_configs(name, preset)
-            rows |= {run_cli.row_label(c, configs, fields) for c in configs} | {c.arch for c in configs}
+            rows |= {run_cli.row_label(c, configs, ladder) for c in configs} | {c.arch for c in configs}
         assert set(exp.paper_numbers) <= rows, (name, set(exp.paper_numbers) - rows)
+
+
+def test_a_new_experiments_row_labels_name_the_fields_that_vary():
+    """No list of label fields to edit: a grid over num_pairs labels its rows by it; a field that
+    follows another (num_values with num_keys) is named once; lr and seed never."""
+    configs = [mechsm.Config(arch="attention", num_pairs=p, lr=lr, seed=s) for p in (4, 8)
+               for lr in (1e-3, 3e-3) for s in (0, 1)]
+    assert {run_cli.row_label(c, configs) for c in configs} == {"attention (num_pairs 4)",
+                                                                "attention (num_pairs 8)"}
+    configs = [mechsm.Config(arch="mamba", num_keys=k, num_values=k) for k in (256, 1024)]
+    assert run_cli.row_label(configs[0], configs) == "mamba (256 keys)"
+    assert run_cli.row_label(configs[0], configs[:1]) == "mamba"
 
 
 def test_experiment_narrowing_and_unknown_names():
