@@ -11,7 +11,7 @@ What `python run.py` does, in the order of this file's first half:
   3. the report: a row per cell, every seed counted, beside the paper's numbers;
   4. main: flags -> the grid -> sweep (one_run per run not yet in --out) -> report_grid.
 Below the line `# ===== Below` is the engine (command line, records on disk, the sweep's workers
-and shards, the README summary, figures, the benchmark): nothing above needs it to be read.
+and shards, the READMEs' tables, figures, the benchmark): nothing above needs it to be read.
 
   python run.py                                    # quick `ar`: attention, Based, Mamba, H3; a job per core
   python run.py --experiment atr-medium            # one result of the paper; --list shows them all
@@ -39,6 +39,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -561,6 +562,37 @@ def result_table(rows, experiment=None):
     return markdown(cells)
 
 
+def paper_cell(name, row):
+    """The paper's number for a row at its width, and its reading: '80.62%; direct retrieval'."""
+    text = paper_text(name, row) or ""
+    if text.startswith("d 16-256"):                            # WIDTHS_PAPER: one number a width
+        number = text[10:-1].split(" / ")[WIDTHS.index(row["d_model"])] + "%"
+    else:
+        number = next(iter(re.findall(r"[\d.]+%", text)), "")
+    reading = next((r for r in interventions.READINGS.values() if r in text), "fails" * ("fails" in text))
+    return "; ".join(filter(None, (number, reading))) or "-"
+
+
+def short_table(rows, name):
+    """The one short table, a row per cell (`python run.py` prints it, the READMEs and each .md
+    open with it): its rate and budget, every seed's accuracy, the median attributions, the
+    verdicts, the paper's number and reading, and whether ours bears that out (holds)."""
+    cells = []
+    for row in rows:
+        s, one = spread(row), row["best"]["config"]["n_layers"] == 1
+        c = {"architecture": row["label"], "lr": f"{row['best_lr']:g}",
+             "steps": f"{budget_of(row['best']):,}", "accuracy: median (range)": fmt_acc(s)}
+        if "test_acc" in row["best"]["final"]:
+            c["test accuracy"] = fmt_pct(statistics.median(r["final"].get("test_acc") or 0.0
+                                                           for r in row["runs"]))
+        c.update({label: "n/a" if one else fmt_num(s["median"][k]) for k, (label, _) in ATTRIBS.items()})
+        c["verdicts"] = tally(s["verdicts"], s["n"])
+        c["paper"] = paper_cell(name, row)
+        c["holds?"] = holds(paper_text(name, row) or "", s)
+        cells.append(c)
+    return markdown(cells)
+
+
 def circuit_words(circuit, restored=True):
     """interventions.minimal_circuit's members in words, input to output, and what they restore:
     'embed@key > L0 mixer@value > L1 mixer@query: 93%'; 'none' when it has none (its reason)."""
@@ -593,7 +625,7 @@ def report_grid(name, preset, records, out):
     if draw_figures(rows, name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
-    print(text.split("\n", 2)[2].split("\n![")[0])
+    print(short_table(rows, name) + f"\n\ndetails (every rate tried, circuits, timelines): {name}.md")
     print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
 
 
@@ -700,8 +732,8 @@ def copy_guess(cfg):
 
 def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.05, learned=0.95,
              plateau=1.5):
-    """What a run's training did, read from its history: the first of the rule under the README's
-    summary that holds, its thresholds these keywords (None: no history)."""
+    """What a run's training did, read from its history: the first case that holds of the rule in
+    results/README.md ("How training went"), its thresholds these keywords (None: no history)."""
     final = record["final"]
     history = [h for h in record.get("history") or [] if None not in map(h.get, ("acc", "loss"))]   # what it reads
     trained = [h for h in history if h.get("train_loss") is not None]
@@ -1059,17 +1091,19 @@ def render(name, preset, records, folder=None):
             f"{h['step']}: {fmt_pct(h.get('acc'))} " + ("n/a" if one else f"{attrib(h, 'attrib_value')}/"
             f"{attrib(h, 'attrib_query')}") for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
+        short_table(rows, name), "",
+        "Each row counts every seed of its cell's chosen learning rate and budget. Accuracy: the final "
+        f"models on {records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: "
+        "the median, over the seeds that can be read, of the restoration of the clean answer "
+        "probability when the block input of layer 1 is patched at X (n/a: a 1-layer model has none; "
+        "its layer-0 mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. "
+        f"Paper: {exp.section}; holds?: whether our seeds bear out its reading (README).", "",
+        "## Details", "",
         result_table(rows, None if exp.probe else name), "",
-        "Each row counts every seed of its learning rate (lr: where several were tried, seed 0's "
-        "accuracy at each, 'failed' where its loss went non-finite and it stopped, and in bold, the "
-        "rate chosen: seed 0's best; README, difference 18). Accuracy: the final models on "
-        f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
-        "over the seeds that can be read, of the restoration of the clean answer probability when "
-        "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
-        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule; leans: where "
-        "those with no signal point. Training: what each seed's training did, by the rule under the "
-        "README's summary. Paper: "
-        f"{exp.section}.", "",
+        "lr: where several were tried, seed 0's accuracy at each, 'failed' where its loss went "
+        "non-finite and it stopped, and in bold, the rate chosen: seed 0's best (results/README.md). "
+        "Leans: where the seeds with no signal point. Training: what each seed's training did "
+        "(run.diagnose, results/README.md).", "",
         "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
         "too little signal to read):", *timeline, "",
         f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
@@ -1090,59 +1124,6 @@ def holds(text, s):
     if "fails" in text:
         return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
     return "-"
-
-
-PAPER = ("paper (accuracy: the best of its 5-7 learning rates at that width; box: its box plot's "
-         "medians, pooled over widths and learning rates)")               # which statistic is which
-OURS = ("ours (median (range) over seeds at one width and learning rate: the range's top is the best "
-        "seed; box: medians)")
-
-
-def summary_rows(name, rows):
-    """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
-    none); an experiment over widths: one row per label, its median accuracy at each width."""
-    if len({row["d_model"] for row in rows}) > 1:
-        lines = {}
-        for row in sorted(rows, key=lambda r: r["d_model"]):
-            line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
-            s = spread(row)
-            line["cells"].append(f"d {row['d_model']}{fmt_moved(row)}: {fmt_acc(s)}; {fmt_counts(s)}; "
-                                 f"{fmt_training(s)}")
-        return [{"row": label, PAPER: paper_text(name, line["row"]) or "no number quoted",
-                 "holds?": "-", OURS: " · ".join(line["cells"])} for label, line in lines.items()]
-    out = []
-    for row in [row for row in rows if paper_text(name, row)] or rows:
-        s, final, text = spread(row), row["best"]["final"], paper_text(name, row) or ""
-        test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
-        split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        box = " ".join(f"{k[0].upper()} {fmt_num(s['median'][k])}" for k in ATTRIBS)
-        box = f"; box {box} ({s['readable']} seeds read)" * ("box" in text)
-        out.append({"row": row["label"], PAPER: text or "no number quoted", "holds?": holds(text, s),
-                    OURS: f"{split}{fmt_moved(row)}, best seed {fmt_pct(s['acc'][-1])}{box}; {fmt_counts(s)}; "
-                          f"{fmt_training(s)}"})
-    return out
-
-
-def summary_table(folder, names=None, rel=None):
-    """The summary of the records in `folder`: the table, the notes under it, probes (names: those
-    experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
-    rel = os.path.relpath(folder, HERE) if rel is None else rel
-    records = folder_records(folder, warn=False)
-    lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
-             for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
-             and name in (names or EXPERIMENTS)
-             for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
-    unique = by_run(r for rs in records.values() for r in rs).values()
-    cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
-    spent = (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of training "
-             "and patching (the records' wall times summed; every run on one thread), made in shards with "
-             "`--choose-lr` and `--replicates`. " + run_py_line(folder))
-    text = markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"]) + "\n\n" + spent
-    if names:
-        return text
-    probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
-    return text + ("\n\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
-                   f"{'; '.join(probes)}.")
 
 
 # --- The command line
@@ -1247,7 +1228,7 @@ def build_parser():
     a("--checkpoint", str, help="evaluate and patch this saved model (OUT/ckpt/*.pt), no training")
     a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder and exit")
     a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its "
-      "records (results/: also the README's summary table) and exit")
+      "records (results/: also the READMEs' tables) and exit")
     return p
 
 
@@ -1462,7 +1443,7 @@ def worker_init(parent):
     threading.Thread(target=exit_with_parent, daemon=True).start()
 
 
-# --- Shards, provenance, older records, the README's summary
+# --- Shards, provenance, older records, the READMEs' tables
 
 def shard_of(text):
     """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
@@ -1503,11 +1484,8 @@ machine_of = lambda p: ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capa
 
 
 README = os.path.join(HERE, "README.md")
-SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
-           "<!-- /summary -->")
-CIRCUITS = ("<!-- circuits: `python run.py --report results` writes this table from results/*.jsonl -->",
-            "<!-- /circuits -->")
-HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
+# A block of a README: between "<!-- NAME: ..." and "<!-- /NAME -->", rendered by --report results.
+BLOCK = "<!-- {}: `python run.py --report results` writes this from results/*.jsonl -->"
 
 
 def run_py_line(folder):
@@ -1520,33 +1498,51 @@ def run_py_line(folder):
         f"{c['load']})." if c else ".")
 
 
-def readme_with_summary(text, folder):
-    """The README text with its summary block (the HEADLINE rows) and its circuit table rendered
-    anew from `folder`."""
-    for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment and the "
-                                  "probes: [results/README.md](results/README.md)."), (CIRCUITS, circuit_table(folder))]:
-        start, end = text.index(first) + len(first), text.index(last)
-        text = text[:start] + "\n" + block + "\n" + text[end:]
+def spent_line(records, folder):
+    """How many runs `records` ({experiment: runs}, folder's) hold, what they cost, and what
+    `python run.py` trains (run_py_line)."""
+    unique = by_run(r for rs in records.values() for r in rs).values()
+    cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
+    return (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of "
+            "training and patching (the records' wall times summed; every run on one thread). "
+            + run_py_line(folder))
+
+
+def experiment_tables(records):
+    """Every experiment's short table under its name and claim, then the probes, linked."""
+    parts = [f"### [{name}](./{name}.md): {exp.finding} ({exp.section})\n\n"
+             + short_table(best_by_lr(records[name]), name)
+             for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]]
+    probes = [f"[{n}](./{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
+    return "\n\n".join(parts + ["The probes that chose the quick grids: " + "; ".join(probes) + "."])
+
+
+def with_blocks(text, folder):
+    """`text` (a README) with each block it holds rendered anew from `folder`'s records: `ar`'s
+    short table, every experiment's, the runs' cost, the circuits."""
+    records = folder_records(folder, warn=False)
+    blocks = {"ar": lambda: short_table(best_by_lr(records["ar"]), "ar"),
+              "experiments": lambda: experiment_tables(records),
+              "runs": lambda: spent_line(records, folder), "circuits": lambda: circuit_table(records)}
+    for name, block in blocks.items():
+        first, last = BLOCK.format(name), f"<!-- /{name} -->"
+        if first in text:
+            start, end = text.index(first) + len(first), text.index(last)
+            text = text[:start] + "\n" + block() + "\n" + text[end:]
     return text
 
 
-def circuit_table(folder):
-    """Every row's circuit (row_circuit) in the records of `folder` that carry one, by architecture."""
+def circuit_table(records):
+    """Every row's circuit (row_circuit) in `records` ({experiment: runs}) that carry one, by
+    architecture."""
     cells = [{"architecture": row["arch"], "experiment: row": f"{name}: {row['label']}",
               "circuit (the median-accuracy seed's)": circuit_words(found[0], restored=False),
               "seeds sharing it / with a circuit": f"{found[1]}/{found[2]}",
               "restored": fmt_pct(found[0].get("restored"))}
-             for name, records in folder_records(folder, warn=False).items() for row in best_by_lr(records)
+             for name, runs in records.items() for row in best_by_lr(runs)
              if (found := row_circuit(row))]
     return markdown(sorted(cells, key=lambda c: arch_rank(c["architecture"]))) if cells else \
         "No record here carries a circuit yet (a patched run made from this commit on does)."
-
-
-def results_readme(folder):
-    """results/README.md: the whole summary, beside the records it is rendered from."""
-    return ("# Every experiment beside the paper\n\n`python run.py --report results` writes this "
-            "file from results/*.jsonl; how to read it: the README's \"What we find\".\n\n"
-            + summary_table(folder, rel=".") + "\n")
 
 
 def report_folder(folder):
@@ -1557,10 +1553,9 @@ def report_folder(folder):
                                                 & set(map(config_key, experiment_configs(name, p)))))
         mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, preset, records, folder)[1].encode())
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
-    if readme:
-        mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
-        mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
-    print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
+    for path in [README, out_path(folder, "README.md")] * readme:
+        mechsm.write_whole(path, with_blocks(Path(path).read_text(), folder).encode())
+    print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' tables" * readme))
 
 
 # --- Figures: the paper's plots, from the records alone

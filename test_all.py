@@ -11,6 +11,7 @@ import collections
 import contextlib
 import glob
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -457,11 +458,17 @@ def diag_record(train=(10.0, 5.0), loss=(6.0, 6.0, 6.0), acc=(0.5, 0.5), task="a
             "history": history, "final": {k: history[12][k] for k in ("acc", "loss", "train_loss")}}
 
 
-def markdown_rows(text):
-    """The rows of the first markdown table in `text`, as {column: cell}."""
-    lines = [line for line in text.splitlines() if line.startswith("| ")]
+def readmes():
+    """README.md and results/README.md, one text: the prose that the records must bear out."""
+    return "".join(open(os.path.join(HERE, *f)).read() for f in (["README.md"], ["results", "README.md"]))
+
+
+def markdown_rows(text, which=0):
+    """The rows of the markdown table `which` (0: the first) in `text`, as {column: cell}."""
+    runs = itertools.groupby(text.splitlines(), lambda line: line.startswith("|"))
+    lines = [list(table) for is_table, table in runs if is_table][which]    # runs of table lines
     split = lambda line: [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-    return [dict(zip(split(lines[0]), split(line))) for line in lines[1:]]
+    return [dict(zip(split(lines[0]), split(line))) for line in lines[2:]]
 
 
 # ==================================================================================================
@@ -3497,7 +3504,7 @@ def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
     folder, tally = os.path.join(HERE, "results"), lambda c, n, pre="": {f"{pre}{k} {v}/{n}" for k, v in c.items()}
     for name, experiment in run_cli.EXPERIMENTS.items():
         rows = run_cli.best_by_lr(run_cli.read_results(os.path.join(folder, f"{name}.jsonl")), not experiment.probe)
-        for row, cells in zip(rows, markdown_rows(open(os.path.join(folder, f"{name}.md")).read()), strict=True):
+        for row, cells in zip(rows, markdown_rows(open(os.path.join(folder, f"{name}.md")).read(), 1), strict=True):
             runs, n = row["runs"], len(row["runs"])
             diagnoses = collections.Counter(run_cli.diagnose(r) for r in runs)
             verdicts = [run_cli.verdict_of(r) for r in runs]
@@ -3511,10 +3518,9 @@ def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
             assert set(cells["training"].split(", ")) == tally(diagnoses, n)
             assert set(cells["verdicts"].split(", ")) == tally(collections.Counter(verdicts), n) | tally(
                 leans, n, "leans ")
-            if not experiment.probe:                                # a probe has no summary row
-                summary = run_cli.summary_rows(name, [row])[0][run_cli.OURS]
-                assert all(t in summary for t in tally(diagnoses, n) | tally(leans, n, "leans "))
-                assert run_cli.fmt_acc(run_cli.spread(row)) in summary       # median (range)
+            short = markdown_rows(run_cli.short_table([row], name))[0]     # the first table's row
+            assert set(short["verdicts"].split(", ")) == tally(collections.Counter(verdicts), n)
+            assert short["accuracy: median (range)"] == run_cli.fmt_acc(run_cli.spread(row))
     def at(name, arch, lr, d_model=64):   # the issue's cases, at the grid's rate (a cell may choose another)
         return [r for r in run_cli.read_results(os.path.join(folder, f"{name}.jsonl")) if (r["config"]["arch"],
                 r["config"]["lr"], r["config"]["d_model"]) == (arch, lr, d_model)]
@@ -3558,18 +3564,18 @@ def test_circuit_words_rows_and_circuit_table_render_from_records(tmp_path):
     assert "circuit" in lines[0] and lines[2].endswith("| embed@key > L0 mixer@value > L1 mixer@query: 95% (2/3) |")
     assert lines[3].startswith("| mamba") and lines[3].endswith("| - |")
     assert "circuit" not in run_cli.result_table(run_cli.best_by_lr([unpatched]))   # no column at all
-    table = run_cli.circuit_table(str(tmp_path)).splitlines()
+    table = run_cli.circuit_table(run_cli.folder_records(str(tmp_path))).splitlines()
     assert len(table) == 3 and "mamba" not in table[2]
     assert table[2].split(" | ")[1:] == ["ar: attention", "embed@key > L0 mixer@value > L1 mixer@query",
                                          "2/3", "95.0% |"]
-    assert run_cli.circuit_table(str(tmp_path / "none")).startswith("No record here carries a circuit")
+    assert run_cli.circuit_table({}).startswith("No record here carries a circuit")
 
 
 def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     """Each number of the README's prose on the findings ("A row that does not hold ...", the
     probes' H3) and the record side of its reproduction section, computed here from the committed
     records (the reruns' own numbers are measurements, not records): edit one and this fails."""
-    readme = " ".join(open(os.path.join(HERE, "README.md")).read().split())
+    readme = " ".join(readmes().split())
     recs = lambda name: run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
     rows = lambda name: {row["label"]: row for row in run_cli.best_by_lr(recs(name), not run_cli.EXPERIMENTS[name].probe)}
     at = lambda name, arch, lr, **cfg: [r for r in recs(name) if all(
@@ -3622,12 +3628,17 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     phrases.append(f"Mamba at 3.3e-3 read {run_cli.fmt_acc(run_cli.spread({'runs': m8})).replace('-', '–')} at 8,000 "
                    f"steps, direct retrieval {dr(m8)}, every seed still learning")
     phrases.append(f"Mamba chose {rate(m1['best_lr'])} on seed 0's {pct(accs([m1['first'][m1['best_lr']]])[0])}; "
-                   f"its 5 seeds there read {acc(m1)}, direct retrieval {dr(m1['runs'])} (256 keys: "
-                   f"{median(m2['runs'])}, {dr(m2['runs'])}), where the grid's 1e-2 read {median(g1)}, {dr(g1)} "
+                   f"its 5 seeds there read {acc(m1)}, direct retrieval {dr(m1['runs'])} (256 keys, whose budget stayed "
+                   f"at {m2['budget']:,} steps: {median(m2['runs'])}, {dr(m2['runs'])}), where the grid's 1e-2 read {median(g1)}, {dr(g1)} "
                    f"({median(g2)}, {dr(g2)})")
     gated = sorted(ar["gated_deltanet"]["runs"], key=lambda r: (r["config"]["seed"] > 0, r["final"]["acc"]))
     phrases.append(f"Gated DeltaNet chose {rate(ar['gated_deltanet']['best_lr'])} on seed 0's {pct(accs(gated)[0])}, "
                    f"the others {100 * accs(gated)[1]:.1f}, {pct(accs(gated)[2])}")
+    assert not run_cli.laddered(m2) and m2["budget"] == 8000              # the 256-key row never climbed
+    h3 = rows("ar-vocab")["h3 (1024 keys)"]["best"]                      # the probe: not on the plateau
+    assert h3["final"]["loss"] > 1.5 * math.log(8) and run_cli.diagnose(h3) != "copy plateau"
+    phrases.append(f"H3 does not ({pct(h3['final']['acc'])}, its evaluation loss {h3['final']['loss']:.2f}, far "
+                   "above the copy plateau's)")
     budget = rows("atr-budget")["h3 (7500 steps)"]["best"]
     phrases.append(f"H3 {run_cli.verdict_of(budget)} (Key {run_cli.fmt_num(head([budget], 'key')[0])}, Query "
                    f"{run_cli.fmt_num(head([budget], 'query')[0])})")
@@ -3650,10 +3661,10 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
     readme = open(os.path.join(HERE, "README.md")).read()
-    start = readme.index(run_cli.SUMMARY[0])
+    start = readme.index(run_cli.BLOCK.format("ar"))
     i = start + next(j for j, c in enumerate(readme[start:]) if c.isdigit() and readme[start + j + 1] == ".")
     edited = readme[:i] + str((int(readme[i]) + 1) % 10) + readme[i + 1:]
-    assert run_cli.readme_with_summary(edited, os.path.join(HERE, "results")) != edited
+    assert run_cli.with_blocks(edited, os.path.join(HERE, "results")) != edited
 
 
 def test_results_and_the_readme_summary_are_rendered_from_the_committed_records():
@@ -3666,9 +3677,10 @@ def test_results_and_the_readme_summary_are_rendered_from_the_committed_records(
         assert records, f"results/{name}.jsonl has no records"
         committed = open(os.path.join(folder, f"{name}.md")).read()
         assert run_cli.render(name, "quick", records, folder)[1] == committed, f"results/{name}.md"
-    readme = open(os.path.join(HERE, "README.md")).read()
-    assert run_cli.readme_with_summary(readme, folder) == readme, "README.md's summary table"
-    assert run_cli.results_readme(folder) == open(os.path.join(folder, "README.md")).read()
+    for path in (os.path.join(HERE, "README.md"), os.path.join(folder, "README.md")):
+        text = open(path).read()
+        assert run_cli.BLOCK.format("ar" if path.startswith(folder) is False else "experiments") in text
+        assert run_cli.with_blocks(text, folder) == text, path
 
 
 def test_readout_rows_only_path_equals_the_full_forward():
@@ -3702,7 +3714,7 @@ def test_the_figures_command_without_matplotlib_prints_one_line_and_exits_0(tmp_
 
 def test_the_readmes_gpu_numbers_are_in_the_committed_gpu_logs():
     """Each number of the README's GPU sentence appears in results/gpu/ (the device check's output)."""
-    text = open(os.path.join(HERE, "README.md")).read()
+    text = readmes()
     sentence = text.split("GPU: measured once", 1)[1].split("\n\n", 1)[0]
     logs = "".join(open(os.path.join(HERE, "results", "gpu", f)).read() for f in ("gpu.log", "bench.txt"))
     numbers = re.findall(r"\d[\d,]*\.\d+(?:e-\d+)?", sentence)
@@ -3712,7 +3724,7 @@ def test_the_readmes_gpu_numbers_are_in_the_committed_gpu_logs():
 def test_the_readmes_circuit_sentences_say_what_the_mamba_ladder_records_hold():
     """The README's Mamba sentence under the circuit table: seed 0 at 32,000 steps, its accuracy,
     verdict and circuit at 3.3e-3 and 9.9e-3, as results/ar.jsonl holds them."""
-    readme = " ".join(open(os.path.join(HERE, "README.md")).read().split())
+    readme = " ".join(readmes().split())
     recs = {r["config"]["lr"]: r for r in run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", "ar.jsonl")))
             if r["config"]["arch"] == "mamba" and r["config"]["steps"] == 32_000 and r["config"]["seed"] == 0
             and r["config"]["num_keys"] == 1024}
