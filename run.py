@@ -315,7 +315,7 @@ EXPERIMENTS = {e.name: e for e in [
                quick(QUICK_AR, each("attention"), holdout=0.2),
                paper(PAPER_AR, each("attention"), holdout=0.2, epochs=32)),
     Experiment("atr-mamba-conv", "arXiv v3",
-               "Mamba without its short conv learns attention-like induction on ATR",
+               "Mamba with and without its short conv on ATR (v3: without it, induction)",
                {"mamba (d_conv 0)": "induction (high Attrib@Value)",
                 "mamba (default conv)": "atr box K .55 V .03 Q .29: held at the key"},
                quick(QUICK_ATR, convs("mamba", (0, None)), seeds={"*": SEEDS5}),
@@ -481,7 +481,6 @@ fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
                                                tally(s["leans"], s["n"], "leans "))))
 fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
 laddered = lambda row: len(row.get("budgets") or ()) > 1       # seed 0 trained at several budgets
-fmt_moved = lambda row: f" at {row['budget']:,} steps" if laddered(row) else ""
 # a cell's budget ladder, seed 0's best at each budget: '8,000: 69.1%, still learning · **16,000**'
 fmt_budgets = lambda row: " · ".join(f"**{s:,}**" if s == row["budget"] else f"{s:,}: {fmt_rung(r)}, {diagnose(r)}"
                                      for s, r in row["budgets"].items())
@@ -1576,10 +1575,11 @@ def redraw_figures(folder):
     print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
 
 
-def colour(arch):
-    """A fixed tab10 colour per arch (ALL_ARCHS order; another arch: one of the last three)."""
-    from matplotlib import colormaps
-    return colormaps["tab10"](ALL_ARCHS.index(arch) if arch in ALL_ARCHS else 7 + len(arch) % 3)
+# One colour per built-in mixer (tab10 without its grey, which marks "too little signal"); another
+# arch: cyan.
+COLOURS = dict(zip(ALL_ARCHS, "tab:blue tab:orange tab:green tab:red tab:purple tab:brown tab:pink "
+                              "tab:olive".split()))
+colour = lambda arch: COLOURS.get(arch, "tab:cyan")
 
 
 def patched_runs(records, with_signal=False):
@@ -1595,44 +1595,54 @@ def tiles(fig, n, cols, height):
 
 
 def plot_scatter(fig, records, of=None):
-    """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed, and the
-    verdict's regions (the paper's Fig. 3); a run held at the key is a triangle, one outside FRAME
-    a cross on its edge; beside a mark, how many runs it stacks; the title: how many runs, of the
+    """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed (the paper's
+    Fig. 3): left the runs with signal in the verdict's regions, right those with too little signal
+    (hollow: no verdict); a run held at the key is a triangle, one outside FRAME a cross on its edge;
+    beside a mark that stacks runs, how many of each mixer; the title: how many runs, of the
     experiment's `of` records."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
-    low = np.array([m.get("low_signal") for m in mech], bool)
+    low = np.array([bool(m.get("low_signal")) for m in mech], bool)
     key = np.array([verdict_of(r) == interventions.READINGS["key"] for r in runs], bool)
-    (lo, hi), cut, ax = FRAME, interventions.CUT, fig.subplots()
+    (lo, hi), cut = FRAME, interventions.CUT
     outside = (x < lo) | (x > hi) | (y < lo) | (y > hi)
-    ax.fill_between([cut, hi], [lo, lo], [cut, cut], color="tab:green", alpha=0.12, lw=0)
-    ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
-    ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
-    ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
-    for a in sorted(set(arch), key=arch_rank):
-        label, c = a, colour(a)
-        for hollow, tri in ((False, False), (False, True), (True, False)):
-            m = (np.array(arch) == a) & (low == hollow) & (key == tri) & ~outside
-            ax.scatter(x[m], y[m], s=40, edgecolors=c, marker="^" if tri else "o",
-                       facecolors="none" if hollow else c, label=label if m.any() else None)
-            label = None if m.any() else label
-    ax.scatter([], [], s=40, facecolors="none", edgecolors="grey", label="too little signal")
-    ax.scatter([], [], s=40, marker="^", color="grey", label="held at the key")
-    ax.scatter(np.clip(x[outside], lo, hi), np.clip(y[outside], lo, hi), s=50, marker="x", clip_on=False,
-               color=[colour(a) for a, o in zip(arch, outside) if o] or "grey",
-               label=f"beyond, on the edge ({outside.sum()})")
-    stacks = {}                              # {a mark: the runs within 0.03 of it, drawn over it}
-    for p in zip(*np.clip([x, y], lo, hi).tolist()):
-        at = next((q for q in stacks if math.dist(q, p) < 0.03), p)
-        stacks[at] = stacks.get(at, 0) + 1
-    for at, k in stacks.items():
-        if k > 1:
-            ax.annotate(str(k), at, xytext=(5, 5), textcoords="offset points", fontsize=8)
-    ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
-           title=f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} records"
-           "\n(each row's seeds at its chosen rate, patched, 2+ layers; a number: the runs at a mark)")
-    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.set_size_inches(11.0, 5.5)
+    axes, stacks = fig.subplots(1, 2, sharey=True), {}   # stacks: {a mark: {arch: runs within 0.03}}
+    for ax, hollow in zip(axes, (False, True)):
+        if not hollow:
+            ax.fill_between([cut, hi], [lo, lo], [cut, cut], color="tab:green", alpha=0.12, lw=0)
+            ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
+            ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
+            ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
+        for a in sorted(set(arch), key=arch_rank):
+            for tri in (False, True):
+                m = (np.array(arch) == a) & (low == hollow) & (key == tri) & ~outside
+                ax.scatter(x[m], y[m], s=40, edgecolors=colour(a), marker="^" if tri else "o",
+                           facecolors="none" if hollow else colour(a))
+        edge = outside & (low == hollow)
+        ax.scatter(np.clip(x[edge], lo, hi), np.clip(y[edge], lo, hi), s=50, marker="x", clip_on=False,
+                   color=[colour(a) for a, o in zip(arch, edge) if o] or "grey")
+        panel = {}
+        for a, p in zip(np.array(arch)[low == hollow], zip(*np.clip([x, y], lo, hi)[:, low == hollow].tolist())):
+            at = next((q for q in panel if math.dist(q, p) < 0.03), p)
+            panel.setdefault(at, collections.Counter())[a] += 1
+        for at, counts in panel.items():
+            if sum(counts.values()) > 1:        # one line per mixer, in its colour, largest first
+                for i, (a, k) in enumerate(counts.most_common()):
+                    ax.annotate(f"{a} ×{k}" if len(counts) > 1 else str(k), at, color=colour(a),
+                                xytext=(6, 4 - 9 * i), textcoords="offset points", fontsize=7)
+        stacks.update({(hollow, at): sum(c.values()) for at, c in panel.items()})
+        ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value")
+    axes[0].set(ylabel="Attrib@Query", title=f"with signal: {(~low).sum()} runs")
+    axes[1].set_title(f"too little signal (no verdict): {low.sum()} runs")
+    for a in sorted(set(arch), key=arch_rank):                         # the legend: every mixer
+        axes[0].scatter([], [], s=40, color=colour(a), label=a)
+    axes[0].scatter([], [], s=40, marker="^", color="grey", label="held at the key")
+    axes[0].scatter([], [], s=50, marker="x", color="grey", label=f"beyond, on the edge ({outside.sum()})")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center")
+    fig.suptitle(f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} records (each "
+                 "row's seeds at its chosen rate, patched, 2+ layers; beside a mark: the runs it stacks)")
     return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside,
             "stacks": stacks}
 
@@ -1649,6 +1659,10 @@ def plot_width(fig, rows):
             np.array([f(a) for a in accs], float) for f in (statistics.median, min, max)))
         ax.plot(d, med, marker="o", color=c, label=label)
         ax.fill_between(d, low, high, color=c, alpha=0.12, lw=0)
+        for w, m, n, tried in zip(d, med, (r.get("budget") for r in line), (r.get("budgets") for r in line)):
+            if tried and n > min(tried):                # a budget that grew on its ladder
+                ax.annotate(f"{n / 1000:g}k steps", (w, m), xytext=(4, -9), fontsize=7,
+                            textcoords="offset points", color=c)
         if ar and label in WIDTHS_PAPER:
             out[label + " (paper)"] = WIDTHS, [float(v) / 100 for v in WIDTHS_PAPER[label][:-1].split(" / ")]
             ax.plot(*out[label + " (paper)"], "--", marker=".", color=c)
@@ -1656,8 +1670,9 @@ def plot_width(fig, rows):
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.set(ylim=(-0.02, 1.02), xlabel="model width (d_model)", ylabel="accuracy",
-           title="Accuracy against width: median over seeds, range shaded" + ";\ndashed: the paper's "
-           "(the best of its learning rates; 4,096 keys, 16 pairs)" * (len(out) > len(lines)))
+           title="Accuracy against width: median over seeds, range shaded; beside a point, its steps\n"
+           "where its budget grew" + "; dashed: the paper's (the best of its learning rates; 4,096 keys, "
+           "16 pairs)" * (len(out) > len(lines)))
     ax.legend(fontsize=8)
     return out
 
@@ -1665,24 +1680,28 @@ def plot_width(fig, rows):
 def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
-    height, panels = 0.2 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.1, []
-    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), height), rows):
+    height, panels = 0.24 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.2, []
+    for ax, (label, row) in zip(tiles(fig, len(rows), 1, height), rows):   # one column: screen width
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
         sites = [f"L{t['layer']} {t['label'].replace('_', ' ')}" for t in table["rows"]]
-        image = ax.imshow(cells, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
-        ax.set_xticks(range(len(positions)), positions, fontsize=7, rotation=30)
-        ax.set_yticks(range(len(sites)), sites, fontsize=7)
+        noise = verdict_of(row["best"]) == "no signal"          # its ratios are noise: greyed
+        shown = ax.imshow(cells, cmap="Greys" if noise else "RdBu_r", vmin=-1, vmax=1, aspect="auto",
+                          alpha=0.3 if noise else 1.0)
+        image = image if noise and panels else shown
+        ax.set_xticks(range(len(positions)), positions, fontsize=8)
+        ax.set_yticks(range(len(sites)), sites, fontsize=8)
         for (i, j), c in np.ndenumerate(cells):
             if np.isfinite(c):
-                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=6,
-                        color="white" if abs(c) > 0.6 else "black")
+                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=7,
+                        color="grey" if noise else "white" if abs(c) > 0.6 else "black")
         ax.set_title(f"{label} (d {row['d_model']}): {verdict_of(row['best'])}\n"   # today's rule
-                     f"its best seed, {row['best']['config']['seed']}", fontsize=9)
+                     f"its best seed, {row['best']['config']['seed']}" + " (grey: too little signal, "
+                     "noise)" * noise, fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "sites": sites, "cells": cells,
                        "positions": list(positions)})
-    fig.colorbar(image, ax=fig.axes, shrink=0.5, label="attribution")
+    fig.colorbar(image, ax=fig.axes, shrink=min(1.0, 4 / len(rows)), label="attribution")
     return panels
 
 
@@ -1708,8 +1727,44 @@ def plot_box(fig, rows):
                            facecolors="none" if low else c, zorder=3)
         ax.set(ylabel=name, ylim=FRAME)
     ax.set_xticks(range(len(labels)), labels)
-    fig.suptitle(f"ATR: Attrib@Key, @Query, @Value, every seed (hollow: too little signal; dashed: the cut, {cut})")
+    fig.axes[0].set_title(f"Attrib@Key, @Query, @Value, every seed (hollow: too little signal; dashed: the "
+                          f"cut, {cut})", fontsize=9)
     return out
+
+
+def effective_panels(rows):
+    """Per mixer of an AR experiment at one width, its most accurate row's (the most keys first)
+    best seed's stored effective attention (record["effective"], interventions.effective_record):
+    {"label", "verdict", "sites", "positions", "cells"}, cells a row per (layer, reading position)
+    over positions 0..query, NaN after a reading position (causal)."""
+    with_maps = [row for row in rows if row["best"].get("effective")]
+    panels = []
+    for a in sorted({row["arch"] for row in with_maps}, key=arch_rank):
+        row = max((r for r in with_maps if r["arch"] == a),
+                  key=lambda r: (r["best"]["config"].get("num_keys") or 0, run_score(r["best"])))
+        eff = row["best"]["effective"]
+        at, n = eff["positions"], eff["positions"]["query"] + 1
+        pad = lambda v: v + [math.nan] * (n - len(v))
+        panels.append({"label": row["label"], "verdict": verdict_of(row["best"]), "positions": at,
+                       "sites": ["L0 from the value"] + [f"L{i} from the query" for i in range(len(eff["query"]))],
+                       "cells": np.array([pad(eff["value"])] + [pad(q) for q in eff["query"]], float),
+                       "acc": row["best"]["final"].get("acc")})
+    return panels
+
+
+def plot_effective(fig, panels):
+    """effective_panels' maps, a panel per mixer: each row scaled to its largest entry, the roles'
+    positions named; titled with the mixer, its seed's accuracy and verdict."""
+    for ax, p in zip(tiles(fig, len(panels), 2, 1.5), panels):
+        cells = p["cells"] / np.nanmax(np.abs(p["cells"]), axis=1, keepdims=True)
+        ax.imshow(cells, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+        roles = [k for k in p["positions"] if k in ATTRIBS]                 # key, value, query
+        ax.set_xticks([p["positions"][k] for k in roles], [k[0].upper() for k in roles], fontsize=7)
+        ax.set_yticks(range(len(p["sites"])), p["sites"], fontsize=7)
+        ax.set_title(f"{p['label']} ({fmt_pct(p['acc'])}): {p['verdict']}", fontsize=9)
+    fig.supxlabel("position read: K the key, V its value, Q the query (each row scaled to its largest "
+                  "entry)", fontsize=8)
+    return panels
 
 
 # The one table of figure kinds, <experiment>_<kind>.png: its drawing, and the data it draws from an
@@ -1721,7 +1776,9 @@ FIGURE_KINDS = {
                                                           for r in rows) and rows),
     "width": (plot_width, lambda records, rows: len(widest_rows(rows)) < len(rows) and rows),
     "box": (plot_box, lambda records, rows: records[0]["config"]["task"] == "atr"
-            and patched_runs(records, with_signal=True) and rows)}
+            and patched_runs(records, with_signal=True) and rows),
+    "effective": (plot_effective, lambda records, rows: records[0]["config"]["task"] == "ar"
+                  and len({r["d_model"] for r in rows}) == 1 and len(p := effective_panels(rows)) >= 4 and p)}
 
 
 def figures_of(name, rows):
@@ -1743,6 +1800,8 @@ def draw_figures(rows, name, folder):
     for kind, data in figures_of(name, rows).items():
         fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
         out[kind] = FIGURE_KINDS[kind][0](fig, data)
+        above = fig.get_suptitle()                     # every figure named by its experiment
+        fig.suptitle(f"{name}: {EXPERIMENTS[name].finding}" + f"\n{above}" * bool(above), fontsize=10)
         fig.savefig(png := io.BytesIO(), format="png", dpi=100, metadata={"Software": None},
                     bbox_inches="tight")
         mechsm.write_whole(out_path(folder, f"{name}_{kind}.png"), png.getvalue())

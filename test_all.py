@@ -379,6 +379,15 @@ def tiny_checkpoint(path, **kw):
     return mechsm.save(model, replace(cfg, device="cpu"), str(path)), model
 
 
+def register_the_readme_mixer(monkeypatch):
+    """Run the README's example against the built-in registry, undone after the test (in a fork
+    whose models.py holds the example, it registers anew in place of that one)."""
+    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):
+        built_in = {k: v for k, v in getattr(models, name).items() if k in models.BUILT_IN_ARCHS}
+        monkeypatch.setattr(models, name, built_in)
+    exec(readme_mixer_example(), {"__name__": "readme_example"})
+
+
 def readme_mixer_example():
     """The code block of the README's "Add your own mixer" section, verbatim."""
     text = open(os.path.join(HERE, "README.md")).read()
@@ -1353,7 +1362,7 @@ def test_effective_map_applied_to_the_values_is_the_mixers_activation(arch, opti
         torch.testing.assert_close(torch.einsum("bcts,bcse->btce", M, v).flatten(2), target, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("arch", list(models.ARCHS))
+@pytest.mark.parametrize("arch", models.BUILT_IN_ARCHS)       # a new mixer may have no effective_map
 def test_effective_attention_is_causal_finite_and_attention_s_pattern(arch):
     model, tokens = small_model(arch, n_heads=2) if arch == "attention" else small_model(arch), random_tokens()
     maps = iv.effective_attention(model, tokens)
@@ -2873,9 +2882,7 @@ def test_optional_parts_cost_only_themselves_and_what_a_rerun_cannot_mend_exits_
     """The README's mixer, which has no effective_map, is patched and tabled without the maps; a checkpoint
     that cannot be read says to delete it and the run exits 1 (not 0, retried forever); a huge --d-conv
     names d_conv; based-ablation's --d-conv passes over its long-convs-only run with a note."""
-    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):    # the registration is undone after the test
-        monkeypatch.setattr(models, name, dict(getattr(models, name)))
-    exec(readme_mixer_example(), {"__name__": "readme_example"})
+    register_the_readme_mixer(monkeypatch)
     record, = run_cli.sweep([tiny(arch="gated_rnn", steps=20, timeline_docs=0)], str(tmp_path / "a"), log=quiet)
     assert record["mechanism_table"]["rows"] and record["effective"] is None
     assert "gated_rnn" in run_cli.result_table(run_cli.best_by_lr([record]))
@@ -3149,9 +3156,7 @@ def test_the_readme_mixer_example_registers_trains_and_patches(monkeypatch):
     """The README's example, copied from the README at test time so the two cannot drift: it
     registers a new mixer, which then builds, trains through mechsm.train and gets a mechanism table
     with its own hook site and its own extra summary number (the class's READS)."""
-    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):    # the registration is undone after the test
-        monkeypatch.setattr(models, name, dict(getattr(models, name)))
-    exec(readme_mixer_example(), {"__name__": "readme_example"})
+    register_the_readme_mixer(monkeypatch)
     assert "gated_rnn" in models.ARCHS and "gated_rnn" not in models.BUILT_IN_ARCHS
     cfg = tiny(arch="gated_rnn", eval_every=10, train_size=640, steps=20)
     result, model = mechsm.train(cfg, log=quiet)
@@ -3335,24 +3340,24 @@ def test_scatter_plots_every_run_with_a_mechanism(figure):
     data = fs.plot_scatter(fig, records)
     assert data["arch"] == [r["config"]["arch"] for r in RECORDS]
     np.testing.assert_array_equal(data["outside"], [False, False, False, True, False])   # value 2.0
-    assert "beyond, on the edge (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "beyond, on the edge (1)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    assert [ax.get_title() for ax in fig.axes] == ["with signal: 4 runs", "too little signal (no verdict): 1 runs"]
     np.testing.assert_array_equal(data["value"], [r["mechanism"]["attrib_value"] for r in RECORDS])
     np.testing.assert_array_equal(data["query"], [r["mechanism"]["attrib_query"] for r in RECORDS])
     np.testing.assert_array_equal(data["low_signal"], [False, True, False, False, False])
 
 
 def test_the_saved_scatter_holds_its_legend_and_axis_label(figure, tmp_path):
-    """The legend (with the count of points beyond the frame) sits right of the 8-inch figure and
-    the equal-aspect frame pushes the y label past its left edge: draw_figures saves the whole of both."""
+    """The legend (with the count of points beyond the frame) right of both panels and the y label
+    left of them: draw_figures saves the whole of both."""
     from matplotlib.image import imread
     fs.draw_figures(fig_rows(RECORDS), "ar", tmp_path)
     fig = figure(figsize=(8.0, 6), layout="constrained")
     fs.plot_scatter(fig, RECORDS)
     fig.savefig(tmp_path / "plain.png", dpi=100)                        # laid out, saved as it is
-    ax = fig.axes[0]
-    boxes = [ax.get_legend().get_window_extent(), ax.yaxis.label.get_window_extent()]
+    boxes = [fig.legends[0].get_window_extent(), fig.axes[0].yaxis.label.get_window_extent()]
     left, right = min(0, *(b.x0 for b in boxes)), max(b.x1 for b in boxes)
-    assert right > fig.bbox.x1                                 # cut off in a plain save of the figure
+    assert boxes[0].x0 > fig.axes[1].get_window_extent().x1          # beside the panels, not on them
     assert imread(tmp_path / "ar_scatter.png").shape[1] >= right - left
 
 
@@ -3379,6 +3384,9 @@ def test_width_lines_are_each_widths_median_and_range_over_seeds(figure):
     np.testing.assert_array_equal(high, [0.9, 1.0, 2.0])
     widths, paper = fs.plot_width(figure(), rows)["mamba (paper)"]      # WIDTHS_PAPER, dashed
     assert widths == (16, 32, 64, 128, 256) and paper == pytest.approx([0.1, 0.7688, 0.8062, 0.8969, 0.9125])
+    rows[0].update(budget=32_000, budgets={8000: None, 32_000: None})     # a budget that grew: marked
+    fs.plot_width(fig := figure(), rows)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["32k steps"]
 
 
 def test_box_has_a_box_per_table_row_over_its_seeds_with_signal(figure):
@@ -3404,10 +3412,16 @@ def test_figures_count_what_they_stack_and_name_their_seed(figure):
     fig = figure()
     data = fs.plot_scatter(fig, stacked, 10)
     assert sorted(data["stacks"].values()) == [1, 3] and "3" in [t.get_text() for t in fig.axes[0].texts]
-    assert "4 runs of 10 records" in fig.axes[0].get_title()
+    assert "4 runs of 10 records" in fig.get_suptitle()
+    mixed = stacked + [fig_record("hyena", seed=s) for s in range(2)]      # a stack of two mixers
+    fs.plot_scatter(fig := figure(), mixed)
+    assert {"attention ×3", "hyena ×2"} <= {t.get_text() for t in fig.axes[0].texts}
     rows = fig_rows([{**fig_record("mamba", seed=2, value=0.05, query=0.95)}])     # stored verdict: induction
     fs.plot_heatmaps(fig := figure(), rows)
     assert fig.axes[0].get_title() == "mamba (d 32): mixed\nits best seed, 2"       # key 0.5 and query 0.95
+    fs.plot_heatmaps(fig := figure(), fig_rows([fig_record("mamba", low=True)]))    # its ratios: noise
+    assert "grey: too little signal" in fig.axes[0].get_title() and fig.axes[0].images[0].get_cmap().name == "Greys"
+    assert len({fs.colour(a) for a in run_cli.ALL_ARCHS}) == 8 and "tab:gray" not in map(fs.colour, run_cli.ALL_ARCHS)
 
 
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
@@ -3734,3 +3748,81 @@ def test_the_readmes_circuit_sentences_say_what_the_mamba_ladder_records_hold():
     assert run_cli.circuit_words(fast["circuit"], restored=False) == "embed@key > L0 mixer@query"
     assert f"3.3e-3 ({run_cli.fmt_pct(slow['final']['acc'])})" in readme
     assert f"9.9e-3 ({run_cli.fmt_pct(fast['final']['acc'])})" in readme
+
+
+def test_the_short_table_is_what_run_py_prints_and_the_readme_and_ar_md_open_with(tmp_path, capsys, monkeypatch):
+    """One table, three places, rendered from results/ar.jsonl: the terminal after `python run.py`,
+    the README's `ar` block and results/ar.md's first table; the same columns (a holds? column),
+    no cell over 45 characters, the rate of every row stated."""
+    folder = os.path.join(HERE, "results")
+    records = run_cli.read_results(os.path.join(folder, "ar.jsonl"))
+    table = run_cli.short_table(run_cli.best_by_lr(run_cli.latest(records)), "ar")
+    shutil.copy(os.path.join(folder, "ar.jsonl"), tmp_path)
+    monkeypatch.setattr(run_cli, "draw_figures", lambda rows, name, out: {})     # the figures: elsewhere
+    run_cli.report_grid("ar", "quick", [], str(tmp_path))
+    printed = capsys.readouterr().out
+    readme = open(os.path.join(HERE, "README.md")).read()
+    block = readme.split(run_cli.BLOCK.format("ar"))[1].split("<!-- /ar -->")[0].strip()
+    first = [line for line in open(os.path.join(folder, "ar.md")).read().split("\n\n") if line.startswith("|")][0]
+    assert table in printed and block == table and first == table
+    rows = markdown_rows(table)
+    assert list(rows[0])[-1] == "holds?" and len(rows) == len(run_cli.best_by_lr(run_cli.latest(records)))
+    assert max(len(cell) for row in rows for cell in [*row, *row.values()]) <= 45
+    assert all(float(row["lr"]) > 0 for row in rows)
+
+
+def test_the_readmes_first_screen_and_its_length():
+    """Within README.md's first 60 lines: the set-up, run and test commands, an AR document with its
+    named positions, the `ar` table and the reading order; at most 3,500 words in all; every
+    figure it embeds exists."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    top = "\n".join(text.splitlines()[:60])
+    for needed in ("pip install -r requirements.txt", "\npython run.py", "pytest -q test_all.py",
+                   "<bos>", "key value", "divider query answer", run_cli.BLOCK.format("ar"),
+                   "<!-- /ar -->", "## Reading order", "5. `run.py`"):
+        assert needed in top, needed
+    assert len(text.split()) <= 3500
+    figures = re.findall(r"\]\((results/\S+\.png)\)", text)
+    assert "results/ar_effective.png" in figures and all(os.path.exists(os.path.join(HERE, f)) for f in figures)
+
+
+def test_every_mixers_effective_attention_panel_is_its_models_map(figure, data):
+    """The eight-mixer figure draws, per mixer, the map stored in its record (interventions.
+    effective_record): here each panel's rows equal interventions.effective_attention of the small
+    model itself, layer 0 from the value and every layer from the query; the figure applies to an
+    AR experiment of one width with 4 mixers or more, and is drawn for results/ar."""
+    rows, archs = [], ("attention", "based", "mamba", "deltanet")
+    for arch in archs:
+        model = patching_model(arch, data.vocab_size)
+        record = {**fig_record(arch, d_model=16), "effective": iv.effective_record(model, data, doc=2)}
+        record["config"]["num_keys"] = 16
+        rows.append({"arch": arch, "d_model": 16, "label": arch, "best": record, "runs": [record]})
+        maps = iv.effective_attention(model, data.tokens[2:3])
+        q, v = int(data.positions["query"][2]), int(data.positions["value"][2])
+        panel = run_cli.effective_panels(rows)[-1]
+        assert panel["label"] == arch and panel["verdict"] == run_cli.verdict_of(record)
+        np.testing.assert_allclose(panel["cells"][0, :v + 1], maps[0][0, v, :v + 1].numpy())
+        assert np.isnan(panel["cells"][0, v + 1:]).all()                            # causal: nothing after
+        for layer, m in enumerate(maps):
+            np.testing.assert_allclose(panel["cells"][1 + layer], m[0, q, :q + 1].numpy())
+    assert run_cli.FIGURE_KINDS["effective"][1]([r["best"] for r in rows], rows)
+    assert not run_cli.FIGURE_KINDS["effective"][1]([r["best"] for r in rows], rows[:3])
+    fig = figure()
+    run_cli.plot_effective(fig, run_cli.effective_panels(rows))
+    assert [ax.get_title().split(" (")[0] for ax in fig.axes] == list(archs)
+    assert "ar_effective.png" in open(os.path.join(HERE, "results", "ar.md")).read()
+
+
+def test_a_fork_that_appends_the_readmes_example_to_models_py_stays_green(tmp_path):
+    """A forker's path: the README's "Add your own mixer" block appended to models.py (in a copy of
+    the project); the tests taking every registered arch, now also gated_rnn, and those that run the
+    example pass there."""
+    for name in ("tasks.py", "models.py", "mechsm.py", "interventions.py", "run.py", "test_all.py", "README.md"):
+        shutil.copy(os.path.join(HERE, name), tmp_path)
+    with open(tmp_path / "models.py", "a") as fh:
+        fh.write("\n\n" + readme_mixer_example())
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py",
+                           "-k", "gated_rnn or readme_mixer"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert re.search(r"(\d+) passed", done.stdout) and int(re.search(r"(\d+) passed", done.stdout)[1]) >= 10
