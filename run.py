@@ -127,8 +127,8 @@ CHOSEN = {
             "base_conv (d 64)": 0.009},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 0.0011, "mamba (default conv, d 64)": 0.0033},
     "ar": {"mamba (d 64)": (0.0033, 32_000), "gated_deltanet (d 64)": 0.00033,
-           "hyena (d 64)": 0.001, "based (d 64)": 0.001, "mamba (256 keys, d 64)": 0.0033,
-           "hyena (256 keys, d 64)": (0.003, 24_000)},
+           "hyena (d 64)": 0.001, "based (d 64)": 0.001,
+           "mamba (256 keys, d 64)": (0.0033, 16_000), "hyena (256 keys, d 64)": (0.003, 24_000)},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 CAP_STEPS = {"ar": 50_016, "atr": 100_032}   # the paper's budgets: the last rung of a budget ladder
@@ -479,11 +479,15 @@ fmt_acc = lambda s: fmt_pct(statistics.median(s["acc"])) + (
 tally = lambda counts, n, pre="": ", ".join(f"{pre}{k} {v}/{n}" for k, v in counts.most_common())
 fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
                                                tally(s["leans"], s["n"], "leans "))))
-fmt_training = lambda s: tally(s["diagnoses"], s["n"]) or "-"
+# a row's training: what its budget ladder found (climb), then each seed's history (diagnose)
+fmt_training = lambda row, s: "; ".join(filter(None, (climb(row) or "one budget",
+                                                      tally(s["diagnoses"], s["n"]))))
 laddered = lambda row: len(row.get("budgets") or ()) > 1       # seed 0 trained at several budgets
-# a cell's budget ladder, seed 0's best at each budget: '8,000: 69.1%, still learning · **16,000**'
-fmt_budgets = lambda row: " · ".join(f"**{s:,}**" if s == row["budget"] else f"{s:,}: {fmt_rung(r)}, {diagnose(r)}"
-                                     for s, r in row["budgets"].items())
+# a cell's budget ladder, seed 0's best at each budget, what it read and (Mamba) its extra sites:
+# '8,000: 69.1%, direct retrieval, conv@next_key 0.98, still learning · **16,000**: ...'
+extras = lambda r: [f"{k} {fmt_num(v)}" for k, v in (r.get("mechanism") or {}).items() if "@" in k]
+fmt_budgets = lambda row: " · ".join((f"**{s:,}**" if s == row["budget"] else f"{s:,}") + ": " + ", ".join(
+    filter(None, [fmt_rung(r), verdict_of(r), *extras(r), diagnose(r)])) for s, r in row["budgets"].items())
 
 
 # a record's attrib_key / _value / _query: their names in the tables and colours in the figures
@@ -550,7 +554,7 @@ def result_table(rows, experiment=None):
         mechs = [r.get("mechanism") or {} for r in row["runs"]]
         for name in [k for k in best.get("mechanism") or {} if "@" in k]:  # the mixer's extras
             c[name] = " / ".join("-" if m.get("low_signal") else fmt_num(m.get(name)) for m in mechs)
-        c["verdicts"], c["training"] = fmt_counts(s), fmt_training(s)
+        c["verdicts"], c["training"] = fmt_counts(s), fmt_training(row, s)
         if any(r.get("circuit") for row in rows for r in row["runs"]):     # else no column
             found = row_circuit(row)
             c["circuit (the median seed's; seeds sharing it)"] = \
@@ -699,14 +703,16 @@ def cell_choice(cfg, done):
 
 def climb(row):
     """What a cell's budget ladder found, from seed 0's best record at each budget it trained
-    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "converged at N"
-    (no longer run gained: paid), "not converged at the cap", "not converged at N" (cut off while a
-    doubling still paid), or None (one budget: no ladder to read)."""
-    budgets, n = row.get("budgets") or {}, row["budget"]
+    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "memorised at N",
+    "never left the start at N", "converged at N" (no longer run gained: paid), "not converged at
+    the cap", "not converged at N" (cut off while a doubling still paid), or None (one budget)."""
+    budgets, n = row.get("budgets") or {}, row.get("budget")
     if len(budgets) < 2 or n not in budgets:
         return None
     if run_score(budgets[n]) >= (True, 0.98):
         return f"at 98% or more by {n:,}"
+    if diagnose(budgets[n]) in ("memorised", "never left the start"):    # a longer run would not mend it
+        return f"{diagnose(budgets[n])} at {n:,}"
     if any(s > n for s in budgets) and not any(paid(budgets[n], budgets[s]) for s in budgets if s > n):
         return f"converged at {n:,}"
     return "not converged at the cap" if n >= CAP_STEPS[row["best"]["config"]["task"]] else \
@@ -731,28 +737,31 @@ def copy_guess(cfg):
 
 def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.05, learned=0.95,
              plateau=1.5):
-    """What a run's training did, read from its history: the first case that holds of the rule in
-    results/README.md ("How training went"), its thresholds these keywords (None: no history)."""
+    """What one run's history shows (a detail: whether a longer run gains is climb's to say): the
+    first case that holds of the rule in results/README.md ("How training went"), its thresholds
+    these keywords (None: no history)."""
     final = record["final"]
     history = [h for h in record.get("history") or [] if None not in map(h.get, ("acc", "loss"))]   # what it reads
     trained = [h for h in history if h.get("train_loss") is not None]
     if record["status"] != "ok" or not trained or None in map(final.get, ("acc", "loss", "train_loss")):
         return None
+    if final["acc"] >= learned:
+        return "learned"
+    if len(trained) < 3:                        # a start, a last quarter and an end to compare
+        return "too few evaluations"
     at = lambda runs, part: ([h for h in runs if h["step"] <= part * runs[-1]["step"]] or runs)[-1]
     if final["train_loss"] >= (1 - start_margin) * trained[0]["train_loss"]:
         return "never left the start"
     if final["loss"] - final["train_loss"] >= memorised_gap and final["loss"] > at(history, 2 / 3)["loss"]:
-        return "memorised"                               # before the copy plateau it explains
+        return "memorised"                               # before the copy guess it explains
     fell = at(trained, 3 / 4)["train_loss"] - final["train_loss"]
     rose = final["acc"] - at(history, 3 / 4)["acc"]
-    if final["acc"] >= learned:
-        return "learned"
     if fell >= fall or rose >= rise:
         return "still learning"
     guess = copy_guess(config_of(record))          # on ATR: made from the evaluation documents
     if final["acc"] < plateau * guess and final["loss"] <= plateau * -math.log(guess):
-        return "copy plateau"
-    return "flat"
+        return "near the copy guess"
+    return "slowing"
 
 
 def paper_text(name, row):
@@ -1518,11 +1527,12 @@ def experiment_tables(records):
 
 def with_blocks(text, folder):
     """`text` (a README) with each block it holds rendered anew from `folder`'s records: `ar`'s
-    short table, every experiment's, the runs' cost, the circuits."""
+    short table, every experiment's, the runs' cost, the circuits, Mamba's conv."""
     records = folder_records(folder, warn=False)
     blocks = {"ar": lambda: short_table(best_by_lr(records["ar"]), "ar"),
               "experiments": lambda: experiment_tables(records),
-              "runs": lambda: spent_line(records, folder), "circuits": lambda: circuit_table(records)}
+              "runs": lambda: spent_line(records, folder), "circuits": lambda: circuit_table(records),
+              "conv": lambda: conv_table(records)}
     for name, block in blocks.items():
         first, last = BLOCK.format(name), f"<!-- /{name} -->"
         if first in text:
@@ -1542,6 +1552,29 @@ def circuit_table(records):
              if (found := row_circuit(row))]
     return markdown(sorted(cells, key=lambda c: arch_rank(c["architecture"]))) if cells else \
         "No record here carries a circuit yet (a patched run made from this commit on does)."
+
+
+def conv_table(records):
+    """Whether Mamba's short conv carries the key to the next token (conv@next_key: the attribution of
+    layer 0's conv output there) in the AR runs of `records` ({experiment: runs}) with signal, by
+    cell and budget: how many of the runs read carry it (0.5 or more), each run's value and
+    accuracy (seed, rate)."""
+    runs = {run_key(r["config"]): r for rs in records.values()
+            for r in rs if r["config"]["task"] == "ar" and r["status"] == "ok"
+            and (r.get("mechanism") or {}).get("conv@next_key") is not None and not r["mechanism"]["low_signal"]}
+    cells = {}
+    for r in sorted(runs.values(), key=lambda r: (r["config"]["lr"], r["config"]["seed"])):
+        c = r["config"]
+        name = ", ".join([f"d {c['d_model']}", f"{c['num_keys']:,} keys", describe("n_layers", c["n_layers"]),
+                          describe("d_conv", c["d_conv"])])
+        order = (c["d_model"], c["num_keys"], c["n_layers"], -1 if c["d_conv"] is None else c["d_conv"])
+        cells.setdefault((order, name, budget_of(r)), []).append(r)
+    carries = lambda rs: sum(r["mechanism"]["conv@next_key"] >= 0.5 for r in rs)
+    return markdown([{"Mamba": name, "steps": f"{steps:,}", "carries the key": f"{carries(rs)}/{len(rs)}",
+                      "conv@next_key, accuracy (seed, rate)": " · ".join(
+                          f"{fmt_num(r['mechanism']['conv@next_key'])}, {fmt_pct(r['final']['acc'])} "
+                          f"(s{r['config']['seed']}, {r['config']['lr']:g})" for r in rs)}
+                     for (_, name, steps), rs in sorted(cells.items(), key=lambda kv: kv[0][::2])])
 
 
 def report_folder(folder):
