@@ -677,7 +677,8 @@ def check_tokens(tokens, vocab_size, n_positions=None):
             or tokens.is_complex() or tokens.dtype == torch.bool:
         got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
                else type(tokens).__name__)
-        raise ValueError(f"tokens must be a (batch, length) tensor of integer token ids; got {got}.")
+        raise ValueError("tokens must be a (batch, length) tensor of integer token ids; "
+                         f"got {got}.")
     if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
         try:                          # the range read on a CPU only: no GPU sync
             low, high = (x.item() for x in torch.aminmax(tokens))

@@ -572,7 +572,8 @@ def paper_cell(name, row):
         number = text[10:-1].split(" / ")[WIDTHS.index(row["d_model"])] + "%"
     else:
         number = next(iter(re.findall(r"[\d.]+%", text)), "")
-    reading = next((r for r in interventions.READINGS.values() if r in text), "fails" * ("fails" in text))
+    reading = next((r for r in interventions.READINGS.values() if r in text),
+                   "fails" * ("fails" in text))
     return "; ".join(filter(None, (number, reading))) or "-"
 
 
@@ -588,7 +589,8 @@ def short_table(rows, name):
         if "test_acc" in row["best"]["final"]:
             c["test accuracy"] = fmt_pct(statistics.median(r["final"].get("test_acc") or 0.0
                                                            for r in row["runs"]))
-        c.update({label: "n/a" if one else fmt_num(s["median"][k]) for k, (label, _) in ATTRIBS.items()})
+        c.update({label: "n/a" if one else fmt_num(s["median"][k])
+                  for k, (label, _) in ATTRIBS.items()})
         c["verdicts"] = tally(s["verdicts"], s["n"])
         c["paper"] = paper_cell(name, row)
         c["holds?"] = holds(paper_text(name, row) or "", s)
@@ -628,7 +630,8 @@ def report_grid(name, preset, records, out):
     if draw_figures(rows, name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
-    print(short_table(rows, name) + f"\n\ndetails (every rate tried, circuits, timelines): {name}.md")
+    print(short_table(rows, name)
+          + f"\n\ndetails (every rate tried, circuits, timelines): {name}.md")
     print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
 
 
@@ -771,7 +774,7 @@ def paper_text(name, row):
 
 
 def describe(name, value):
-    """A Config field's value in a row label: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
+    """A Config field's value in a row label: 'd 32', '1 layer', 'NoPE', 'default conv', ..."""
     words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
              "pos_emb": "PE" if value else "NoPE", "num_keys": f"{value} keys",
              "long_only": "long convs only" if value else None, "steps": f"{value} steps",
@@ -1522,7 +1525,7 @@ def experiment_tables(records):
              + short_table(best_by_lr(records[name]), name)
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]]
     probes = [f"[{n}](./{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
-    return "\n\n".join(parts + ["The probes that chose the quick grids: " + "; ".join(probes) + "."])
+    return "\n\n".join(parts + [f"The probes that chose the quick grids: {'; '.join(probes)}."])
 
 
 def with_blocks(text, folder):
@@ -1531,8 +1534,8 @@ def with_blocks(text, folder):
     records = folder_records(folder, warn=False)
     blocks = {"ar": lambda: short_table(best_by_lr(records["ar"]), "ar"),
               "experiments": lambda: experiment_tables(records),
-              "runs": lambda: spent_line(records, folder), "circuits": lambda: circuit_table(records),
-              "conv": lambda: conv_table(records)}
+              "runs": lambda: spent_line(records, folder),
+              "circuits": lambda: circuit_table(records), "conv": lambda: conv_table(records)}
     for name, block in blocks.items():
         first, last = BLOCK.format(name), f"<!-- /{name} -->"
         if first in text:
@@ -1641,7 +1644,7 @@ def plot_scatter(fig, records, of=None):
     (lo, hi), cut = FRAME, interventions.CUT
     outside = (x < lo) | (x > hi) | (y < lo) | (y > hi)
     fig.set_size_inches(11.0, 5.5)
-    axes, stacks = fig.subplots(1, 2, sharey=True), {}   # stacks: {a mark: {arch: runs within 0.03}}
+    axes, stacks = fig.subplots(1, 2, sharey=True), {}  # {(hollow, a mark): the runs within 0.03}
     for ax, hollow in zip(axes, (False, True)):
         if not hollow:
             ax.fill_between([cut, hi], [lo, lo], [cut, cut], color="tab:green", alpha=0.12, lw=0)
@@ -1654,10 +1657,11 @@ def plot_scatter(fig, records, of=None):
                 ax.scatter(x[m], y[m], s=40, edgecolors=colour(a), marker="^" if tri else "o",
                            facecolors="none" if hollow else colour(a))
         edge = outside & (low == hollow)
-        ax.scatter(np.clip(x[edge], lo, hi), np.clip(y[edge], lo, hi), s=50, marker="x", clip_on=False,
-                   color=[colour(a) for a, o in zip(arch, edge) if o] or "grey")
+        ax.scatter(np.clip(x[edge], lo, hi), np.clip(y[edge], lo, hi), s=50, marker="x",
+                   clip_on=False, color=[colour(a) for a, o in zip(arch, edge) if o] or "grey")
         panel = {}
-        for a, p in zip(np.array(arch)[low == hollow], zip(*np.clip([x, y], lo, hi)[:, low == hollow].tolist())):
+        here = low == hollow
+        for a, p in zip(np.array(arch)[here], zip(*np.clip([x, y], lo, hi)[:, here].tolist())):
             at = next((q for q in panel if math.dist(q, p) < 0.03), p)
             panel.setdefault(at, collections.Counter())[a] += 1
         for at, counts in panel.items():
@@ -1672,10 +1676,12 @@ def plot_scatter(fig, records, of=None):
     for a in sorted(set(arch), key=arch_rank):                         # the legend: every mixer
         axes[0].scatter([], [], s=40, color=colour(a), label=a)
     axes[0].scatter([], [], s=40, marker="^", color="grey", label="held at the key")
-    axes[0].scatter([], [], s=50, marker="x", color="grey", label=f"beyond, on the edge ({outside.sum()})")
+    axes[0].scatter([], [], s=50, marker="x", color="grey",
+                    label=f"beyond, on the edge ({outside.sum()})")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center")
-    fig.suptitle(f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} records (each "
-                 "row's seeds at its chosen rate, patched, 2+ layers; beside a mark: the runs it stacks)")
+    fig.suptitle(f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} "
+                 "records (each row's seeds at its chosen rate, patched, 2+ layers; beside a mark: "
+                 "the runs it stacks)")
     return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside,
             "stacks": stacks}
 
@@ -1692,7 +1698,8 @@ def plot_width(fig, rows):
             np.array([f(a) for a in accs], float) for f in (statistics.median, min, max)))
         ax.plot(d, med, marker="o", color=c, label=label)
         ax.fill_between(d, low, high, color=c, alpha=0.12, lw=0)
-        for w, m, n, tried in zip(d, med, (r.get("budget") for r in line), (r.get("budgets") for r in line)):
+        for w, m, row in zip(d, med, line):
+            n, tried = row.get("budget"), row.get("budgets")
             if tried and n > min(tried):                # a budget that grew on its ladder
                 ax.annotate(f"{n / 1000:g}k steps", (w, m), xytext=(4, -9), fontsize=7,
                             textcoords="offset points", color=c)
@@ -1713,25 +1720,26 @@ def plot_width(fig, rows):
 def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
-    height, panels = 0.24 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.2, []
+    height = 0.24 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.2
+    panels, image = [], None
     for ax, (label, row) in zip(tiles(fig, len(rows), 1, height), rows):   # one column: screen width
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
         sites = [f"L{t['layer']} {t['label'].replace('_', ' ')}" for t in table["rows"]]
         noise = verdict_of(row["best"]) == "no signal"          # its ratios are noise: greyed
-        shown = ax.imshow(cells, cmap="Greys" if noise else "RdBu_r", vmin=-1, vmax=1, aspect="auto",
-                          alpha=0.3 if noise else 1.0)
-        image = image if noise and panels else shown
+        shown = ax.imshow(cells, cmap="Greys" if noise else "RdBu_r", vmin=-1, vmax=1,
+                          aspect="auto", alpha=0.3 if noise else 1.0)
+        image = shown if image is None or not noise else image      # the colour bar's: in colour
         ax.set_xticks(range(len(positions)), positions, fontsize=8)
         ax.set_yticks(range(len(sites)), sites, fontsize=8)
         for (i, j), c in np.ndenumerate(cells):
             if np.isfinite(c):
-                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=7,
-                        color="grey" if noise else "white" if abs(c) > 0.6 else "black")
+                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center",
+                        fontsize=7, color="grey" if noise else "white" if abs(c) > 0.6 else "black")
         ax.set_title(f"{label} (d {row['d_model']}): {verdict_of(row['best'])}\n"   # today's rule
-                     f"its best seed, {row['best']['config']['seed']}" + " (grey: too little signal, "
-                     "noise)" * noise, fontsize=9)
+                     f"its best seed, {row['best']['config']['seed']}"
+                     + " (grey: too little signal, noise)" * noise, fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "sites": sites, "cells": cells,
                        "positions": list(positions)})
     fig.colorbar(image, ax=fig.axes, shrink=min(1.0, 4 / len(rows)), label="attribution")
@@ -1760,8 +1768,8 @@ def plot_box(fig, rows):
                            facecolors="none" if low else c, zorder=3)
         ax.set(ylabel=name, ylim=FRAME)
     ax.set_xticks(range(len(labels)), labels)
-    fig.axes[0].set_title(f"Attrib@Key, @Query, @Value, every seed (hollow: too little signal; dashed: the "
-                          f"cut, {cut})", fontsize=9)
+    fig.axes[0].set_title("Attrib@Key, @Query, @Value, every seed (hollow: too little signal; "
+                          f"dashed: the cut, {cut})", fontsize=9)
     return out
 
 
@@ -1779,8 +1787,9 @@ def effective_panels(rows):
         at, n = eff["positions"], eff["positions"]["query"] + 1
         pad = lambda v: v + [math.nan] * (n - len(v))
         panels.append({"label": row["label"], "verdict": verdict_of(row["best"]), "positions": at,
-                       "sites": ["L0 from the value"] + [f"L{i} from the query" for i in range(len(eff["query"]))],
-                       "cells": np.array([pad(eff["value"])] + [pad(q) for q in eff["query"]], float),
+                       "sites": ["L0 from the value"]
+                       + [f"L{i} from the query" for i in range(len(eff["query"]))],
+                       "cells": np.array([pad(eff["value"]), *map(pad, eff["query"])], float),
                        "acc": row["best"]["final"].get("acc")})
     return panels
 
@@ -1795,8 +1804,8 @@ def plot_effective(fig, panels):
         ax.set_xticks([p["positions"][k] for k in roles], [k[0].upper() for k in roles], fontsize=7)
         ax.set_yticks(range(len(p["sites"])), p["sites"], fontsize=7)
         ax.set_title(f"{p['label']} ({fmt_pct(p['acc'])}): {p['verdict']}", fontsize=9)
-    fig.supxlabel("position read: K the key, V its value, Q the query (each row scaled to its largest "
-                  "entry)", fontsize=8)
+    fig.supxlabel("position read: K the key, V its value, Q the query (each row scaled to its "
+                  "largest entry)", fontsize=8)
     return panels
 
 
@@ -1811,7 +1820,8 @@ FIGURE_KINDS = {
     "box": (plot_box, lambda records, rows: records[0]["config"]["task"] == "atr"
             and patched_runs(records, with_signal=True) and rows),
     "effective": (plot_effective, lambda records, rows: records[0]["config"]["task"] == "ar"
-                  and len({r["d_model"] for r in rows}) == 1 and len(p := effective_panels(rows)) >= 4 and p)}
+                  and len({r["d_model"] for r in rows}) == 1
+                  and len(p := effective_panels(rows)) >= 4 and p)}
 
 
 def figures_of(name, rows):
@@ -1834,7 +1844,8 @@ def draw_figures(rows, name, folder):
         fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
         out[kind] = FIGURE_KINDS[kind][0](fig, data)
         above = fig.get_suptitle()                     # every figure named by its experiment
-        fig.suptitle(f"{name}: {EXPERIMENTS[name].finding}" + f"\n{above}" * bool(above), fontsize=10)
+        fig.suptitle(f"{name}: {EXPERIMENTS[name].finding}" + f"\n{above}" * bool(above),
+                     fontsize=10)
         fig.savefig(png := io.BytesIO(), format="png", dpi=100, metadata={"Software": None},
                     bbox_inches="tight")
         mechsm.write_whole(out_path(folder, f"{name}_{kind}.png"), png.getvalue())
