@@ -3835,7 +3835,7 @@ def test_a_fork_that_appends_the_readmes_example_to_models_py_stays_green(tmp_pa
     with open(tmp_path / "models.py", "a") as fh:
         fh.write("\n\n" + readme_mixer_example())
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py",
-                           "-k", "gated_rnn or readme_mixer"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+                           "-k", "gated_rnn or readme_mixer or optional_parts"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert re.search(r"(\d+) passed", done.stdout) and int(re.search(r"(\d+) passed", done.stdout)[1]) >= 10
+    assert int(re.search(r"(\d+) passed", done.stdout)[1]) >= 6      # 4 take every arch, 2 the example
