@@ -115,7 +115,7 @@ CHOSEN = {
                   "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.03, 16_000),
                   "mamba (d 64)": (0.0033, 32_000), "mamba (d 128)": 0.0033,
                   "deltanet (d 16)": 0.003},
-    "mamba-conv": {"mamba (d_conv 1, d 64)": 0.0011, "mamba (d_conv 2, d 64)": 0.0011,
+    "mamba-conv": {"mamba (d_conv 1, d 64)": 0.0011, "mamba (d_conv 2, d 64)": (0.0011, 16_000),
                    "mamba (default conv, d 64)": (0.0033, 32_000)},
     "based-ablation": {"based (long convs only, d 64)": 0.001,
                        "based (d_conv 1, d 64)": (0.001, 16_000),
@@ -128,7 +128,7 @@ CHOSEN = {
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": 0.0011, "mamba (default conv, d 64)": 0.0033},
     "ar": {"mamba (d 64)": (0.0033, 32_000), "gated_deltanet (d 64)": 0.00033,
            "hyena (d 64)": 0.001, "based (d 64)": 0.001,
-           "mamba (256 keys, d 64)": (0.0033, 16_000), "hyena (256 keys, d 64)": (0.003, 24_000)},
+           "mamba (256 keys, d 64)": (0.0033, 32_000), "hyena (256 keys, d 64)": (0.003, 24_000)},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 CAP_STEPS = {"ar": 50_016, "atr": 100_032}   # the paper's budgets: the last rung of a budget ladder
