@@ -568,9 +568,9 @@ class Ensemble:
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.flat), torch.zeros_like(self.flat)
         self.n_steps = 0
 
-    def losses(self, tokens, queries, answers):
+    def losses(self, tokens, queries, answers, done=None):
         """Every member's answer_loss (r,), its logits a vmap over the leaf's rows; a failed
-        member's 0, a non-finite one fails its member at this step (no host sync)."""
+        member's 0, a non-finite one fails its member at step `done` (default self.n_steps)."""
         def member_logits(row):         # row (n_params,): one member's parameters, as views of it
             params = {n: (x.detach() if n in self.frozen else x).view(shape)
                       for (n, shape), x in zip(self.shapes.items(), row.split(self.sizes))}
@@ -579,21 +579,27 @@ class Ensemble:
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         losses = F.cross_entropy(logits.transpose(1, 2), answers.expand(len(logits), -1),
                                  reduction="none").mean(1)                      # (r,)
-        newly = (self.failed_step < 0) & ~torch.isfinite(losses.detach())
-        self.failed_step = torch.where(newly, self.n_steps, self.failed_step)
-        self.failed_loss = torch.where(newly, losses.detach(), self.failed_loss)
+        newly = (self.failed_step < 0) & ~torch.isfinite(losses.detach())    # in place: a CUDA
+        self.failed_step.copy_(torch.where(newly, self.n_steps if done is None else done,  # graph
+                                           self.failed_step))                 # replays these
+        self.failed_loss.copy_(torch.where(newly, losses.detach(), self.failed_loss))
         return torch.where(self.failed_step < 0, losses, 0.0)
 
-    def train_step(self, tokens, queries, answers, lrs):
-        """One AdamW step of every member on one batch at its lr (lrs[i]); returns losses() (r,)."""
-        losses = self.losses(tokens, queries, answers)
+    def train_step(self, tokens, queries, answers, lrs, n=None):
+        """One AdamW step of every member on one batch at its lr (lrs[i]: a list, or a float64
+        tensor on the device: no copy from the host); returns losses() (r,). n: None counts the
+        steps in self.n_steps; a long tensor on the device counts them there, stepped in place
+        (CapturedStep: a replayed graph cannot read a Python number that changes)."""
+        losses = self.losses(tokens, queries, answers, None if n is None else n.clone())
         grad, = torch.autograd.grad(losses.sum(), self.flat)               # (r, n_params)
         with torch.no_grad():
             flat, alive, (beta1, beta2) = self.flat, self.failed_step < 0, (0.9, 0.999)
-            self.n_steps += 1
-            bias1, bias2 = 1 - beta1 ** self.n_steps, 1 - beta2 ** self.n_steps
+            if n is None:
+                self.n_steps += 1
+            t = self.n_steps if n is None else n.add_(1).double()
+            bias1, bias2 = 1 - beta1 ** t, 1 - beta2 ** t
             grad = torch.where(alive[:, None], grad, 0.0)                   # a failed member's: 0
-            lrs = torch.tensor(lrs, dtype=torch.float64).to(flat.device)
+            lrs = torch.as_tensor(lrs, dtype=torch.float64).to(flat.device)
             neg_step = ((-lrs / bias1).to(flat.dtype) * alive)[:, None]    # (r, 1): 0 when failed
             self.exp_avg.lerp_(grad, 1 - beta1)
             self.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -610,15 +616,51 @@ class Ensemble:
         return self.modules
 
 
-def train_group(configs, *, data=None, log=None, on_eval=None):
+class CapturedStep:
+    """Ensemble.train_step recorded in a CUDA graph and replayed: a step is then one launch, not the
+    hundreds of operators (each a kernel launch and a Python dispatch) that bound a small model's
+    step on a GPU. One graph per batch shape, recorded after 3 eager warm-up steps on a side stream;
+    each call copies the batch and lrs into the graph's static inputs; the step count lives on the
+    GPU. test_all.py checks it against train_step in float64 (on a GPU); off by default (README)."""
+
+    def __init__(self, ens):
+        self.ens, self.graphs, self.pool = ens, {}, torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream()                     # warm-ups run there, as capture needs
+        self.n = torch.zeros((), dtype=torch.long, device=ens.flat.device)   # steps done
+
+    def __call__(self, *inputs):                            # tokens, queries, answers, lrs
+        key = tuple(x.shape for x in inputs)
+        entry = self.graphs.setdefault(key, dict(warm=0, static=[x.clone() for x in inputs]))
+        for static, x in zip(entry["static"], inputs):
+            static.copy_(x)
+        if entry["warm"] < 3:                               # eager, as the graph will replay it
+            entry["warm"] += 1
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                losses = self.ens.train_step(*entry["static"], n=self.n)
+            torch.cuda.current_stream().wait_stream(self.side)
+            return losses
+        if "graph" not in entry:                            # recorded, not run: replayed below
+            entry["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(entry["graph"], pool=self.pool):
+                entry["losses"] = self.ens.train_step(*entry["static"], n=self.n)
+        entry["graph"].replay()
+        return entry["losses"]
+
+
+def train_group(configs, *, data=None, log=None, on_eval=None, captured=False):
     """Train configs that differ only in lr and seed as one Ensemble, in a loop like train()'s:
     [(result, model)], each what train(cfg, on_eval=on_eval) returns (to rounding) plus "group":
     {"size", "index"}; wall_s is the group's. A member whose loss goes NaN/inf fails there; the
-    others go on."""
+    others go on. Between evaluations nothing waits for the device (the lrs of every step are on it
+    from the start). captured: on CUDA, each step a replayed CUDA graph (CapturedStep)."""
     cfgs = [Config.check(c, "configs").resolved() for c in configs]
     if len({group_key(c) for c in cfgs}) != 1 or len({(c.lr, c.seed) for c in cfgs}) < len(cfgs):
         raise ValueError("train_group: configs: expected one or more runs that differ only in lr "
                          "and seed, no two alike")
+    if captured not in (True, False) or captured and resolve_device(cfgs[0].device)[:4] != "cuda":
+        raise ValueError(f"train_group: captured: got {captured!r}, expected False, or True on a "
+                         "CUDA device")
     cfg, r = cfgs[0], len(cfgs)
     data = make_data(cfg, data)
     prefix = f"[{cfg.arch} d{cfg.d_model} x{r}] "
@@ -627,6 +669,9 @@ def train_group(configs, *, data=None, log=None, on_eval=None):
     log(f"{r} runs as one batched model | lr {','.join(f'{c.lr:g}' for c in cfgs)} | "
         f"seeds {','.join(str(c.seed) for c in cfgs)}")
     batch, total, start = training_batches(cfg, data), cfg.total_steps(), time.time()
+    lrs = torch.tensor([[lr_at(s, total, c.warmup_frac, c.schedule, c.lr) for c in cfgs]  # (steps,
+                        for s in range(total)], dtype=torch.float64).to(ens.flat.device)  # r)
+    train_step = CapturedStep(ens) if captured else ens.train_step
     histories, loss_sum, n_losses = [[] for _ in cfgs], 0.0, 0      # the members: in train mode
     for step in range(total + 1):
         if step % cfg.eval_every == 0 or step == total:
@@ -639,8 +684,7 @@ def train_group(configs, *, data=None, log=None, on_eval=None):
             loss_sum, n_losses = 0.0, 0
         if step == total:
             break
-        lrs = [lr_at(step, total, c.warmup_frac, c.schedule, c.lr) for c in cfgs]
-        loss_sum, n_losses = loss_sum + ens.train_step(*batch(step), lrs).detach(), n_losses + 1
+        loss_sum, n_losses = loss_sum + train_step(*batch(step), lrs[step]).detach(), n_losses + 1
     wall, pairs = time.time() - start, []
     failed = zip(ens.failed_step.tolist(), ens.failed_loss.tolist())    # step -1: never failed
     for i, (c, model, history, (s, loss)) in enumerate(zip(cfgs, ens.members(), histories, failed)):

@@ -20,7 +20,8 @@ and shards, the READMEs' tables, figures, the benchmark): nothing above needs it
   python run.py --checkpoint out/ckpt/<run>.pt     # evaluate + patch a saved model
   python run.py --report results; --figures results   # re-render a results folder from its records
   python run.py --device cuda --preset paper       # the paper's grid on a GPU, a cell batched
-  OMP_WAIT_POLICY=PASSIVE python run.py bench      # fast kernels against the references
+  python run.py --device cuda --preset paper --dry-run   # its groups and time, from measured rates
+  OMP_WAIT_POLICY=PASSIVE python run.py bench      # batched groups, fast kernels: against references
 
 Shape letters: b batch, l sequence length, d d_model, e Mamba's inner width, n SSM state size,
 r runs trained as one batched model. Outputs under --out (default out/): results.jsonl (a JSON line
@@ -32,6 +33,7 @@ import argparse
 import collections
 import contextlib
 import difflib
+import functools
 import glob
 import hashlib
 import io
@@ -649,7 +651,7 @@ def main(argv=None):
         jobs, shard, group_size = sweep_plan(args, name, configs, device, notes, out)   # printed
         before = by_run(read_results(out, warn=False))
         options = dict(jobs=jobs, shard=shard, patch=not args.no_interventions,
-                       save=not args.no_save, group_size=group_size)
+                       save=not args.no_save, group_size=group_size, captured=bool(args.cuda_graph))
         if args.choose_lr:              # in rounds: each cell's rates at seed 0, then its seeds
             configs = choose_lrs(configs, out, **options)
         records = sweep(configs, out, **options)          # one_run per run not yet in out
@@ -989,11 +991,13 @@ def choice_round(configs, out):
 def do_job(kind, payload, out, wants):
     """A worker's job: train a group of configs (one_run, or mechsm.train_group for several), or
     patch a recorded run from its checkpoint: the records; none if it fails (a rerun retries it)."""
+    wants = dict(wants)
+    captured = wants.pop("captured", False)             # train_group's; patch and save: finish's
     try:
         if kind == "train":
             if len(payload) == 1:
                 return [one_run(payload[0], out, **wants)]
-            pairs = mechsm.train_group(payload, on_eval=timeline)
+            pairs = mechsm.train_group(payload, on_eval=timeline, captured=captured)
             return [finish(record, model, out, **wants) for record, model in pairs]
         cfg, record = payload
         model, saved = mechsm.load(os.path.join(out, record["checkpoint"]),
@@ -1019,9 +1023,10 @@ def recorded_without(cfg, what, e):
 
 
 def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_size=1,
-          log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+          captured=False, log=lambda msg: print(msg, file=sys.stderr, flush=True)):
     """Train this shard's runs of `configs` not complete in `out` (patch one with a checkpoint),
-    each record appended as it ends; return the grid's in `out`. group_size: runs per model."""
+    each record appended as it ends; return the grid's in `out`. group_size: runs per model;
+    captured: a group's steps replayed as a CUDA graph (mechsm.CapturedStep)."""
     i, n = shard if isinstance(shard, tuple) and len(shard) == 2 else (None, None)
     size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for name, value, ok, expected in [
@@ -1029,6 +1034,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
              "a non-empty list of mechsm.Config"),
             ("patch", patch, isinstance(patch, bool), "True or False"),
             ("save", save, isinstance(save, bool), "True or False"),
+            ("captured", captured, isinstance(captured, bool), "True or False"),
             ("out", out, isinstance(out, (str, os.PathLike)) and os.fspath(out), "a folder's path"),
             ("jobs", jobs, size(jobs), "a positive integer"),
             ("group_size", group_size, group_size is None or size(group_size),
@@ -1055,7 +1061,7 @@ def sweep(configs, out, *, jobs=1, shard=(0, 1), patch=True, save=True, group_si
         log(f"sweep: {done[key]['name']} has no checkpoint in {out}; trained again")
     groups = make_groups([unique[k] for k in todo if k not in patchable], group_size)
     work = [("patch", (unique[k], done[k])) for k in patchable] + [("train", g) for g in groups]
-    for record in run_jobs(work, out, dict(patch=patch, save=save), jobs):
+    for record in run_jobs(work, out, dict(patch=patch, save=save, captured=captured), jobs):
         append_result(results, record)
     newest = by_run(read_results(out, warn=False))
     return [newest[k] for k in unique if k in newest]
@@ -1231,9 +1237,13 @@ def build_parser():
     a("--jobs", int, help="runs trained in parallel (default: one per CPU core, 1 on cuda)")
     a("--group-size", int, metavar="K", help="train up to K runs differing only in lr and seed as "
       "one batched model (default: 1 on a CPU, a whole cell on cuda)")
+    a("--cuda-graph", switch=True, help="on cuda: a group's steps replayed as a CUDA graph "
+      "(mechsm.CapturedStep; off by default until measured faster: README)")
     a("--shard", metavar="I/N", help="train runs I, I+N, ... of the grid (default: SLURM's "
       "array task); shards of one --out read each other's results")
     a("--out", str, help="output folder (default: out/)")
+    a("--dry-run", switch=True, help="print the runs, their groups and an estimated time from "
+      "measured rates; train nothing")
     a("--no-interventions", switch=True, help="train and evaluate only, skip the patching")
     a("--no-save", switch=True, help="do not save checkpoints under OUT/ckpt/")
     a("--checkpoint", str, help="evaluate and patch this saved model (OUT/ckpt/*.pt), no training")
@@ -1330,7 +1340,7 @@ def other_command(args):
     command = "bench" if args.command == "bench" else next(
         (c for c in ("list", "figures", "report", "checkpoint") if getattr(args, c)), "train")
     if command == "train":
-        return False
+        return bool(args.dry_run) and dry_run(args)
     flags = lambda names: ", ".join("--" + g.replace("_", "-") for g in sorted(names))
     if args.given - COMMAND_OPTIONS[command]:
         raise ValueError(f"{flags(args.given - COMMAND_OPTIONS[command])}: cannot be used with "
@@ -1358,6 +1368,8 @@ def sweep_plan(args, name, configs, device, notes, out):
         jobs = min(cores, runs)
         why = f"{cores} CPU cores" + (f", {jobs} runs" if jobs < cores else "")
     shard, group_size = shard_of(args.shard), args.group_size or (1 if device == "cpu" else None)
+    if args.cuda_graph and not device.startswith("cuda"):
+        raise ValueError(f"--cuda-graph: needs a CUDA device (got {device})")
     try:                                               # before any training: --out unwritable
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
@@ -1369,6 +1381,90 @@ def sweep_plan(args, name, configs, device, notes, out):
           + f" | device {device} | vocabulary {mechsm.probe_task(configs[0])}", file=sys.stderr)
     print(f"plan: {jobs} job{'s' * (jobs > 1)} ({why})", file=sys.stderr)
     return jobs, shard, group_size
+
+
+# --- --dry-run: the grid's groups and a time from measured rates, before anything trains
+GPU_BENCH = os.path.join(HERE, "results", "gpu", "bench.txt")   # `run.py bench` on a GPU
+
+
+def dry_run(args):
+    """Print the runs and groups the training command `args` would train, each group's step rate
+    and the time its steps take: timed here (2 steps of each group shape) on the device at hand, or
+    for --device cuda without one, read from results/gpu/bench.txt. Evaluations not counted."""
+    name, wanted = args.experiment or args.task or "ar", args.device or "auto"
+    here = not wanted.startswith("cuda") or torch.cuda.is_available()
+    device = mechsm.resolve_device(wanted) if here else "cuda"
+    configs, notes = grid_runs(args, name, device if here else "cpu")
+    check_runs(configs)
+    groups = make_groups(configs, args.group_size or (1 if device == "cpu" else None))
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") and here else ""
+    rates, source = gpu_rates() if not here else (
+        None, f"timed here, 2 steps of each group shape on {device}{gpu}")
+    jobs = args.jobs or (min(os.cpu_count() or 1, len(groups)) if device == "cpu" else 1)
+    print(f"plan: {name} | preset {args.preset or 'quick'} | {len(configs)} runs in {len(groups)} "
+          f"groups | device {device} | {jobs} job{'s' * (jobs > 1)}")
+    print(f"{'group':<36}{'runs':>6}{'steps':>9}{'model-steps/s':>15}{'time':>10}")
+    lasting = lambda s: f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min"
+    total, shapes = 0.0, {}
+    for group in groups:
+        c = group[0].resolved()
+        key = (mechsm.group_key(c), len(group))
+        if key not in shapes:
+            shapes[key] = group_seconds(group) if here else rate_from(rates, c.arch, len(group))
+        seconds = shapes[key] and c.total_steps() * shapes[key]
+        total += seconds or 0
+        rate = f"{len(group) / shapes[key]:,.0f}" if shapes[key] else "-"
+        print(f"{row_label(c, configs, LABEL_FIELDS[1:]) + f' d {c.d_model}':<36}{len(group):>6}"
+              f"{c.total_steps():>9,}{rate:>15}{lasting(seconds) if seconds else 'unmeasured':>10}")
+    missing = sum(s is None for s in shapes.values())
+    print(f"estimate: {lasting(total / jobs)} of training steps with {jobs} job"
+          f"{'s' * (jobs > 1)}" + (f", {missing} group shapes not measured" if missing else "")
+          + f"; rates {source}. Evaluations and patching add to it.")
+    return True
+
+
+def gpu_rates():
+    """{(arch, K): (group model-steps/s, one model's steps/s)} from results/gpu/bench.txt's table of
+    K runs as one batched model, and where that was measured."""
+    text = Path(GPU_BENCH).read_text() if os.path.exists(GPU_BENCH) else ""
+    rates = {(w[0], int(w[1])): (float(w[2].replace(",", "")), float(w[3].replace(",", "")))
+             for w in map(str.split, text.splitlines())
+             if len(w) >= 4 and w[0] in models.ARCHS and w[1].isdigit()}
+    gpu = next((w[w.index("NVIDIA"):] for w in text[:text.find("\n")].split("|") if "NVIDIA" in w),
+               "GPU")
+    return rates, (f"measured on an {gpu} (results/gpu/bench.txt) at d 64 on the paper's "
+                   "AR shape: wider models, or ATR's longer documents, may step slower" if rates
+                   else "not measured on a GPU (no results/gpu/bench.txt)")
+
+
+def rate_from(rates, arch, k):
+    """Seconds a step of k runs of `arch` takes by the measured rates: one model's (K 1, trained
+    alone), else a group step's seconds linear in K between measured sizes; None: unmeasured."""
+    sizes = sorted(kk for a, kk in rates if a == arch)
+    if k == 1 or not sizes:
+        return 1 / rates[arch, 1][1] if (arch, 1) in rates else None
+    seconds = np.interp(k, sizes, [kk / rates[arch, kk][0] for kk in sizes])   # a group step
+    return float(seconds) * max(1, k / sizes[-1])          # past the largest: in proportion
+
+
+def group_seconds(group):
+    """Seconds a training step of `group` takes here (2 steps after one, at one thread on a CPU as
+    a worker): as train() steps one model, or as train_group steps several."""
+    cfg, threads = group[0].resolved(), torch.get_num_threads()
+    data, device = mechsm.make_data(cfg), torch.device(mechsm.resolve_device(cfg.device))
+    batch = mechsm.training_batches(cfg, data)(0)
+    if len(group) == 1:
+        model = mechsm.build(cfg, data.vocab_size)
+        step = functools.partial(train_steps, model, model, mechsm.adamw(model, cfg.lr), batch, 1)
+    else:
+        ens = mechsm.Ensemble([mechsm.build(c, data.vocab_size) for c in group])
+        lrs = torch.tensor([c.lr for c in group], dtype=torch.float64, device=device)
+        step = lambda: ens.train_step(*batch, lrs)
+    torch.set_num_threads(1 if device.type == "cpu" else threads)
+    try:
+        return medians({"step": lambda: [step() for _ in range(2)]}, 1, device)["step"] / 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def record_command(argv, out, name, trained, jobs, seconds):
@@ -1852,56 +1948,157 @@ def draw_figures(rows, name, folder):
     return out
 
 
-# --- `python run.py bench`: training steps/s, the fast kernels against kernels="reference"
-# Each fast kernel gives its slow twin's values and gradients (test_all.py checks it); this times
-# what that buys in training: medians of interleaved repeats, one thread as a sweep's workers run.
+# --- `python run.py bench`: where a training step's time goes, each a ratio measured in one run
+# 1. K runs as one batched model (mechsm.Ensemble, as train_group steps them) against the same K
+#    models stepped one after another, with the operators each model-step dispatches: on a GPU a
+#    small model's step is bound by those launches, and batching is what cuts them.
+# 2. Training steps, the fast kernels and readout-only head against kernels="reference".
+# 3. The parallel scan against the loop, fft_conv against the direct sum, at long lengths.
+# Each kernel gives its slow twin's values and gradients (test_all.py checks it); this times them:
+# medians of interleaved rounds after a warm-up round, one thread on a CPU as a sweep's workers run.
 # With OpenMP's spinning wait policy a busy second process made the loop kernels 20-30x slower on
-# 2 cores: run OMP_WAIT_POLICY=PASSIVE. results/bench.txt: a fuller bench of commit 48d5897.
+# 2 cores: run OMP_WAIT_POLICY=PASSIVE. results/gpu/bench.txt: an H200's (commit e574a2b).
 
-def bench(device="auto", batch=32, steps=10, repeats=5, archs=None, print_fn=print):
-    """Training steps/s of each arch (d 64, 2 layers, AdamW) at the quick and the paper's AR shape:
-    its fast kernels and readout-only head against kernels="reference" and the full head; the median
-    of `repeats` interleaved rounds of `steps` steps after a warm-up round."""
+def bench(device="auto", batch=32, steps=None, repeats=None, archs=None, ks=(1, 7, 35),
+          lengths=(256, 1024, 4096), print_fn=print):
+    """Print (each table as it ends) and return {"groups", "train", "kernels": rows}, each arch at
+    d 64 with 2 layers on AR documents. repeats: rounds (default 5 on a GPU, 1 on a CPU), each
+    one step of every group and its K models, `steps` training steps (default 10 on a GPU, 1 on a
+    CPU)."""
     device, threads = torch.device(mechsm.resolve_device(device)), torch.get_num_threads()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    rows = []
+    gpu = device.type == "cuda"
+    steps, repeats = steps or (10 if gpu else 1), repeats or (5 if gpu else 1)
+    timed = lambda fns: medians(fns, repeats, device)
+    print_fn(f"mechsm bench | torch {torch.__version__} | {device}" + (
+        f" {torch.cuda.get_device_name(device)}" if gpu else ", one thread")
+        + f" | OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')} | batch {batch} | median of "
+        f"{repeats} rounds")
+    parts = {"groups": lambda: bench_groups(device, batch, archs, ks, timed),
+             "train": lambda: bench_train(device, batch, steps, archs, timed),
+             "kernels": lambda: bench_kernels(device, lengths, timed)}
+    tables = {}
     torch.set_num_threads(1 if device.type == "cpu" else threads)
     try:
-        for shape, pairs in (("quick", 8), ("paper", 16)):
-            data = mechsm.tasks.make_ar(batch, num_pairs=pairs, seed=0)
-            tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
-            for arch in archs or models.ARCHS:
-                fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0).to(device)
-                             for k in ("fast", "reference"))
-                full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
-                runs = {"fast": (fast, mechsm.adamw(fast, 1e-3)), "reference": (full_head, mechsm.adamw(ref, 1e-3))}
-                seconds = {name: [] for name in runs}
-                for _ in range(repeats + 1):                     # the first round warms up
-                    for name, (forward, optimizer) in runs.items():
-                        seconds[name].append(timed_steps(forward, optimizer, tensors, steps, sync))
-                t = {name: statistics.median(s[1:]) for name, s in seconds.items()}
-                rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch, fast_steps_s=steps / t["fast"],
-                                 reference_steps_s=steps / t["reference"], speedup=t["reference"] / t["fast"]))
+        for (name, part), title in zip(parts.items(), BENCH_TITLES):
+            rows = tables[name] = part()
+            print_fn("\n" + title.format(steps=steps))
+            for row in [rows[0].keys(), *(r.values() for r in rows)]:
+                print_fn("".join(f"{v:>18,.2f}" if isinstance(v, float) else f"{v!s:>18}"
+                                 for v in row))
     finally:
         torch.set_num_threads(threads)
-    print_fn(f"mechsm bench | torch {torch.__version__} | {device}, one thread on a CPU | "
-             f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY')}\n")
-    for row in [rows[0].keys(), *(r.values() for r in rows)]:
-        print_fn("".join(f"{v:>18.2f}" if isinstance(v, float) else f"{v!s:>18}" for v in row))
+    return tables
+
+
+BENCH_TITLES = (
+    "1. K runs as one batched model (Ensemble.train_step) against K models stepped one after "
+    "another: model-steps/s, and operators per model-step (aten operators dispatched, views not "
+    "counted; optimizer included), the paper's AR shape (37 tokens)",
+    "2. Training steps/s ({steps} steps a round): fast kernels and readout-only head against "
+    "kernels='reference' and the full-vocabulary head",
+    "3. Forward+backward ms: parallel_scan_custom_grad against sequential_scan (a, b of "
+    "(B, L, 64, 16), B L = 4,096); fft_conv against direct_conv's Toeplitz sum (B 8, D channels)")
+
+
+def bench_groups(device, batch, archs, ks, timed):
+    data = mechsm.tasks.make_ar(batch, seed=0)                 # the paper's AR shape
+    tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
+    rows = []
+    for arch in archs or models.ARCHS:
+        for k in ks:
+            members = [models.build_model(arch, data.vocab_size, 64, 2, seed=s).to(device)
+                       for s in range(k)]
+            group, opts = mechsm.Ensemble(members), [mechsm.adamw(m, 1e-3) for m in members]
+            lrs = torch.full((k,), 1e-3, dtype=torch.float64, device=device)
+            one = lambda: group.train_step(*tensors, lrs)
+            t = timed({"group": one, "separate": lambda: [
+                train_steps(m, m, o, tensors, 1) for m, o in zip(members, opts)]})
+            alone = functools.partial(train_steps, members[0], members[0], opts[0], tensors, 1)
+            rows.append(dict(arch=arch, K=k, group_steps_s=k / t["group"],
+                             separate_steps_s=k / t["separate"],
+                             speedup=t["separate"] / t["group"], group_ops=ops_of(one) / k,
+                             separate_ops=ops_of(alone)))
     return rows
 
 
-def timed_steps(forward, optimizer, tensors, steps, sync):
-    """Seconds of `steps` AdamW steps (lr 1e-3) of the model behind forward(tokens, readout)."""
-    sync()
-    start = time.perf_counter()
+def bench_train(device, batch, steps, archs, timed):
+    rows = []
+    for shape, pairs in (("quick", 8), ("paper", 16)):
+        data = mechsm.tasks.make_ar(batch, num_pairs=pairs, seed=0)
+        tensors = [t.to(device) for t in (data.tokens, data.positions["query"], data.answers)]
+        for arch in archs or models.ARCHS:
+            fast, ref = (models.build_model(arch, data.vocab_size, 64, 2, kernels=k, seed=0)
+                         .to(device) for k in ("fast", "reference"))
+            full_head = lambda t, readout: ref(t)[torch.arange(len(t), device=device), readout]
+            opts = mechsm.adamw(fast, 1e-3), mechsm.adamw(ref, 1e-3)
+            t = timed({"fast": lambda: train_steps(fast, fast, opts[0], tensors, steps),
+                       "reference": lambda: train_steps(ref, full_head, opts[1], tensors, steps)})
+            rows.append(dict(shape=shape, tokens=data.tokens.shape[1], arch=arch,
+                             fast_steps_s=steps / t["fast"],
+                             reference_steps_s=steps / t["reference"],
+                             speedup=t["reference"] / t["fast"]))
+    return rows
+
+
+def bench_kernels(device, lengths, timed):
+    rows, g = [], torch.Generator().manual_seed(0)
+    for length in lengths:
+        b, d = max(1, 4096 // length), max(1, min(64, 2**24 // length**2))  # Toeplitz <= 64 MiB
+        a, x = (torch.randn(b, length, 64, 16, generator=g) for _ in "ax")   # (b, l, e, n)
+        u, k = torch.randn(8, length, d, generator=g), torch.randn(length, d, generator=g)
+        for name, slow, fast, inputs, shape in [
+                ("parallel_scan", models.sequential_scan, models.parallel_scan_custom_grad,
+                 (a.sigmoid(), x), f"B {b}"),
+                ("fft_conv", models.direct_conv, models.fft_conv, (u, k / length), f"B 8, D {d}")]:
+            inputs = [t.to(device) for t in inputs]
+            t = timed({"slow": functools.partial(backward_of, slow, inputs),
+                       "fast": functools.partial(backward_of, fast, inputs)})
+            rows.append(dict(kernel=name, L=length, shape=shape, reference_ms=1e3 * t["slow"],
+                             fast_ms=1e3 * t["fast"], speedup=t["slow"] / t["fast"]))
+    return rows
+
+
+def backward_of(kernel, inputs):
+    inputs = [x.detach().requires_grad_() for x in inputs]
+    kernel(*inputs).sum().backward()
+
+
+def train_steps(model, forward, optimizer, tensors, steps):
+    """`steps` AdamW steps of `model`, its answer loss from forward(tokens, readout)."""
     for _ in range(steps):
         loss = mechsm.answer_loss(forward, *tensors)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-    sync()
-    return time.perf_counter() - start
+
+
+def medians(fns, repeats, device):
+    """{name: median seconds of fns[name]()} over `repeats` interleaved rounds after a warm-up."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
+    seconds = {name: [] for name in fns}
+    for _ in range(repeats + 1):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(s[1:]) for name, s in seconds.items()}
+
+
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Inside: counts the aten operators dispatched to a kernel (a view launches none)."""
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(fn):                          # after a timed round: no one-time setup counted
+    with OpCount() as count:
+        fn()
+    return count.n
 
 
 if __name__ == "__main__":

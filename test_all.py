@@ -2070,6 +2070,86 @@ def test_nan_member_fails_and_the_others_finish_as_alone(float64_models):
         _assert_same_run(mechsm.train(cfg, log=quiet), member, 1e-9, 1e-8)
 
 
+class _NoHostSync(torch.utils._python_dispatch.TorchDispatchMode):
+    """Inside: an op that reads a tensor's value back to Python (.item(), float(), bool(), int()
+    reach aten::_local_scalar_dense) raises, but for LM.forward's token-range check, which runs on a
+    CPU only; .cpu(), .tolist(), .numpy() are patched to raise too."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            frame = sys._getframe()
+            while frame and frame.f_code is not models.LM.forward.__code__:
+                frame = frame.f_back
+            assert frame and frame.f_locals["tokens"].is_cpu, "a host sync in the step"
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    def refuse(*a, **k):
+        raise AssertionError("a host sync in the step")
+    with pytest.MonkeyPatch.context() as mp, _NoHostSync():
+        for name in ("cpu", "tolist", "numpy"):
+            mp.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+@pytest.mark.parametrize("arch", ARCH_UNDER_TEST)
+def test_the_group_step_makes_no_host_sync(arch, monkeypatch):
+    """train_group's step between evaluations reads nothing back from the device (on a GPU a read
+    waits for every queued kernel, so Python can no longer dispatch ahead): its lrs come as a tensor
+    already there, and Ensemble.train_step, under the patches, completes. (LM.forward's token-range
+    check reads on a CPU only, and inside vmap it cannot: it falls back without reading.)"""
+    step, seen = mechsm.Ensemble.train_step, []
+
+    def guarded(self, *batch, **k):
+        seen.append(batch[3])
+        with no_host_sync():
+            return step(self, *batch, **k)
+    monkeypatch.setattr(mechsm.Ensemble, "train_step", guarded)
+    cfgs = [tiny(arch=arch, **{**GROUP, "steps": 3}, lr=lr) for lr in (1e-3, 3e-3)]
+    mechsm.train_group(cfgs, log=quiet)
+    assert len(seen) == 3 and all(isinstance(x, torch.Tensor) and x.dtype == torch.float64
+                                  for x in seen)
+    with pytest.raises(AssertionError, match="host sync"), no_host_sync():   # the guard does guard
+        torch.ones(1).sum().item()
+
+
+def test_the_step_counted_on_the_device_is_the_step_counted_in_python():
+    """CapturedStep's form of the step (the count a tensor stepped in place, the bias corrections
+    computed from it on the device) gives train_step's weights, moments and failures, float64."""
+    data = tasks.make_ar(8, num_keys=16, num_values=16, num_pairs=4, seed=0)
+    batch = (data.tokens, data.positions["query"], data.answers)
+    pair = [mechsm.Ensemble([small_model("mamba", seed=s) for s in range(3)]) for _ in range(2)]
+    n = torch.zeros((), dtype=torch.long)
+    for step in range(4):
+        lrs = torch.tensor([1e-3, 3e-3, 1e300], dtype=torch.float64)
+        pair[0].train_step(*batch, lrs)
+        pair[1].train_step(*batch, lrs, n=n)
+    assert n.item() == 4
+    assert pair[0].failed_step.tolist() == pair[1].failed_step.tolist() != [-1] * 3
+    for name in ("flat", "exp_avg", "exp_avg_sq", "failed_loss"):
+        torch.testing.assert_close(getattr(pair[1], name), getattr(pair[0], name), rtol=1e-13,
+                                   atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_captured_group_trains_as_the_eager_one_on_a_gpu(float64_models):
+    """train_group(captured=True): 3 warm-up steps, then a CUDA graph replayed; float64, 30 steps, a
+    NaN member among them: every record and weight is the eager group's."""
+    cfgs = [tiny(**GROUP, device="cuda", lr=lr) for lr in (1e-3, 3e-3, 1e200)]
+    eager, captured = (mechsm.train_group(cfgs, log=quiet, captured=c) for c in (False, True))
+    for (r0, m0), (r1, m1) in zip(eager, captured):
+        assert (r0["status"], r0["steps_done"]) == (r1["status"], r1["steps_done"])
+        for p0, p1 in zip(m0.parameters(), m1.parameters()):
+            torch.testing.assert_close(p1, p0, rtol=1e-10, atol=1e-12)
+
+
+def test_captured_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="captured"):
+        mechsm.train_group([tiny(device="cpu")], log=quiet, captured=True)
+
+
 @pytest.mark.parametrize("form", ["cpu", "gpu"])
 @pytest.mark.parametrize("arch,options", VARIANTS[:len(ARCH_UNDER_TEST)] + [("mamba", {"d_conv": 0}),
                                                                            ("base_conv", {"long_only": True})],
@@ -2130,17 +2210,57 @@ def test_sweep_trains_groups_records_each_run_and_resumes(tmp_path, monkeypatch)
 # ==================================================================================================
 
 def test_bench_tiny_runs_and_reports_finite_numbers():
-    """`run.py bench` at a tiny size: a row per shape and arch, the fast kernels' and the references'
-    training steps/s (each fast kernel's values and gradients are its twin's: the tests above)."""
+    """`run.py bench` at a tiny size: groups of K against K runs one after another with their
+    operator counts, the fast kernels' and the references' training steps/s, the parallel scan and
+    fft_conv against their loops (each fast kernel's values and gradients are its twin's: the tests
+    above). No timing is asserted."""
     lines = []
-    rows = run_cli.bench(device="cpu", batch=4, steps=2, repeats=1, archs=("attention", "mamba"),
-                        print_fn=lines.append)
-    json.dumps(rows)  # the whole result must be JSON-serialisable
-    assert "cpu" in lines[0] and len(lines) == 2 + len(rows)
-    assert [(row["shape"], row["tokens"], row["arch"]) for row in rows] == \
+    tables = run_cli.bench(device="cpu", batch=4, steps=1, repeats=1, archs=("attention", "mamba"),
+                           ks=(1, 3), lengths=(256,), print_fn=lines.append)
+    json.dumps(tables)  # the whole result must be JSON-serialisable
+    assert "cpu" in lines[0] and len(lines) == 1 + sum(2 + len(rows) for rows in tables.values())
+    assert [(r["arch"], r["K"]) for r in tables["groups"]] == [("attention", 1), ("attention", 3),
+                                                               ("mamba", 1), ("mamba", 3)]
+    assert [(row["shape"], row["tokens"], row["arch"]) for row in tables["train"]] == \
         [("quick", 21, "attention"), ("quick", 21, "mamba"), ("paper", 37, "attention"), ("paper", 37, "mamba")]
-    for row in rows:
-        assert row["fast_steps_s"] > 0 and row["reference_steps_s"] > 0 and math.isfinite(row["speedup"])
+    assert [(r["kernel"], r["L"]) for r in tables["kernels"]] == [("parallel_scan", 256),
+                                                                  ("fft_conv", 256)]
+    for row in (r for rows in tables.values() for r in rows):
+        assert all(math.isfinite(v) and v > 0 for v in row.values() if isinstance(v, (int, float)))
+    one, three = tables["groups"][:2]            # one group step for 3 runs: fewer operators a run
+    assert three["group_ops"] < one["group_ops"] and one["separate_ops"] == three["separate_ops"]
+
+
+def test_the_paper_dry_run_prices_a_gpu_grid_from_the_committed_gpu_rates(monkeypatch, capsys):
+    """--dry-run --device cuda without a GPU: every group of the paper's ar-widths grid, its rate
+    read from results/gpu/bench.txt, hours that add up, the GPU named; nothing trained."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(mechsm, "train_group", lambda *a, **k: pytest.fail("a dry run trained"))
+    assert run_cli.main(["--preset", "paper", "--experiment", "ar-widths", "--device", "cuda",
+                         "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rates, where = run_cli.gpu_rates()
+    assert out[0].startswith("plan: ar-widths | preset paper | 280 runs in 40 groups | device cuda")
+    rows = [line.split() for line in out[2:-1]]
+    assert len(rows) == 40 and {int(r[-5]) for r in rows} == {7}
+    hours = lambda n, unit: float(n) / (1 if unit == "h" else 60)
+    assert abs(sum(hours(*r[-2:]) for r in rows) - hours(*out[-1].split()[1:3])) < 0.01
+    assert "measured on an NVIDIA H200 (results/gpu/bench.txt)" in out[-1] and where in out[-1]
+    assert run_cli.rate_from(rates, "mamba", 7) == 7 / rates["mamba", 7][0]   # a measured size
+    between = run_cli.rate_from(rates, "mamba", 20)             # a group step: between its sizes
+    assert 35 / rates["mamba", 35][0] > between > 7 / rates["mamba", 7][0]
+
+
+def test_a_dry_run_on_the_device_at_hand_times_each_group_shape(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(mechsm, "train", lambda *a, **k: pytest.fail("a dry run trained"))
+    assert run_cli.main(["--arch", "attention,mamba", "--device", "cpu", "--steps", "100",
+                         "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("plan: ar | preset quick | 3 runs in 3 groups | device cpu")
+    assert sorted(" ".join(line.split()[:-5]) for line in out[2:5]) == [
+        "attention d 64", "mamba (1024 keys) d 64", "mamba (256 keys) d 64"]
+    assert "timed here, 2 steps of each group shape on cpu" in out[-1] and not os.listdir(tmp_path)
 
 
 # ==================================================================================================
@@ -3125,6 +3245,8 @@ BAD_API_CALLS = [   # (parameter, a call of a public function with a bad value f
     ("freeze_features", lambda: models.build_model("base_conv", 10, freeze_features="x")),
     ("cfg", lambda: mechsm.train({"arch": "attention"})), ("cfg", lambda: mechsm.make_data(None)),
     ("configs", lambda: mechsm.train_group([{}])), ("model", lambda: mechsm.save(None, tiny(), "x.pt")),
+    ("captured", lambda: mechsm.train_group([tiny()], captured="yes")),
+    ("captured", lambda: run_cli.sweep([tiny()], "out", captured=1)),
     ("configs", lambda: run_cli.sweep([{"arch": "attention"}], "out")),
     ("patch", lambda: run_cli.sweep([tiny()], "out", patch="no")), ("jobs", lambda: run_cli.sweep([tiny()], "out", jobs=True)),
     ("experiment", lambda: run_cli.experiment_configs([])), ("archs", lambda: run_cli.experiment_configs("ar", archs=["x"])),
