@@ -1414,7 +1414,8 @@ def dry_run(args):
         seconds = shapes[key] and c.total_steps() * shapes[key]
         total += seconds or 0
         rate = f"{len(group) / shapes[key]:,.0f}" if shapes[key] else "-"
-        print(f"{row_label(c, configs, LABEL_FIELDS[1:]) + f' d {c.d_model}':<36}{len(group):>6}"
+        label = row_label(c, [x for x in configs if x.d_model == c.d_model], ladder=False)
+        print(f"{label + f' d {c.d_model}':<36}{len(group):>6}"
               f"{c.total_steps():>9,}{rate:>15}{lasting(seconds) if seconds else 'unmeasured':>10}")
     missing = sum(s is None for s in shapes.values())
     print(f"estimate: {lasting(total / jobs)} of training steps with {jobs} job"
