@@ -670,6 +670,34 @@ class TransformerBlock(nn.Module):
         return self.hook_resid_post(r + self.mlp(self.ln2(r)))
 
 
+def check_tokens(tokens, vocab_size, n_positions=None):
+    """ValueError unless tokens is a (b, l) tensor of integer ids in [0, vocab_size), l at most
+    n_positions (None: any l)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
+            or tokens.is_complex() or tokens.dtype == torch.bool:
+        got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
+               else type(tokens).__name__)
+        raise ValueError("tokens must be a (batch, length) tensor of integer token ids; "
+                         f"got {got}.")
+    if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
+        try:                          # the range read on a CPU only: no GPU sync
+            low, high = (x.item() for x in torch.aminmax(tokens))
+        except RuntimeError:          # vmap over the tokens: no .item()
+            low, high = 0, 0
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"tokens must be ids in [0, {vocab_size}) (the model's vocabulary); "
+                             f"got {low if low < 0 else high}.")
+    if n_positions is not None and tokens.shape[1] > n_positions:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds n_positions={n_positions}.")
+
+
+def hooked(modules):
+    """Whether a forward hook (a global one, or one on any of `modules`) would see these modules."""
+    hooks = nn.modules.module            # torch keeps the global hooks here (private state)
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or any(m._forward_hooks or m._forward_pre_hooks for m in modules))
+
+
 class LM(nn.Module):
     """Token (+ learned position) embedding, blocks, final LayerNorm, head tied to the embedding."""
 
@@ -704,33 +732,14 @@ class LM(nn.Module):
         """tokens (b, l) integer ids of the vocabulary -> logits (b, l, v), or (b, v) at readout
         (b,) positions. Speed: with readout, the last block's MLP sees those rows only (~1/6 of a
         Transformer step on AR), unless something hooks its side (it would see (b, 1, d))."""
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.is_floating_point() \
-                or tokens.is_complex() or tokens.dtype == torch.bool:
-            got = (f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor)
-                   else type(tokens).__name__)
-            raise ValueError("tokens must be a (batch, length) tensor of integer token ids; "
-                             f"got {got}.")
-        if tokens.device.type == "cpu" and tokens.numel() and not torch.compiler.is_compiling():
-            try:                          # the range read on a CPU only: no GPU sync
-                low, high = (x.item() for x in torch.aminmax(tokens))
-            except RuntimeError:          # vmap over the tokens: no .item()
-                low, high = 0, 0
-            if low < 0 or high >= self.embed.num_embeddings:
-                raise ValueError(f"tokens must be ids in [0, {self.embed.num_embeddings}) "
-                                 f"(the model's vocabulary); got {low if low < 0 else high}.")
-        l = tokens.shape[1]
+        positions = self.pos_emb
+        check_tokens(tokens, self.embed.num_embeddings, positions and positions.num_embeddings)
         r = self.embed(tokens)                                     # (b,l) -> (b,l,d)
-        if self.pos_emb is not None:
-            if l > self.pos_emb.num_embeddings:
-                raise ValueError(f"sequence length {l} exceeds "
-                                 f"n_positions={self.pos_emb.num_embeddings}.")
-            r = r + self.pos_emb(torch.arange(l, device=tokens.device))  # positions start at 0
-        last, hooks = self.blocks[-1] if len(self.blocks) else None, nn.modules.module
-        mlp_side = ([last.ln2, *last.mlp.modules(), last.hook_resid_post]
-                    if readout is not None and isinstance(last, TransformerBlock) else [])
-        hooked = (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                  or any(m._forward_hooks or m._forward_pre_hooks for m in mlp_side))
-        rows_only = mlp_side and not hooked
+        if positions is not None:                                  # positions start at 0
+            r = r + positions(torch.arange(tokens.shape[1], device=tokens.device))
+        last = self.blocks[-1] if len(self.blocks) else None
+        rows_only = readout is not None and isinstance(last, TransformerBlock) and not hooked(
+            [last.ln2, *last.mlp.modules(), last.hook_resid_post])
         for block in self.blocks[:-1] if rows_only else self.blocks:
             r = block(r)                                           # (b,l,d)
         if rows_only:
@@ -820,14 +829,12 @@ def mixer_options(arch=None):
     return frozenset(MIXER_OPTIONS[arch] if arch else frozenset().union(*MIXER_OPTIONS.values()))
 
 
-def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024,
-                n_heads=1, d_conv=None, long_only=False, kernels="fast", seed=None, **options):
-    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: the
-    mixer's POS_EMB); d_conv: short-conv size; long_only: long convs only; kernels: "fast" or
-    "reference"; seed: the init's own RNG. Bad arguments: a one-line ValueError naming the first."""
+def check_build_args(arch, vocab_size, d_model, n_layers, pos_emb, n_positions, n_heads, d_conv,
+                     long_only, kernels, seed, options):
+    """build_model's arguments: a one-line ValueError naming the first bad one."""
     if not isinstance(arch, str) or arch not in MIXER_CLASSES:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}; got {arch!r}.")
-    mixer, sizes = MIXER_CLASSES[arch], MIXER_CLASSES[arch].D_CONV
+    sizes = MIXER_CLASSES[arch].D_CONV
     whole = lambda v, low: isinstance(v, int) and not isinstance(v, bool) and v >= low
     sizes_text = sizes and (f"{sizes.start}..{sizes.stop - 1}" if sizes.stop < 2**31
                             else f">= {sizes.start}")
@@ -867,6 +874,16 @@ def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_pos
         if kind is bool and not isinstance(value, bool) or kind is int and not whole(value, 1):
             allowed = "True or False" if kind is bool else "a positive int"
             raise ValueError(f"{name} must be {allowed}; got {value!r}.")
+
+
+def build_model(arch, vocab_size, d_model=64, n_layers=2, *, pos_emb=None, n_positions=1024,
+                n_heads=1, d_conv=None, long_only=False, kernels="fast", seed=None, **options):
+    """The language model for `arch`, the paper's defaults. pos_emb: learned positions (None: the
+    mixer's POS_EMB); d_conv: short-conv size; long_only: long convs only; kernels: "fast" or
+    "reference"; seed: the init's own RNG. Bad arguments: a one-line ValueError naming the first."""
+    check_build_args(arch, vocab_size, d_model, n_layers, pos_emb, n_positions, n_heads, d_conv,
+                     long_only, kernels, seed, options)
+    mixer = MIXER_CLASSES[arch]
     pos_emb = mixer.POS_EMB if pos_emb is None else pos_emb
     build_args = dict(arch=arch, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
                       pos_emb=pos_emb, n_positions=n_positions, n_heads=n_heads, d_conv=d_conv,

@@ -11,7 +11,7 @@ What `python run.py` does, in the order of this file's first half:
   3. the report: a row per cell, every seed counted, beside the paper's numbers;
   4. main: flags -> the grid -> sweep (one_run per run not yet in --out) -> report_grid.
 Below the line `# ===== Below` is the engine (command line, records on disk, the sweep's workers
-and shards, the README summary, figures, the benchmark): nothing above needs it to be read.
+and shards, the READMEs' tables, figures, the benchmark): nothing above needs it to be read.
 
   python run.py                                    # quick `ar`: attention, Based, Mamba, H3; a job per core
   python run.py --experiment atr-medium            # one result of the paper; --list shows them all
@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -319,7 +320,7 @@ EXPERIMENTS = {e.name: e for e in [
                quick(QUICK_AR, each("attention"), holdout=0.2),
                paper(PAPER_AR, each("attention"), holdout=0.2, epochs=32)),
     Experiment("atr-mamba-conv", "arXiv v3",
-               "Mamba without its short conv learns attention-like induction on ATR",
+               "Mamba with and without its short conv on ATR (v3: without it, induction)",
                {"mamba (d_conv 0)": "induction (high Attrib@Value)",
                 "mamba (default conv)": "atr box K .55 V .03 Q .29: held at the key"},
                quick(QUICK_ATR, convs("mamba", (0, None)), seeds={"*": SEEDS5}),
@@ -337,8 +338,6 @@ EXPERIMENTS = {e.name: e for e in [
                      seeds={"*": [0]}), None, probe=True),
 ]}
 PRESETS = ("quick", "paper")
-LABEL_FIELDS = ("d_model", "n_layers", "pos_emb", "d_conv", "long_only", "holdout",
-                "freeze_features", "num_keys", "steps")
 
 
 def experiment_configs(name, preset="quick", *, archs=None, widths=None, lrs=None, seeds=None,
@@ -481,7 +480,7 @@ def best_by_lr(records, ladder=True):
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
                      "budget": budget, "budgets": budgets, "records": sum(map(len, per_lr.values())),
-                     "label": row_label(config_of(best), configs, LABEL_FIELDS[:-1] if ladder else LABEL_FIELDS)})
+                     "label": row_label(config_of(best), configs, ladder)})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
@@ -499,7 +498,6 @@ fmt_counts = lambda s: ", ".join(filter(None, (tally(s["verdicts"], s["n"]),
 fmt_training = lambda row, s: "; ".join(filter(None, (climb(row) or "one budget",
                                                       tally(s["diagnoses"], s["n"]))))
 laddered = lambda row: len(row.get("budgets") or ()) > 1       # seed 0 trained at several budgets
-fmt_moved = lambda row: f" at {row['budget']:,} steps"
 # a cell's budget ladder, seed 0's best at each budget, what it read and (Mamba) its extra sites:
 # '8,000: 69.1%, direct retrieval, conv@next_key 0.98, still learning · **16,000**: ...'
 extras = lambda r: [f"{k} {fmt_num(v)}" for k, v in (r.get("mechanism") or {}).items() if "@" in k]
@@ -584,6 +582,39 @@ def result_table(rows, experiment=None):
     return markdown(cells)
 
 
+def paper_cell(name, row):
+    """The paper's number for a row at its width, and its reading: '80.62%; direct retrieval'."""
+    text = paper_text(name, row) or ""
+    if text.startswith("d 16-256"):                            # WIDTHS_PAPER: one number a width
+        number = text[10:-1].split(" / ")[WIDTHS.index(row["d_model"])] + "%"
+    else:
+        number = next(iter(re.findall(r"[\d.]+%", text)), "")
+    reading = next((r for r in interventions.READINGS.values() if r in text),
+                   "fails" * ("fails" in text))
+    return "; ".join(filter(None, (number, reading))) or "-"
+
+
+def short_table(rows, name):
+    """The one short table, a row per cell (`python run.py` prints it, the READMEs and each .md
+    open with it): its rate and budget, every seed's accuracy, the median attributions, the
+    verdicts, the paper's number and reading, and whether ours bears that out (holds)."""
+    cells = []
+    for row in rows:
+        s, one = spread(row), row["best"]["config"]["n_layers"] == 1
+        c = {"architecture": row["label"], "lr": f"{row['best_lr']:g}",
+             "steps": f"{budget_of(row['best']):,}", "accuracy: median (range)": fmt_acc(s)}
+        if "test_acc" in row["best"]["final"]:
+            c["test accuracy"] = fmt_pct(statistics.median(r["final"].get("test_acc") or 0.0
+                                                           for r in row["runs"]))
+        c.update({label: "n/a" if one else fmt_num(s["median"][k])
+                  for k, (label, _) in ATTRIBS.items()})
+        c["verdicts"] = tally(s["verdicts"], s["n"])
+        c["paper"] = paper_cell(name, row)
+        c["holds?"] = holds(paper_text(name, row) or "", s)
+        cells.append(c)
+    return markdown(cells)
+
+
 def circuit_words(circuit, restored=True):
     """interventions.minimal_circuit's members in words, input to output, and what they restore:
     'embed@key > L0 mixer@value > L1 mixer@query: 93%'; 'none' when it has none (its reason);
@@ -621,7 +652,8 @@ def report_grid(name, preset, records, out):
     if draw_figures(rows, name, out) is None:
         print(FIGURES_HINT, file=sys.stderr)
     mechsm.write_whole(out_path(out, f"{name}.md"), text.encode())
-    print(text.split("\n", 2)[2].split("\n![")[0])
+    print(short_table(rows, name)
+          + f"\n\ndetails (every rate tried, circuits, timelines): {name}.md")
     print_heatmap(rows)   # of the most accurate run with an extra site, else the most accurate
 
 
@@ -736,8 +768,8 @@ def copy_guess(cfg):
 def diagnose(record, *, start_margin=0.07, memorised_gap=2.0, fall=0.25, rise=0.05, learned=0.95,
              plateau=1.5):
     """What one run's history shows (a detail: whether a longer run gains is climb's to say): the
-    first of the rule under the README's summary that holds, its thresholds these keywords (None: no
-    history)."""
+    first case that holds of the rule in results/README.md ("How training went"), its thresholds
+    these keywords (None: no history)."""
     final = record["final"]
     history = [h for h in record.get("history") or [] if None not in map(h.get, ("acc", "loss"))]   # what it reads
     trained = [h for h in history if h.get("train_loss") is not None]
@@ -769,7 +801,7 @@ def paper_text(name, row):
 
 
 def describe(name, value):
-    """A LABEL_FIELDS value in words: 'd 32', '1 layer', 'NoPE', 'd_conv 0', 'default conv', ..."""
+    """A Config field's value in a row label: 'd 32', '1 layer', 'NoPE', 'default conv', ..."""
     words = {"d_model": f"d {value}", "n_layers": f"{value} layer{'s' * (value != 1)}",
              "pos_emb": "PE" if value else "NoPE", "num_keys": f"{value} keys",
              "long_only": "long convs only" if value else None, "steps": f"{value} steps",
@@ -777,13 +809,20 @@ def describe(name, value):
     return words.get(name, f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}")
 
 
-def row_label(cfg, configs, fields_):
-    """cfg's arch and each of `fields_` varying among its arch's `configs`: 'mamba (d_conv 0)'."""
+def row_label(cfg, configs, ladder=True):
+    """cfg's arch and each Config field varying among its arch's `configs` (but the run's own: lr,
+    seed and, on a budget `ladder`, steps; a field that follows one before it, as num_values
+    follows num_keys, once), in Config's order but d_model first: 'mamba (d_conv 0)'."""
     cfg = cfg.resolved()
     same_arch = [c.resolved() for c in configs if c.arch == cfg.arch]
-    parts = list(filter(None, [describe(name, getattr(cfg, name)) for name in fields_
-                               if len({getattr(c, name) for c in same_arch}) > 1
-                               and not (name == "d_conv" and cfg.long_only)]))
+    own = {"arch", "lr", "seed", "device", *["steps"] * ladder}
+    names = ["d_model"] + [f.name for f in fields(mechsm.Config) if f.name not in own | {"d_model"}]
+    kept = []
+    for name in names:                    # kept when it splits runs the fields before it do not
+        split = lambda keys: len({tuple(getattr(c, k) for k in keys) for c in same_arch})
+        if split(kept + [name]) > split(kept) and not (name == "d_conv" and cfg.long_only):
+            kept.append(name)
+    parts = list(filter(None, [describe(name, getattr(cfg, name)) for name in kept]))
     return cfg.arch + (f" ({', '.join(parts)})" if parts else "")
 
 
@@ -1208,17 +1247,19 @@ def render(name, preset, records, folder=None):
             f"{h['step']}: {fmt_pct(h.get('acc'))} " + ("n/a" if one else f"{attrib(h, 'attrib_value')}/"
             f"{attrib(h, 'attrib_query')}") for i, h in enumerate(history) if i in keep))
     return rows, "\n".join([f"# {name}: {exp.finding} ({exp.section}), preset {preset}", "",
+        short_table(rows, name), "",
+        "Each row counts every seed of its cell's chosen learning rate and budget. Accuracy: the final "
+        f"models on {records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: "
+        "the median, over the seeds that can be read, of the restoration of the clean answer "
+        "probability when the block input of layer 1 is patched at X (n/a: a 1-layer model has none; "
+        "its layer-0 mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule. "
+        f"Paper: {exp.section}; holds?: whether our seeds bear out its reading (README).", "",
+        "## Details", "",
         result_table(rows, None if exp.probe else name), "",
-        "Each row counts every seed of its learning rate (lr: where several were tried, seed 0's "
-        "accuracy at each, 'failed' where its loss went non-finite and it stopped, and in bold, the "
-        "rate chosen: seed 0's best; README, difference 18). Accuracy: the final models on "
-        f"{records[0]['config']['eval_size']} fresh documents, median (range). Attrib@X: the median, "
-        "over the seeds that can be read, of the restoration of the clean answer probability when "
-        "the block input of layer 1 is patched at X (n/a: a 1-layer model has none; its layer-0 "
-        "mixer output is in the heatmaps). Verdicts: each seed's, by the README's rule; leans: where "
-        "those with no signal point. Training: what each seed's training did, by the rule under the "
-        "README's summary. Paper: "
-        f"{exp.section}.", "",
+        "lr: where several were tried, seed 0's accuracy at each, 'failed' where its loss went "
+        "non-finite and it stopped, and in bold, the rate chosen: seed 0's best (results/README.md). "
+        "Leans: where the seeds with no signal point. Training: what each seed's training did "
+        "(run.diagnose, results/README.md).", "",
         "Timeline (step: accuracy, Attrib@Value/Attrib@Query on the first eval documents; '-': "
         "too little signal to read):", *timeline, "",
         f"Records: {len(records)} runs, {wall / 60:.1f} minutes of training (the runs' wall times, "
@@ -1239,59 +1280,6 @@ def holds(text, s):
     if "fails" in text:
         return "yes" if statistics.median(s["acc"]) < 0.5 else "no"
     return "-"
-
-
-PAPER = ("paper (accuracy: the best of its 5-7 learning rates at that width; box: its box plot's "
-         "medians, pooled over widths and learning rates)")               # which statistic is which
-OURS = ("ours (median (range) over seeds at one width and learning rate: the range's top is the best "
-        "seed; box: medians)")
-
-
-def summary_rows(name, rows):
-    """The summary's rows of one experiment: each row the paper quotes (every row where it quotes
-    none); an experiment over widths: one row per label, its median accuracy at each width."""
-    if len({row["d_model"] for row in rows}) > 1:
-        lines = {}
-        for row in sorted(rows, key=lambda r: r["d_model"]):
-            line = lines.setdefault(next(iter(widest_rows([row]))), {"row": row, "cells": []})
-            s = spread(row)
-            line["cells"].append(f"d {row['d_model']}{fmt_moved(row)}: {fmt_acc(s)}; {fmt_counts(s)}; "
-                                 f"{fmt_training(row, s)}")
-        return [{"row": label, PAPER: paper_text(name, line["row"]) or "no number quoted",
-                 "holds?": "-", OURS: " · ".join(line["cells"])} for label, line in lines.items()]
-    out = []
-    for row in [row for row in rows if paper_text(name, row)] or rows:
-        s, final, text = spread(row), row["best"]["final"], paper_text(name, row) or ""
-        test = statistics.median(r["final"].get("test_acc") or 0 for r in row["runs"])
-        split = f"dev {fmt_acc(s)}, test {fmt_pct(test)}" if "test_acc" in final else fmt_acc(s)
-        box = " ".join(f"{k[0].upper()} {fmt_num(s['median'][k])}" for k in ATTRIBS)
-        box = f"; box {box} ({s['readable']} seeds read)" * ("box" in text)
-        out.append({"row": row["label"], PAPER: text or "no number quoted", "holds?": holds(text, s),
-                    OURS: f"{split}{fmt_moved(row)}, best seed {fmt_pct(s['acc'][-1])}{box}; {fmt_counts(s)}; "
-                          f"{fmt_training(row, s)}"})
-    return out
-
-
-def summary_table(folder, names=None, rel=None):
-    """The summary of the records in `folder`: the table, the notes under it, probes (names: those
-    experiments' rows alone). Links relative to the README (rel: to that folder instead)."""
-    rel = os.path.relpath(folder, HERE) if rel is None else rel
-    records = folder_records(folder, warn=False)
-    lines = [{"experiment": f"[{name}]({rel}/{name}.md)" + f": {exp.finding}" * (i == 0), **line}
-             for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]
-             and name in (names or EXPERIMENTS)
-             for i, line in enumerate(summary_rows(name, best_by_lr(records[name])))]
-    unique = by_run(r for rs in records.values() for r in rs).values()
-    cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
-    spent = (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of training "
-             "and patching (the records' wall times summed; every run on one thread), made in shards with "
-             "`--choose-lr` and `--replicates`. " + run_py_line(folder))
-    text = markdown(lines, ["experiment", "row", PAPER, OURS, "holds?"]) + "\n\n" + spent
-    if names:
-        return text
-    probes = [f"[{n}]({rel}/{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
-    return text + ("\n\nThe probes that chose the quick grids (README: how the quick grids were chosen): "
-                   f"{'; '.join(probes)}.")
 
 
 # --- The command line
@@ -1400,7 +1388,7 @@ def build_parser():
     a("--checkpoint", str, help="evaluate and patch this saved model (OUT/ckpt/*.pt), no training")
     a("--figures", str, metavar="FOLDER", help="redraw the figures of a results folder and exit")
     a("--report", str, metavar="FOLDER", help="rewrite the markdown of a results folder from its "
-      "records (results/: also the README's summary table) and exit")
+      "records (results/: also the READMEs' tables) and exit")
     return p
 
 
@@ -1575,7 +1563,8 @@ def dry_run(args):
         seconds = shapes[key] and c.total_steps() * shapes[key]
         total += seconds or 0
         rate = f"{len(group) / shapes[key]:,.0f}" if shapes[key] else "-"
-        print(f"{row_label(c, configs, LABEL_FIELDS[1:]) + f' d {c.d_model}':<36}{len(group):>6}"
+        label = row_label(c, [x for x in configs if x.d_model == c.d_model], ladder=False)
+        print(f"{label + f' d {c.d_model}':<36}{len(group):>6}"
               f"{c.total_steps():>9,}{rate:>15}{lasting(seconds) if seconds else 'unmeasured':>10}")
     missing = sum(s is None for s in shapes.values())
     print(f"estimate: {lasting(total / jobs)} of training steps with {jobs} job"
@@ -1717,7 +1706,7 @@ def worker_init(parent):
     threading.Thread(target=exit_with_parent, daemon=True).start()
 
 
-# --- Shards, provenance, older records, the README's summary
+# --- Shards, provenance, older records, the READMEs' tables
 
 def shard_of(text):
     """(I, N) of --shard "I/N", or of SLURM_ARRAY_TASK_ID / SLURM_ARRAY_TASK_COUNT, or (0, 1)."""
@@ -1762,13 +1751,8 @@ machine_of = lambda p: ", ".join(str(p[k]) for k in ("machine", "cpu", "cpu_capa
 
 
 README = os.path.join(HERE, "README.md")
-SUMMARY = ("<!-- summary: `python run.py --report results` writes this table from results/*.jsonl -->",
-           "<!-- /summary -->")
-CIRCUITS = ("<!-- circuits: `python run.py --report results` writes this table from results/*.jsonl -->",
-            "<!-- /circuits -->")
-CONV = ("<!-- conv: `python run.py --report results` writes this table from results/*.jsonl -->",
-        "<!-- /conv -->")
-HEADLINE = ("ar-widths",)   # the README's rows: the paper's main figure
+# A block of a README: between "<!-- NAME: ..." and "<!-- /NAME -->", rendered by --report results.
+BLOCK = "<!-- {}: `python run.py --report results` writes this from results/*.jsonl -->"
 
 
 def run_py_line(folder):
@@ -1781,35 +1765,61 @@ def run_py_line(folder):
         f"{c['load']})." if c else ".")
 
 
-def readme_with_summary(text, folder):
-    """The README text with its summary block (the HEADLINE rows) and its circuit table rendered
-    anew from `folder`."""
-    for (first, last), block in [(SUMMARY, summary_table(folder, HEADLINE) + " Every experiment and the "
-                                  "probes: [results/README.md](results/README.md)."), (CIRCUITS, circuit_table(folder)),
-                                 (CONV, conv_table(folder))]:
-        start, end = text.index(first) + len(first), text.index(last)
-        text = text[:start] + "\n" + block + "\n" + text[end:]
+def spent_line(records, folder):
+    """How many runs `records` ({experiment: runs}, folder's) hold, what they cost, and what
+    `python run.py` trains (run_py_line)."""
+    unique = by_run(r for rs in records.values() for r in rs).values()
+    cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
+    return (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of "
+            "training and patching (the records' wall times summed; every run on one thread). "
+            + run_py_line(folder))
+
+
+def experiment_tables(records):
+    """Every experiment's short table under its name and claim, then the probes, linked."""
+    parts = [f"### [{name}](./{name}.md): {exp.finding} ({exp.section})\n\n"
+             + short_table(best_by_lr(records[name]), name)
+             for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]]
+    probes = [f"[{n}](./{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
+    return "\n\n".join(parts + [f"The probes that chose the quick grids: {'; '.join(probes)}."])
+
+
+def with_blocks(text, folder):
+    """`text` (a README) with each block it holds rendered anew from `folder`'s records: `ar`'s
+    short table, every experiment's, the runs' cost, the circuits, Mamba's conv."""
+    records = folder_records(folder, warn=False)
+    blocks = {"ar": lambda: short_table(best_by_lr(records["ar"]), "ar"),
+              "experiments": lambda: experiment_tables(records),
+              "runs": lambda: spent_line(records, folder),
+              "circuits": lambda: circuit_table(records), "conv": lambda: conv_table(records)}
+    for name, block in blocks.items():
+        first, last = BLOCK.format(name), f"<!-- /{name} -->"
+        if first in text:
+            start, end = text.index(first) + len(first), text.index(last)
+            text = text[:start] + "\n" + block() + "\n" + text[end:]
     return text
 
 
-def circuit_table(folder):
-    """Every row's circuit (row_circuit) in the records of `folder` that carry one, by architecture."""
+def circuit_table(records):
+    """Every row's circuit (row_circuit) in `records` ({experiment: runs}) that carry one, by
+    architecture."""
     cells = [{"architecture": row["arch"], "experiment: row": f"{name}: {row['label']}",
               "circuit (the median-accuracy seed's)": circuit_words(found[0], restored=False),
               "seeds sharing it / with a circuit": f"{found[1]}/{found[2]}",
               "restored": fmt_pct(found[0].get("restored"))}
-             for name, records in folder_records(folder, warn=False).items() for row in best_by_lr(records)
+             for name, runs in records.items() for row in best_by_lr(runs)
              if (found := row_circuit(row))]
     return markdown(sorted(cells, key=lambda c: arch_rank(c["architecture"]))) if cells else \
         "No record here carries a circuit yet (a patched run made from this commit on does)."
 
 
-def conv_table(folder):
+def conv_table(records):
     """Whether Mamba's short conv carries the key to the next token (conv@next_key: the attribution of
-    layer 0's conv output there) in the AR records of `folder` with signal, by cell and budget: how
-    many of the runs read carry it (0.5 or more), each run's value and accuracy (seed, rate)."""
-    runs = {run_key(r["config"]): r for records in folder_records(folder, warn=False).values()
-            for r in records if r["config"]["task"] == "ar" and r["status"] == "ok"
+    layer 0's conv output there) in the AR runs of `records` ({experiment: runs}) with signal, by
+    cell and budget: how many of the runs read carry it (0.5 or more), each run's value and
+    accuracy (seed, rate)."""
+    runs = {run_key(r["config"]): r for rs in records.values()
+            for r in rs if r["config"]["task"] == "ar" and r["status"] == "ok"
             and (r.get("mechanism") or {}).get("conv@next_key") is not None and not r["mechanism"]["low_signal"]}
     cells = {}
     for r in sorted(runs.values(), key=lambda r: (r["config"]["lr"], r["config"]["seed"])):
@@ -1824,13 +1834,6 @@ def conv_table(folder):
                           f"{fmt_num(r['mechanism']['conv@next_key'])}, {fmt_pct(r['final']['acc'])} "
                           f"(s{r['config']['seed']}, {r['config']['lr']:g})" for r in rs)}
                      for (_, name, steps), rs in sorted(cells.items(), key=lambda kv: kv[0][::2])])
-
-
-def results_readme(folder):
-    """results/README.md: the whole summary, beside the records it is rendered from."""
-    return ("# Every experiment beside the paper\n\n`python run.py --report results` writes this "
-            "file from results/*.jsonl; how to read it: the README's \"What we find\".\n\n"
-            + summary_table(folder, rel=".") + "\n")
 
 
 def preset_of(command):
@@ -1850,10 +1853,9 @@ def report_folder(folder):
             by_run(records).keys() & set(map(config_key, experiment_configs(name, p)))))
         mechsm.write_whole(out_path(folder, f"{name}.md"), render(name, preset, records, folder)[1].encode())
     readme = os.path.realpath(folder) == os.path.realpath(os.path.join(HERE, "results"))
-    if readme:
-        mechsm.write_whole(README, readme_with_summary(Path(README).read_text(), folder).encode())
-        mechsm.write_whole(out_path(folder, "README.md"), results_readme(folder).encode())
-    print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' summaries" * readme))
+    for path in [README, out_path(folder, "README.md")] * readme:
+        mechsm.write_whole(path, with_blocks(Path(path).read_text(), folder).encode())
+    print(f"{len(written)} reports written to {folder}/" + (" and the READMEs' tables" * readme))
 
 
 # --- Figures: the paper's plots, from the records alone
@@ -1874,10 +1876,11 @@ def redraw_figures(folder):
     print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
 
 
-def colour(arch):
-    """A fixed tab10 colour per arch (ALL_ARCHS order; another arch: one of the last three)."""
-    from matplotlib import colormaps
-    return colormaps["tab10"](ALL_ARCHS.index(arch) if arch in ALL_ARCHS else 7 + len(arch) % 3)
+# One colour per built-in mixer (tab10 without its grey, which marks "too little signal"); another
+# arch: cyan.
+COLOURS = dict(zip(ALL_ARCHS, "tab:blue tab:orange tab:green tab:red tab:purple tab:brown tab:pink "
+                              "tab:olive".split()))
+colour = lambda arch: COLOURS.get(arch, "tab:cyan")
 
 
 def patched_runs(records, with_signal=False):
@@ -1893,44 +1896,57 @@ def tiles(fig, n, cols, height):
 
 
 def plot_scatter(fig, records, of=None):
-    """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed, and the
-    verdict's regions (the paper's Fig. 3); a run held at the key is a triangle, one outside FRAME
-    a cross on its edge; beside a mark, how many runs it stacks; the title: how many runs, of the
+    """Attrib@Value against Attrib@Query of every patched run of 2+ layers, every seed (the paper's
+    Fig. 3): left the runs with signal in the verdict's regions, right those with too little signal
+    (hollow: no verdict); a run held at the key is a triangle, one outside FRAME a cross on its edge;
+    beside a mark that stacks runs, how many of each mixer; the title: how many runs, of the
     experiment's `of` records."""
     runs = [r for r in patched_runs(records) if r["config"]["n_layers"] > 1]
     arch, mech = [r["config"]["arch"] for r in runs], [r["mechanism"] for r in runs]
     x, y = (np.array([m[k] for m in mech], float) for k in ("attrib_value", "attrib_query"))
-    low = np.array([m.get("low_signal") for m in mech], bool)
+    low = np.array([bool(m.get("low_signal")) for m in mech], bool)
     key = np.array([verdict_of(r) == interventions.READINGS["key"] for r in runs], bool)
-    (lo, hi), cut, ax = FRAME, interventions.CUT, fig.subplots()
+    (lo, hi), cut = FRAME, interventions.CUT
     outside = (x < lo) | (x > hi) | (y < lo) | (y > hi)
-    ax.fill_between([cut, hi], [lo, lo], [cut, cut], color="tab:green", alpha=0.12, lw=0)
-    ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
-    ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
-    ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
-    for a in sorted(set(arch), key=arch_rank):
-        label, c = a, colour(a)
-        for hollow, tri in ((False, False), (False, True), (True, False)):
-            m = (np.array(arch) == a) & (low == hollow) & (key == tri) & ~outside
-            ax.scatter(x[m], y[m], s=40, edgecolors=c, marker="^" if tri else "o",
-                       facecolors="none" if hollow else c, label=label if m.any() else None)
-            label = None if m.any() else label
-    ax.scatter([], [], s=40, facecolors="none", edgecolors="grey", label="too little signal")
-    ax.scatter([], [], s=40, marker="^", color="grey", label="held at the key")
-    ax.scatter(np.clip(x[outside], lo, hi), np.clip(y[outside], lo, hi), s=50, marker="x", clip_on=False,
-               color=[colour(a) for a, o in zip(arch, outside) if o] or "grey",
-               label=f"beyond, on the edge ({outside.sum()})")
-    stacks = {}                              # {a mark: the runs within 0.03 of it, drawn over it}
-    for p in zip(*np.clip([x, y], lo, hi).tolist()):
-        at = next((q for q in stacks if math.dist(q, p) < 0.03), p)
-        stacks[at] = stacks.get(at, 0) + 1
-    for at, k in stacks.items():
-        if k > 1:
-            ax.annotate(str(k), at, xytext=(5, 5), textcoords="offset points", fontsize=8)
-    ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value", ylabel="Attrib@Query",
-           title=f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} records"
-           "\n(each row's seeds at its chosen rate, patched, 2+ layers; a number: the runs at a mark)")
-    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.set_size_inches(11.0, 5.5)
+    axes, stacks = fig.subplots(1, 2, sharey=True), {}  # {(hollow, a mark): the runs within 0.03}
+    for ax, hollow in zip(axes, (False, True)):
+        if not hollow:
+            ax.fill_between([cut, hi], [lo, lo], [cut, cut], color="tab:green", alpha=0.12, lw=0)
+            ax.fill_between([lo, cut], [cut, cut], [hi, hi], color="tab:purple", alpha=0.12, lw=0)
+            ax.text(hi - 0.03, lo + 0.03, "induction", ha="right", color="tab:green")
+            ax.text(lo + 0.03, hi - 0.03, "direct retrieval", va="top", color="tab:purple")
+        for a in sorted(set(arch), key=arch_rank):
+            for tri in (False, True):
+                m = (np.array(arch) == a) & (low == hollow) & (key == tri) & ~outside
+                ax.scatter(x[m], y[m], s=40, edgecolors=colour(a), marker="^" if tri else "o",
+                           facecolors="none" if hollow else colour(a))
+        edge = outside & (low == hollow)
+        ax.scatter(np.clip(x[edge], lo, hi), np.clip(y[edge], lo, hi), s=50, marker="x",
+                   clip_on=False, color=[colour(a) for a, o in zip(arch, edge) if o] or "grey")
+        panel = {}
+        here = low == hollow
+        for a, p in zip(np.array(arch)[here], zip(*np.clip([x, y], lo, hi)[:, here].tolist())):
+            at = next((q for q in panel if math.dist(q, p) < 0.03), p)
+            panel.setdefault(at, collections.Counter())[a] += 1
+        for at, counts in panel.items():
+            if sum(counts.values()) > 1:        # one line per mixer, in its colour, largest first
+                for i, (a, k) in enumerate(counts.most_common()):
+                    ax.annotate(f"{a} ×{k}" if len(counts) > 1 else str(k), at, color=colour(a),
+                                xytext=(6, 4 - 9 * i), textcoords="offset points", fontsize=7)
+        stacks.update({(hollow, at): sum(c.values()) for at, c in panel.items()})
+        ax.set(xlim=FRAME, ylim=FRAME, aspect="equal", xlabel="Attrib@Value")
+    axes[0].set(ylabel="Attrib@Query", title=f"with signal: {(~low).sum()} runs")
+    axes[1].set_title(f"too little signal (no verdict): {low.sum()} runs")
+    for a in sorted(set(arch), key=arch_rank):                         # the legend: every mixer
+        axes[0].scatter([], [], s=40, color=colour(a), label=a)
+    axes[0].scatter([], [], s=40, marker="^", color="grey", label="held at the key")
+    axes[0].scatter([], [], s=50, marker="x", color="grey",
+                    label=f"beyond, on the edge ({outside.sum()})")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center")
+    fig.suptitle(f"Attrib@Value against Attrib@Query: {len(runs)} runs of {of or len(records)} "
+                 "records (each row's seeds at its chosen rate, patched, 2+ layers; beside a mark: "
+                 "the runs it stacks)")
     return {"arch": arch, "value": x, "query": y, "low_signal": low, "key": key, "outside": outside,
             "stacks": stacks}
 
@@ -1947,6 +1963,11 @@ def plot_width(fig, rows):
             np.array([f(a) for a in accs], float) for f in (statistics.median, min, max)))
         ax.plot(d, med, marker="o", color=c, label=label)
         ax.fill_between(d, low, high, color=c, alpha=0.12, lw=0)
+        for w, m, row in zip(d, med, line):
+            n, tried = row.get("budget"), row.get("budgets")
+            if tried and n > min(tried):                # a budget that grew on its ladder
+                ax.annotate(f"{n / 1000:g}k steps", (w, m), xytext=(4, -9), fontsize=7,
+                            textcoords="offset points", color=c)
         if ar and label in WIDTHS_PAPER:
             out[label + " (paper)"] = WIDTHS, [float(v) / 100 for v in WIDTHS_PAPER[label][:-1].split(" / ")]
             ax.plot(*out[label + " (paper)"], "--", marker=".", color=c)
@@ -1954,8 +1975,9 @@ def plot_width(fig, rows):
     ax.set_xscale("log", base=2)
     ax.set_xticks(widths, [str(w) for w in widths])
     ax.set(ylim=(-0.02, 1.02), xlabel="model width (d_model)", ylabel="accuracy",
-           title="Accuracy against width: median over seeds, range shaded" + ";\ndashed: the paper's "
-           "(the best of its learning rates; 4,096 keys, 16 pairs)" * (len(out) > len(lines)))
+           title="Accuracy against width: median over seeds, range shaded; beside a point, its steps\n"
+           "where its budget grew" + "; dashed: the paper's (the best of its learning rates; 4,096 keys, "
+           "16 pairs)" * (len(out) > len(lines)))
     ax.legend(fontsize=8)
     return out
 
@@ -1963,24 +1985,29 @@ def plot_width(fig, rows):
 def plot_heatmaps(fig, rows):
     """Per label (its widest row), the best run's table: site x layer by position, with values."""
     rows = [(k, r) for k, r in widest_rows(rows).items() if r["best"].get("mechanism_table")]
-    height, panels = 0.2 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.1, []
-    for ax, (label, row) in zip(tiles(fig, len(rows), min(2, len(rows)), height), rows):
+    height = 0.24 * max(len(r["best"]["mechanism_table"]["rows"]) for _, r in rows) + 1.2
+    panels, image = [], None
+    for ax, (label, row) in zip(tiles(fig, len(rows), 1, height), rows):   # one column: screen width
         table = row["best"]["mechanism_table"]
         positions = table["positions"]
         cells = np.array([[t["scores"].get(p) for p in positions] for t in table["rows"]], float)
         sites = [f"L{t['layer']} {t['label'].replace('_', ' ')}" for t in table["rows"]]
-        image = ax.imshow(cells, cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto")
-        ax.set_xticks(range(len(positions)), positions, fontsize=7, rotation=30)
-        ax.set_yticks(range(len(sites)), sites, fontsize=7)
+        noise = verdict_of(row["best"]) == "no signal"          # its ratios are noise: greyed
+        shown = ax.imshow(cells, cmap="Greys" if noise else "RdBu_r", vmin=-1, vmax=1,
+                          aspect="auto", alpha=0.3 if noise else 1.0)
+        image = shown if image is None or not noise else image      # the colour bar's: in colour
+        ax.set_xticks(range(len(positions)), positions, fontsize=8)
+        ax.set_yticks(range(len(sites)), sites, fontsize=8)
         for (i, j), c in np.ndenumerate(cells):
             if np.isfinite(c):
-                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=6,
-                        color="white" if abs(c) > 0.6 else "black")
+                ax.text(j, i, f"{c:.2f}".replace("-0.00", "0.00"), ha="center", va="center",
+                        fontsize=7, color="grey" if noise else "white" if abs(c) > 0.6 else "black")
         ax.set_title(f"{label} (d {row['d_model']}): {verdict_of(row['best'])}\n"   # today's rule
-                     f"its best seed, {row['best']['config']['seed']}", fontsize=9)
+                     f"its best seed, {row['best']['config']['seed']}"
+                     + " (grey: too little signal, noise)" * noise, fontsize=9)
         panels.append({"label": row.get("label", row["arch"]), "sites": sites, "cells": cells,
                        "positions": list(positions)})
-    fig.colorbar(image, ax=fig.axes, shrink=0.5, label="attribution")
+    fig.colorbar(image, ax=fig.axes, shrink=min(1.0, 4 / len(rows)), label="attribution")
     return panels
 
 
@@ -2006,8 +2033,45 @@ def plot_box(fig, rows):
                            facecolors="none" if low else c, zorder=3)
         ax.set(ylabel=name, ylim=FRAME)
     ax.set_xticks(range(len(labels)), labels)
-    fig.suptitle(f"ATR: Attrib@Key, @Query, @Value, every seed (hollow: too little signal; dashed: the cut, {cut})")
+    fig.axes[0].set_title("Attrib@Key, @Query, @Value, every seed (hollow: too little signal; "
+                          f"dashed: the cut, {cut})", fontsize=9)
     return out
+
+
+def effective_panels(rows):
+    """Per mixer of an AR experiment at one width, its most accurate row's (the most keys first)
+    best seed's stored effective attention (record["effective"], interventions.effective_record):
+    {"label", "verdict", "sites", "positions", "cells"}, cells a row per (layer, reading position)
+    over positions 0..query, NaN after a reading position (causal)."""
+    with_maps = [row for row in rows if row["best"].get("effective")]
+    panels = []
+    for a in sorted({row["arch"] for row in with_maps}, key=arch_rank):
+        row = max((r for r in with_maps if r["arch"] == a),
+                  key=lambda r: (r["best"]["config"].get("num_keys") or 0, run_score(r["best"])))
+        eff = row["best"]["effective"]
+        at, n = eff["positions"], eff["positions"]["query"] + 1
+        pad = lambda v: v + [math.nan] * (n - len(v))
+        panels.append({"label": row["label"], "verdict": verdict_of(row["best"]), "positions": at,
+                       "sites": ["L0 from the value"]
+                       + [f"L{i} from the query" for i in range(len(eff["query"]))],
+                       "cells": np.array([pad(eff["value"]), *map(pad, eff["query"])], float),
+                       "acc": row["best"]["final"].get("acc")})
+    return panels
+
+
+def plot_effective(fig, panels):
+    """effective_panels' maps, a panel per mixer: each row scaled to its largest entry, the roles'
+    positions named; titled with the mixer, its seed's accuracy and verdict."""
+    for ax, p in zip(tiles(fig, len(panels), 2, 1.5), panels):
+        cells = p["cells"] / np.nanmax(np.abs(p["cells"]), axis=1, keepdims=True)
+        ax.imshow(cells, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+        roles = [k for k in p["positions"] if k in ATTRIBS]                 # key, value, query
+        ax.set_xticks([p["positions"][k] for k in roles], [k[0].upper() for k in roles], fontsize=7)
+        ax.set_yticks(range(len(p["sites"])), p["sites"], fontsize=7)
+        ax.set_title(f"{p['label']} ({fmt_pct(p['acc'])}): {p['verdict']}", fontsize=9)
+    fig.supxlabel("position read: K the key, V its value, Q the query (each row scaled to its "
+                  "largest entry)", fontsize=8)
+    return panels
 
 
 # The one table of figure kinds, <experiment>_<kind>.png: its drawing, and the data it draws from an
@@ -2019,7 +2083,10 @@ FIGURE_KINDS = {
                                                           for r in rows) and rows),
     "width": (plot_width, lambda records, rows: len(widest_rows(rows)) < len(rows) and rows),
     "box": (plot_box, lambda records, rows: records[0]["config"]["task"] == "atr"
-            and patched_runs(records, with_signal=True) and rows)}
+            and patched_runs(records, with_signal=True) and rows),
+    "effective": (plot_effective, lambda records, rows: records[0]["config"]["task"] == "ar"
+                  and len({r["d_model"] for r in rows}) == 1
+                  and len(p := effective_panels(rows)) >= 4 and p)}
 
 
 def figures_of(name, rows):
@@ -2041,6 +2108,9 @@ def draw_figures(rows, name, folder):
     for kind, data in figures_of(name, rows).items():
         fig = Figure(figsize=(8.0, 6 if kind == "scatter" else 4.5), layout="constrained")
         out[kind] = FIGURE_KINDS[kind][0](fig, data)
+        above = fig.get_suptitle()                     # every figure named by its experiment
+        fig.suptitle(f"{name}: {EXPERIMENTS[name].finding}" + f"\n{above}" * bool(above),
+                     fontsize=10)
         fig.savefig(png := io.BytesIO(), format="png", dpi=100, metadata={"Software": None},
                     bbox_inches="tight")
         mechsm.write_whole(out_path(folder, f"{name}_{kind}.png"), png.getvalue())

@@ -204,10 +204,6 @@ class PCFG:
                  max_depth=10, terminal_weight=20, head="right", seed=0):
         self.params = {k: v for k, v in locals().items() if k != "self"}  # the arguments, in order
         least = dict(num_terminals=1, num_nonterminals=1, max_rhs_len=2, max_rules=1, max_depth=1)
-        for name in least:
-            value = self.params[name]
-            _check(isinstance(value, (int, np.integer)) and not isinstance(value, bool), name,
-                   f"an int, got {value!r}")
         for name, low in least.items():
             value = self.params[name]
             why = " (head + at least one dependent)" if name == "max_rhs_len" else ""

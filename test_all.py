@@ -12,6 +12,7 @@ import contextlib
 import glob
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -382,6 +383,15 @@ def tiny_checkpoint(path, **kw):
     return mechsm.save(model, replace(cfg, device="cpu"), str(path)), model
 
 
+def register_the_readme_mixer(monkeypatch):
+    """Run the README's example against the built-in registry, undone after the test (in a fork
+    whose models.py holds the example, it registers anew in place of that one)."""
+    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):
+        built_in = {k: v for k, v in getattr(models, name).items() if k in models.BUILT_IN_ARCHS}
+        monkeypatch.setattr(models, name, built_in)
+    exec(readme_mixer_example(), {"__name__": "readme_example"})
+
+
 def readme_mixer_example():
     """The code block of the README's "Add your own mixer" section, verbatim."""
     text = open(os.path.join(HERE, "README.md")).read()
@@ -461,11 +471,17 @@ def diag_record(train=(10.0, 5.0), loss=(6.0, 6.0, 6.0), acc=(0.5, 0.5), task="a
             "history": history, "final": {k: history[12][k] for k in ("acc", "loss", "train_loss")}}
 
 
-def markdown_rows(text):
-    """The rows of the first markdown table in `text`, as {column: cell}."""
-    lines = [line for line in text.splitlines() if line.startswith("| ")]
+def readmes():
+    """README.md and results/README.md, one text: the prose that the records must bear out."""
+    return "".join(open(os.path.join(HERE, *f)).read() for f in (["README.md"], ["results", "README.md"]))
+
+
+def markdown_rows(text, which=0):
+    """The rows of the markdown table `which` (0: the first) in `text`, as {column: cell}."""
+    runs = itertools.groupby(text.splitlines(), lambda line: line.startswith("|"))
+    lines = [list(table) for is_table, table in runs if is_table][which]    # runs of table lines
     split = lambda line: [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-    return [dict(zip(split(lines[0]), split(line))) for line in lines[1:]]
+    return [dict(zip(split(lines[0]), split(line))) for line in lines[2:]]
 
 
 # ==================================================================================================
@@ -1350,7 +1366,7 @@ def test_effective_map_applied_to_the_values_is_the_mixers_activation(arch, opti
         torch.testing.assert_close(torch.einsum("bcts,bcse->btce", M, v).flatten(2), target, rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("arch", list(models.ARCHS))
+@pytest.mark.parametrize("arch", models.BUILT_IN_ARCHS)       # a new mixer may have no effective_map
 def test_effective_attention_is_causal_finite_and_attention_s_pattern(arch):
     model, tokens = small_model(arch, n_heads=2) if arch == "attention" else small_model(arch), random_tokens()
     maps = iv.effective_attention(model, tokens)
@@ -1962,13 +1978,13 @@ def test_end_to_end_pipeline_train_patch_table(tmp_path, capsys):
             "--out", str(out)]
     assert run_cli.main(argv) == 0
     stdout = capsys.readouterr().out
-    header = ("| architecture | parameters | lr | steps | seeds | accuracy: median (range) | Attrib@Key | Attrib@Value | "
-              "Attrib@Query | verdicts | training | circuit (the median seed's; seeds sharing it) | paper |")
+    header = ("| architecture | lr | steps | accuracy: median (range) | Attrib@Key | Attrib@Value | "
+              "Attrib@Query | verdicts | paper | holds? |")                # the short table
     assert header in stdout and "heatmap of" in stdout and "L1 block_in" in stdout
-    assert "Timeline" in stdout and "- attention: 0: " in stdout            # one timeline line per model
     table = (out / "ar.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "architecture" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["attention", "deltanet"]
+    assert "Timeline" in table and "- attention: 0: " in table             # one timeline line per model
+    for which in (0, 1):                                                    # the short table, the details
+        assert [row["architecture"] for row in markdown_rows(table, which)] == ["attention", "deltanet"]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted(r["config"]["arch"] for r in records) == ["attention", "deltanet"]
     assert all(r["circuit"]["target"] == 0.9 and "patches" in r["circuit"] for r in records)
@@ -2259,7 +2275,7 @@ def test_every_experiment_builds_both_presets_with_distinct_row_labels():
     assert {"ar", "ar-widths", "ar-nope", "ar-layers", "mamba-conv", "based-ablation", "atr", "atr-medium",
             "atr-8192", "atr-generalisation", "ar-generalisation", "atr-mamba-conv"} <= set(run_cli.EXPERIMENTS)
     for name, exp in run_cli.EXPERIMENTS.items():
-        fields = run_cli.LABEL_FIELDS if exp.probe else run_cli.LABEL_FIELDS[:-1]   # a budget is no row
+        ladder = not exp.probe                                             # a budget is no row
         aside = ("lr", "seed") if exp.probe else ("lr", "seed", "steps")
         for preset in run_cli.PRESETS:
             configs = run_cli.experiment_configs(name, preset)
@@ -2272,13 +2288,25 @@ def test_every_experiment_builds_both_presets_with_distinct_row_labels():
             families = {}
             for c in configs:
                 family = run_cli.run_key({k: v for k, v in asdict(c.resolved()).items() if k not in aside})
-                families.setdefault(run_cli.row_label(c, configs, fields), set()).add(family)
+                families.setdefault(run_cli.row_label(c, configs, ladder), set()).add(family)
             assert all(len(f) == 1 for f in families.values()), (name, preset, families)
         rows = set()                                                       # the paper's rows exist
         for preset in run_cli.PRESETS:
             configs = run_cli.experiment_configs(name, preset)
-            rows |= {run_cli.row_label(c, configs, fields) for c in configs} | {c.arch for c in configs}
+            rows |= {run_cli.row_label(c, configs, ladder) for c in configs} | {c.arch for c in configs}
         assert set(exp.paper_numbers) <= rows, (name, set(exp.paper_numbers) - rows)
+
+
+def test_a_new_experiments_row_labels_name_the_fields_that_vary():
+    """No list of label fields to edit: a grid over num_pairs labels its rows by it; a field that
+    follows another (num_values with num_keys) is named once; lr and seed never."""
+    configs = [mechsm.Config(arch="attention", num_pairs=p, lr=lr, seed=s) for p in (4, 8)
+               for lr in (1e-3, 3e-3) for s in (0, 1)]
+    assert {run_cli.row_label(c, configs) for c in configs} == {"attention (num_pairs 4)",
+                                                                "attention (num_pairs 8)"}
+    configs = [mechsm.Config(arch="mamba", num_keys=k, num_values=k) for k in (256, 1024)]
+    assert run_cli.row_label(configs[0], configs) == "mamba (256 keys)"
+    assert run_cli.row_label(configs[0], configs[:1]) == "mamba"
 
 
 def test_experiment_narrowing_and_unknown_names():
@@ -2932,7 +2960,7 @@ def test_a_folder_s_records_are_added_to_never_replaced(tmp_path, capsys):
     text = (out / "ar.jsonl").read_text()
     assert text.startswith(committed) and text.count("\n") == committed.count("\n") + 1
     table = (out / "ar.md").read_text()
-    assert f"Records: {committed.count(chr(10)) + 1} runs" in table and "| attention (d 64," in table
+    assert f"Records: {committed.count(chr(10)) + 1} runs" in table and "| attention (d 64) |" in table
     assert run_cli.main(argv) == 0                               # a rerun: nothing new, nothing lost
     assert (out / "ar.jsonl").read_text() == text
 
@@ -2983,9 +3011,7 @@ def test_optional_parts_cost_only_themselves_and_what_a_rerun_cannot_mend_exits_
     """The README's mixer, which has no effective_map, is patched and tabled without the maps; a checkpoint
     that cannot be read says to delete it and the run exits 1 (not 0, retried forever); a huge --d-conv
     names d_conv; based-ablation's --d-conv passes over its long-convs-only run with a note."""
-    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):    # the registration is undone after the test
-        monkeypatch.setattr(models, name, dict(getattr(models, name)))
-    exec(readme_mixer_example(), {"__name__": "readme_example"})
+    register_the_readme_mixer(monkeypatch)
     record, = run_cli.sweep([tiny(arch="gated_rnn", steps=20, timeline_docs=0)], str(tmp_path / "a"), log=quiet)
     assert record["mechanism_table"]["rows"] and record["effective"] is None
     assert "gated_rnn" in run_cli.result_table(run_cli.best_by_lr([record]))
@@ -3262,9 +3288,7 @@ def test_the_readme_mixer_example_registers_trains_and_patches(monkeypatch):
     """The README's example, copied from the README at test time so the two cannot drift: it
     registers a new mixer, which then builds, trains through mechsm.train and gets a mechanism table
     with its own hook site and its own extra summary number (the class's READS)."""
-    for name in ("ARCHS", "MIXER_CLASSES", "MIXER_OPTIONS"):    # the registration is undone after the test
-        monkeypatch.setattr(models, name, dict(getattr(models, name)))
-    exec(readme_mixer_example(), {"__name__": "readme_example"})
+    register_the_readme_mixer(monkeypatch)
     assert "gated_rnn" in models.ARCHS and "gated_rnn" not in models.BUILT_IN_ARCHS
     cfg = tiny(arch="gated_rnn", eval_every=10, train_size=640, steps=20)
     result, model = mechsm.train(cfg, log=quiet)
@@ -3448,24 +3472,24 @@ def test_scatter_plots_every_run_with_a_mechanism(figure):
     data = fs.plot_scatter(fig, records)
     assert data["arch"] == [r["config"]["arch"] for r in RECORDS]
     np.testing.assert_array_equal(data["outside"], [False, False, False, True, False])   # value 2.0
-    assert "beyond, on the edge (1)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "beyond, on the edge (1)" in [t.get_text() for t in fig.legends[0].get_texts()]
+    assert [ax.get_title() for ax in fig.axes] == ["with signal: 4 runs", "too little signal (no verdict): 1 runs"]
     np.testing.assert_array_equal(data["value"], [r["mechanism"]["attrib_value"] for r in RECORDS])
     np.testing.assert_array_equal(data["query"], [r["mechanism"]["attrib_query"] for r in RECORDS])
     np.testing.assert_array_equal(data["low_signal"], [False, True, False, False, False])
 
 
 def test_the_saved_scatter_holds_its_legend_and_axis_label(figure, tmp_path):
-    """The legend (with the count of points beyond the frame) sits right of the 8-inch figure and
-    the equal-aspect frame pushes the y label past its left edge: draw_figures saves the whole of both."""
+    """The legend (with the count of points beyond the frame) right of both panels and the y label
+    left of them: draw_figures saves the whole of both."""
     from matplotlib.image import imread
     fs.draw_figures(fig_rows(RECORDS), "ar", tmp_path)
     fig = figure(figsize=(8.0, 6), layout="constrained")
     fs.plot_scatter(fig, RECORDS)
     fig.savefig(tmp_path / "plain.png", dpi=100)                        # laid out, saved as it is
-    ax = fig.axes[0]
-    boxes = [ax.get_legend().get_window_extent(), ax.yaxis.label.get_window_extent()]
+    boxes = [fig.legends[0].get_window_extent(), fig.axes[0].yaxis.label.get_window_extent()]
     left, right = min(0, *(b.x0 for b in boxes)), max(b.x1 for b in boxes)
-    assert right > fig.bbox.x1                                 # cut off in a plain save of the figure
+    assert boxes[0].x0 > fig.axes[1].get_window_extent().x1          # beside the panels, not on them
     assert imread(tmp_path / "ar_scatter.png").shape[1] >= right - left
 
 
@@ -3492,6 +3516,9 @@ def test_width_lines_are_each_widths_median_and_range_over_seeds(figure):
     np.testing.assert_array_equal(high, [0.9, 1.0, 2.0])
     widths, paper = fs.plot_width(figure(), rows)["mamba (paper)"]      # WIDTHS_PAPER, dashed
     assert widths == (16, 32, 64, 128, 256) and paper == pytest.approx([0.1, 0.7688, 0.8062, 0.8969, 0.9125])
+    rows[0].update(budget=32_000, budgets={8000: None, 32_000: None})     # a budget that grew: marked
+    fs.plot_width(fig := figure(), rows)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["32k steps"]
 
 
 def test_box_has_a_box_per_table_row_over_its_seeds_with_signal(figure):
@@ -3517,10 +3544,16 @@ def test_figures_count_what_they_stack_and_name_their_seed(figure):
     fig = figure()
     data = fs.plot_scatter(fig, stacked, 10)
     assert sorted(data["stacks"].values()) == [1, 3] and "3" in [t.get_text() for t in fig.axes[0].texts]
-    assert "4 runs of 10 records" in fig.axes[0].get_title()
+    assert "4 runs of 10 records" in fig.get_suptitle()
+    mixed = stacked + [fig_record("hyena", seed=s) for s in range(2)]      # a stack of two mixers
+    fs.plot_scatter(fig := figure(), mixed)
+    assert {"attention ×3", "hyena ×2"} <= {t.get_text() for t in fig.axes[0].texts}
     rows = fig_rows([{**fig_record("mamba", seed=2, value=0.05, query=0.95)}])     # stored verdict: induction
     fs.plot_heatmaps(fig := figure(), rows)
     assert fig.axes[0].get_title() == "mamba (d 32): mixed\nits best seed, 2"       # key 0.5 and query 0.95
+    fs.plot_heatmaps(fig := figure(), fig_rows([fig_record("mamba", low=True)]))    # its ratios: noise
+    assert "grey: too little signal" in fig.axes[0].get_title() and fig.axes[0].images[0].get_cmap().name == "Greys"
+    assert len({fs.colour(a) for a in run_cli.ALL_ARCHS}) == 8 and "tab:gray" not in map(fs.colour, run_cli.ALL_ARCHS)
 
 
 def test_draw_figures_writes_the_kinds_that_apply_reproducibly(figure, tmp_path):
@@ -3616,12 +3649,13 @@ def test_copy_guess_is_1_over_pairs_on_ar_and_on_atr_the_mean_over_documents_of_
 
 
 def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
-    """Every row of results/*.md and of the README's summary counts its runs' diagnoses, verdicts and
-    (no signal) leanings as the records give them, counted here on their own; the issue's cases."""
+    """Every row of results/*.md (its details, and its short table's verdicts) counts its runs'
+    diagnoses, verdicts and (no signal) leanings as the records give them, counted here on their
+    own; the issue's cases."""
     folder, tally = os.path.join(HERE, "results"), lambda c, n, pre="": {f"{pre}{k} {v}/{n}" for k, v in c.items()}
     for name, experiment in run_cli.EXPERIMENTS.items():
         rows = run_cli.best_by_lr(run_cli.read_results(os.path.join(folder, f"{name}.jsonl")), not experiment.probe)
-        for row, cells in zip(rows, markdown_rows(open(os.path.join(folder, f"{name}.md")).read()), strict=True):
+        for row, cells in zip(rows, markdown_rows(open(os.path.join(folder, f"{name}.md")).read(), 1), strict=True):
             runs, n = row["runs"], len(row["runs"])
             diagnoses = collections.Counter(run_cli.diagnose(r) for r in runs)
             verdicts = [run_cli.verdict_of(r) for r in runs]
@@ -3637,10 +3671,9 @@ def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
             assert set(", ".join(seeds).split(", ")) - {""} == tally(diagnoses, n)
             assert set(cells["verdicts"].split(", ")) == tally(collections.Counter(verdicts), n) | tally(
                 leans, n, "leans ")
-            if not experiment.probe:                                # a probe has no summary row
-                summary = run_cli.summary_rows(name, [row])[0][run_cli.OURS]
-                assert all(t in summary for t in tally(diagnoses, n) | tally(leans, n, "leans "))
-                assert run_cli.fmt_acc(run_cli.spread(row)) in summary       # median (range)
+            short = markdown_rows(run_cli.short_table([row], name))[0]     # the first table's row
+            assert set(short["verdicts"].split(", ")) == tally(collections.Counter(verdicts), n)
+            assert short["accuracy: median (range)"] == run_cli.fmt_acc(run_cli.spread(row))
     def at(name, arch, lr, d_model=64):   # the issue's cases, at the grid's rate (a cell may choose another)
         return [r for r in run_cli.read_results(os.path.join(folder, f"{name}.jsonl")) if (r["config"]["arch"],
                 r["config"]["lr"], r["config"]["d_model"]) == (arch, lr, d_model)]
@@ -3684,18 +3717,18 @@ def test_circuit_words_rows_and_circuit_table_render_from_records(tmp_path):
     assert "circuit" in lines[0] and lines[2].endswith("| embed@key > L0 mixer@value > L1 mixer@query: 95% (2/3) |")
     assert lines[3].startswith("| mamba") and lines[3].endswith("| - |")
     assert "circuit" not in run_cli.result_table(run_cli.best_by_lr([unpatched]))   # no column at all
-    table = run_cli.circuit_table(str(tmp_path)).splitlines()
+    table = run_cli.circuit_table(run_cli.folder_records(str(tmp_path))).splitlines()
     assert len(table) == 3 and "mamba" not in table[2]
     assert table[2].split(" | ")[1:] == ["ar: attention", "embed@key > L0 mixer@value > L1 mixer@query",
                                          "2/3", "95.0% |"]
-    assert run_cli.circuit_table(str(tmp_path / "none")).startswith("No record here carries a circuit")
+    assert run_cli.circuit_table({}).startswith("No record here carries a circuit")
 
 
 def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     """Each number of the README's prose on the findings ("A row that does not hold ...", the
     probes' H3) and the record side of its reproduction section, computed here from the committed
     records (the reruns' own numbers are measurements, not records): edit one and this fails."""
-    readme = " ".join(open(os.path.join(HERE, "README.md")).read().split())
+    readme = " ".join(readmes().split())
     recs = lambda name: run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
     rows = lambda name: {row["label"]: row for row in run_cli.best_by_lr(recs(name), not run_cli.EXPERIMENTS[name].probe)}
     at = lambda name, arch, lr, **cfg: [r for r in recs(name) if all(
@@ -3745,15 +3778,22 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     dr = lambda runs: f"{verdicts(runs)['direct retrieval']}/5"
     m8 = at("ar", "mamba", 3.3e-3, num_keys=1024, steps=8000)
     assert {run_cli.diagnose(r) for r in m8} == {"still learning"} and m1["budget"] == 32_000
+    m16, = at("ar", "mamba", 3.3e-3, num_keys=1024, steps=16_000, seed=0)
     phrases.append(f"Mamba at 3.3e-3 read {run_cli.fmt_acc(run_cli.spread({'runs': m8})).replace('-', '–')} at 8,000 "
-                   f"steps, direct retrieval {dr(m8)}, every seed still learning")
+                   f"steps, direct retrieval {dr(m8)}, every seed still learning; at 16,000 seed 0 read "
+                   f"{pct(m16['final']['acc'])}")
     phrases.append(f"Mamba chose {rate(m1['best_lr'])} on seed 0's {pct(accs([m1['first'][m1['best_lr']]])[0])}; "
-                   f"its 5 seeds there read {acc(m1)}, direct retrieval {dr(m1['runs'])} (256 keys: "
-                   f"{median(m2['runs'])}, {dr(m2['runs'])}), where the grid's 1e-2 read {median(g1)}, {dr(g1)} "
+                   f"its 5 seeds there read {acc(m1)}, direct retrieval {dr(m1['runs'])} (256 keys, its seeds at "
+                   f"{m2['budget']:,} steps: {median(m2['runs'])}, {dr(m2['runs'])}), where the grid's 1e-2 read {median(g1)}, {dr(g1)} "
                    f"({median(g2)}, {dr(g2)})")
     gated = sorted(ar["gated_deltanet"]["runs"], key=lambda r: (r["config"]["seed"] > 0, r["final"]["acc"]))
     phrases.append(f"Gated DeltaNet chose {rate(ar['gated_deltanet']['best_lr'])} on seed 0's {pct(accs(gated)[0])}, "
                    f"the others {100 * accs(gated)[1]:.1f}, {pct(accs(gated)[2])}")
+    assert m2["budget"] == 8000 and set(map(run_cli.budget_of, m2["runs"])) == {8000}   # where its seeds are
+    h3 = rows("ar-vocab")["h3 (1024 keys)"]["best"]                      # the probe: not on the plateau
+    assert h3["final"]["loss"] > 1.5 * math.log(8) and run_cli.diagnose(h3) != "near the copy guess"
+    phrases.append(f"H3 does not ({pct(h3['final']['acc'])}, its evaluation loss {h3['final']['loss']:.2f}, far "
+                   "above the copy plateau's)")
     budget = rows("atr-budget")["h3 (7500 steps)"]["best"]
     phrases.append(f"H3 {run_cli.verdict_of(budget)} (Key {run_cli.fmt_num(head([budget], 'key')[0])}, Query "
                    f"{run_cli.fmt_num(head([budget], 'query')[0])})")
@@ -3776,10 +3816,10 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
 
 def test_the_drift_test_fails_when_one_rendered_number_is_edited():
     readme = open(os.path.join(HERE, "README.md")).read()
-    start = readme.index(run_cli.SUMMARY[0])
+    start = readme.index(run_cli.BLOCK.format("ar"))
     i = start + next(j for j, c in enumerate(readme[start:]) if c.isdigit() and readme[start + j + 1] == ".")
     edited = readme[:i] + str((int(readme[i]) + 1) % 10) + readme[i + 1:]
-    assert run_cli.readme_with_summary(edited, os.path.join(HERE, "results")) != edited
+    assert run_cli.with_blocks(edited, os.path.join(HERE, "results")) != edited
 
 
 def test_results_and_the_readme_summary_are_rendered_from_the_committed_records():
@@ -3792,9 +3832,10 @@ def test_results_and_the_readme_summary_are_rendered_from_the_committed_records(
         assert records, f"results/{name}.jsonl has no records"
         committed = open(os.path.join(folder, f"{name}.md")).read()
         assert run_cli.render(name, "quick", records, folder)[1] == committed, f"results/{name}.md"
-    readme = open(os.path.join(HERE, "README.md")).read()
-    assert run_cli.readme_with_summary(readme, folder) == readme, "README.md's summary table"
-    assert run_cli.results_readme(folder) == open(os.path.join(folder, "README.md")).read()
+    for path in (os.path.join(HERE, "README.md"), os.path.join(folder, "README.md")):
+        text = open(path).read()
+        assert run_cli.BLOCK.format("ar" if path.startswith(folder) is False else "experiments") in text
+        assert run_cli.with_blocks(text, folder) == text, path
 
 
 def test_readout_rows_only_path_equals_the_full_forward():
@@ -3828,7 +3869,7 @@ def test_the_figures_command_without_matplotlib_prints_one_line_and_exits_0(tmp_
 
 def test_the_readmes_gpu_numbers_are_in_the_committed_gpu_logs():
     """Each number of the README's GPU sentence appears in results/gpu/ (the device check's output)."""
-    text = open(os.path.join(HERE, "README.md")).read()
+    text = readmes()
     sentence = text.split("GPU: measured once", 1)[1].split("\n\n", 1)[0]
     logs = "".join(open(os.path.join(HERE, "results", "gpu", f)).read() for f in ("gpu.log", "bench.txt"))
     numbers = re.findall(r"\d[\d,]*\.\d+(?:e-\d+)?", sentence)
@@ -3838,7 +3879,7 @@ def test_the_readmes_gpu_numbers_are_in_the_committed_gpu_logs():
 def test_the_readmes_circuit_sentences_say_what_the_mamba_ladder_records_hold():
     """The README's Mamba sentence under the circuit table: seed 0 at 32,000 steps, its accuracy,
     verdict and circuit at 3.3e-3 and 9.9e-3, as results/ar.jsonl holds them."""
-    readme = " ".join(open(os.path.join(HERE, "README.md")).read().split())
+    readme = " ".join(readmes().split())
     recs = {r["config"]["lr"]: r for r in run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", "ar.jsonl")))
             if r["config"]["arch"] == "mamba" and r["config"]["steps"] == 32_000 and r["config"]["seed"] == 0
             and r["config"]["num_keys"] == 1024}
@@ -4145,3 +4186,81 @@ def test_a_report_keeps_its_preset_and_an_interrupted_bench_claims_no_runs(tmp_p
         assert run_cli.main(["bench"]) == 130 and "finished runs" not in capsys.readouterr().err
     finally:
         signal.signal(signal.SIGINT, sigint)          # main ignores a second Ctrl-C
+
+
+def test_the_short_table_is_what_run_py_prints_and_the_readme_and_ar_md_open_with(tmp_path, capsys, monkeypatch):
+    """One table, three places, rendered from results/ar.jsonl: the terminal after `python run.py`,
+    the README's `ar` block and results/ar.md's first table; the same columns (a holds? column),
+    no cell over 45 characters, the rate of every row stated."""
+    folder = os.path.join(HERE, "results")
+    records = run_cli.read_results(os.path.join(folder, "ar.jsonl"))
+    table = run_cli.short_table(run_cli.best_by_lr(run_cli.latest(records)), "ar")
+    shutil.copy(os.path.join(folder, "ar.jsonl"), tmp_path)
+    monkeypatch.setattr(run_cli, "draw_figures", lambda rows, name, out: {})     # the figures: elsewhere
+    run_cli.report_grid("ar", "quick", [], str(tmp_path))
+    printed = capsys.readouterr().out
+    readme = open(os.path.join(HERE, "README.md")).read()
+    block = readme.split(run_cli.BLOCK.format("ar"))[1].split("<!-- /ar -->")[0].strip()
+    first = [line for line in open(os.path.join(folder, "ar.md")).read().split("\n\n") if line.startswith("|")][0]
+    assert table in printed and block == table and first == table
+    rows = markdown_rows(table)
+    assert list(rows[0])[-1] == "holds?" and len(rows) == len(run_cli.best_by_lr(run_cli.latest(records)))
+    assert max(len(cell) for row in rows for cell in [*row, *row.values()]) <= 45
+    assert all(float(row["lr"]) > 0 for row in rows)
+
+
+def test_the_readmes_first_screen_and_its_length():
+    """Within README.md's first 60 lines: the set-up, run and test commands, an AR document with its
+    named positions, the `ar` table and the reading order; at most 3,500 words in all; every
+    figure it embeds exists."""
+    text = open(os.path.join(HERE, "README.md")).read()
+    top = "\n".join(text.splitlines()[:60])
+    for needed in ("pip install -r requirements.txt", "\npython run.py", "pytest -q test_all.py",
+                   "<bos>", "key value", "divider query answer", run_cli.BLOCK.format("ar"),
+                   "<!-- /ar -->", "## Reading order", "5. `run.py`"):
+        assert needed in top, needed
+    assert len(text.split()) <= 3500
+    figures = re.findall(r"\]\((results/\S+\.png)\)", text)
+    assert "results/ar_effective.png" in figures and all(os.path.exists(os.path.join(HERE, f)) for f in figures)
+
+
+def test_every_mixers_effective_attention_panel_is_its_models_map(figure, data):
+    """The eight-mixer figure draws, per mixer, the map stored in its record (interventions.
+    effective_record): here each panel's rows equal interventions.effective_attention of the small
+    model itself, layer 0 from the value and every layer from the query; the figure applies to an
+    AR experiment of one width with 4 mixers or more, and is drawn for results/ar."""
+    rows, archs = [], ("attention", "based", "mamba", "deltanet")
+    for arch in archs:
+        model = patching_model(arch, data.vocab_size)
+        record = {**fig_record(arch, d_model=16), "effective": iv.effective_record(model, data, doc=2)}
+        record["config"]["num_keys"] = 16
+        rows.append({"arch": arch, "d_model": 16, "label": arch, "best": record, "runs": [record]})
+        maps = iv.effective_attention(model, data.tokens[2:3])
+        q, v = int(data.positions["query"][2]), int(data.positions["value"][2])
+        panel = run_cli.effective_panels(rows)[-1]
+        assert panel["label"] == arch and panel["verdict"] == run_cli.verdict_of(record)
+        np.testing.assert_allclose(panel["cells"][0, :v + 1], maps[0][0, v, :v + 1].numpy())
+        assert np.isnan(panel["cells"][0, v + 1:]).all()                            # causal: nothing after
+        for layer, m in enumerate(maps):
+            np.testing.assert_allclose(panel["cells"][1 + layer], m[0, q, :q + 1].numpy())
+    assert run_cli.FIGURE_KINDS["effective"][1]([r["best"] for r in rows], rows)
+    assert not run_cli.FIGURE_KINDS["effective"][1]([r["best"] for r in rows], rows[:3])
+    fig = figure()
+    run_cli.plot_effective(fig, run_cli.effective_panels(rows))
+    assert [ax.get_title().split(" (")[0] for ax in fig.axes] == list(archs)
+    assert "ar_effective.png" in open(os.path.join(HERE, "results", "ar.md")).read()
+
+
+def test_a_fork_that_appends_the_readmes_example_to_models_py_stays_green(tmp_path):
+    """A forker's path: the README's "Add your own mixer" block appended to models.py (in a copy of
+    the project); the tests taking every registered arch, now also gated_rnn, and those that run the
+    example pass there."""
+    for name in ("tasks.py", "models.py", "mechsm.py", "interventions.py", "run.py", "test_all.py", "README.md"):
+        shutil.copy(os.path.join(HERE, name), tmp_path)
+    with open(tmp_path / "models.py", "a") as fh:
+        fh.write("\n\n" + readme_mixer_example())
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_all.py",
+                           "-k", "gated_rnn or readme_mixer or optional_parts"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert int(re.search(r"(\d+) passed", done.stdout)[1]) >= 6      # 4 take every arch, 2 the example
