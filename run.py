@@ -207,7 +207,8 @@ ATR_MEDIUM = dict(max_rhs_len=10, data_seed=124)   # grammar seed 124: lengths n
 # Seeds: a finding is read from a distribution of runs, at least 3 seeds per row, 5 where one run
 # is close to a coin toss at CPU scale (Mamba, H3 and Hyena on AR).
 SEEDS3, SEEDS5 = [0, 1, 2], [0, 1, 2, 3, 4]
-FIRST = ("attention", "based", "mamba", "h3")   # `python run.py` alone: the paper's headline (README)
+FIRST = ("attention", "based", "mamba", "h3")   # `python run.py` alone: the paper's headline (README),
+                                                # at QUICK_VOCAB keys (a run each, 30 minutes on 2 cores)
 SEEDS_SENSITIVE = {"mamba": SEEDS5, "h3": SEEDS5, "hyena": SEEDS5, "*": SEEDS3}
 
 
@@ -1434,6 +1435,8 @@ def grid_runs(args, name, device):
                                  seeds=args.seeds or (None if args.replicates or args.choose_lr
                                                       or args.preset == "paper" else [0]),
                                  chosen_lrs=not args.choose_lr, device=device)
+    if not (args.experiment or args.task or args.arch):              # `python run.py`: FIRST
+        configs = [c for c in configs if c.num_keys == QUICK_VOCAB]
     if args.epochs is not None and args.steps is None:
         given["steps"] = None                                # --epochs beats the grid's step counts
     notes = []
@@ -1758,8 +1761,8 @@ BLOCK = "<!-- {}: `python run.py --report results` writes this from results/*.js
 def run_py_line(folder):
     """What `python run.py` trains, and how long it took, as folder/ar.command.json records it."""
     c = read_commands(folder, "ar").get("python run.py")
-    return f"`python run.py` trains seed 0 of `ar`'s {', '.join(FIRST)} rows at their chosen rates and " \
-        "budgets (`--experiment ar`: every row)" + (
+    return f"`python run.py` trains seed 0 of `ar`'s {', '.join(FIRST)} rows at {QUICK_VOCAB:,} keys, at " \
+        "their chosen rates and budgets (`--experiment ar`: every row)" + (
         f"; it trained {c['trained']} runs in {c['wall_s'] / 60:.1f} minutes with "
         f"{c['jobs']} jobs on {c['date']} at commit {c.get('commit') or 'unknown'} ({c['machine']}, "
         f"{c['load']})." if c else ".")
