@@ -451,9 +451,10 @@ budget_of = lambda record: record.get("total_steps") or record["config"].get("st
 
 def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
-    steps with the most seeds (ties: the most steps; the budget ladder: README, difference 18), there at the
-    lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never wins; ties: the lr with
-    the most seeds, then, as chosen_lr, the one nearest the ladder's middle, then the smaller):
+    steps with the most seeds (ties: the most steps; the budget ladder: README, difference 18), there
+    at the lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never
+    wins; ties: the lr with the most seeds, then, as chosen_lr, the one nearest the ladder's middle,
+    then the smaller):
     arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr: the first
     seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
@@ -705,25 +706,26 @@ def cell_choice(cfg, done):
     """((rate, steps) chosen so far, or None; the (rate, steps, seed) still to train) of cfg's cell
     (cfg at the grid's rate and steps) from its records in `done` ({run_key: record}): the rate
     ladder (chosen_lr) at the grid's steps; then the budget ladder: seed 0 at that rate trains at 2x,
-    4x, ... the steps, up to the paper's (CAP_STEPS), while the doubled run (or a longer one recorded)
-    gains (paid), or until it is at 98%; where the budget grew 4x or more, the rate ladder runs again there and the budget
-    climbs on from it (README, difference 18)."""
+    4x, ... the steps, up to the paper's (CAP_STEPS), while the doubled run (or a longer one
+    recorded) gains (paid), or until it is at 98%; where the budget grew 4x or more, the rate ladder
+    runs again there and the budget climbs on from it (README, difference 18)."""
     at = lambda lr, steps, seed=0: done.get(config_key(replace(cfg, lr=lr, steps=steps, seed=seed)))
     cap, lr, steps, choice, ties = CAP_STEPS[cfg.task], cfg.lr, cfg.steps, None, []
     while True:
-        ladder = lambda seed: {rung(lr, k): r for k in (-2, -1, 0, 1, 2) if (r := at(rung(lr, k), steps, seed))}
+        ladder = lambda seed: {rung(lr, k): r for k in (-2, -1, 0, 1, 2)
+                               if (r := at(rung(lr, k), steps, seed))}
         lr, untried = chosen_lr(lr, ladder(0), ladder(1))
         if lr is None:
             return choice, ties + [(r, steps, seed) for r, seed in untried]
-        ties += [(r, steps, seed) for r, seed in untried]     # seed 1 to break a tie: the rate is provisional
+        ties += [(r, steps, seed) for r, seed in untried]     # seed 1 to break a tie: lr provisional
         choice, start = (lr, steps), steps
         while steps < cap and run_score(now := at(lr, steps)) < (True, 0.98):
-            if at(lr, doubled(steps, cap)) is None:
-                return choice, ties + [(lr, doubled(steps, cap), 0)]
             rungs = [doubled(steps, cap)]          # the doubled run, then any longer one recorded
             while rungs[-1] < cap:
                 rungs.append(doubled(rungs[-1], cap))
-            paying = [s for s in rungs if at(lr, s) and paid(now, at(lr, s))]
+            if at(lr, rungs[0]) is None:
+                return choice, ties + [(lr, rungs[0], 0)]
+            paying = [s for s in rungs if (longer := at(lr, s)) and paid(now, longer)]
             if not paying:
                 break
             steps = paying[0]
@@ -742,8 +744,8 @@ def climb(row):
         return None
     if run_score(budgets[n]) >= (True, 0.98):
         return f"at 98% or more by {n:,}"
-    if diagnose(budgets[n]) in ("memorised", "never left the start"):    # a longer run would not mend it
-        return f"{diagnose(budgets[n])} at {n:,}"
+    if (found := diagnose(budgets[n])) in ("memorised", "never left the start"):   # no longer run mends it
+        return f"{found} at {n:,}"
     if any(s > n for s in budgets) and not any(paid(budgets[n], budgets[s]) for s in budgets if s > n):
         return f"converged at {n:,}"
     return "not converged at the cap" if n >= CAP_STEPS[row["best"]["config"]["task"]] else \
