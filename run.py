@@ -116,7 +116,7 @@ CHOSEN = {
                   "base_conv (d 16)": 0.001, "based (d 16)": (0.009, 16_000),
                   "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
                   "h3 (d 16)": 0.00033, "h3 (d 32)": 0.00033, "hyena (d 64)": 0.001,
-                  "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.03, 16_000),
+                  "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.01, 32_000),
                   "mamba (d 64)": (0.0033, 32_000), "mamba (d 128)": 0.0033,
                   "deltanet (d 16)": 0.003},
     "mamba-conv": {"mamba (d_conv 1, d 64)": 0.0011, "mamba (d_conv 2, d 64)": (0.0011, 16_000),
@@ -708,9 +708,11 @@ def cell_choice(cfg, done):
     ladder (chosen_lr) at the grid's steps; then the budget ladder: seed 0 at that rate trains at 2x,
     4x, ... the steps, up to the paper's (CAP_STEPS), while the doubled run (or a longer one
     recorded) gains (paid), or until it is at 98%; where the budget grew 4x or more, the rate ladder
-    runs again there and the budget climbs on from it (README, difference 18)."""
+    runs again there and the budget climbs on from it; where the doubled run never left the start,
+    the rate ladder runs at that budget, and a rate that beats the choice (paid) climbs on from it
+    (README, difference 18)."""
     at = lambda lr, steps, seed=0: done.get(config_key(replace(cfg, lr=lr, steps=steps, seed=seed)))
-    cap, lr, steps, choice, ties = CAP_STEPS[cfg.task], cfg.lr, cfg.steps, None, []
+    cap, lr, steps, choice, ties, floor = CAP_STEPS[cfg.task], cfg.lr, cfg.steps, None, [], None
     while True:
         ladder = lambda seed: {rung(lr, k): r for k in (-2, -1, 0, 1, 2)
                                if (r := at(rung(lr, k), steps, seed))}
@@ -718,7 +720,9 @@ def cell_choice(cfg, done):
         if lr is None:
             return choice, ties + [(r, steps, seed) for r, seed in untried]
         ties += [(r, steps, seed) for r, seed in untried]     # seed 1 to break a tie: lr provisional
-        choice, start = (lr, steps), steps
+        if floor and not paid(floor, at(lr, steps)):         # no rate beat the choice where it stalled
+            return choice, ties
+        choice, start, floor, stalled = (lr, steps), steps, None, False
         while steps < cap and run_score(now := at(lr, steps)) < (True, 0.98):
             rungs = [doubled(steps, cap)]          # the doubled run, then any longer one recorded
             while rungs[-1] < cap:
@@ -727,10 +731,13 @@ def cell_choice(cfg, done):
                 return choice, ties + [(lr, rungs[0], 0)]
             paying = [s for s in rungs if (longer := at(lr, s)) and paid(now, longer)]
             if not paying:
+                stalled = diagnose(at(lr, rungs[0])) == "never left the start"
                 break
             steps = paying[0]
             choice = lr, steps
-        if steps < 4 * start:
+        if stalled:                  # the rate, not the budget, failed there: the rates around it run
+            floor, steps = at(lr, steps), rungs[0]
+        elif steps < 4 * start:
             return choice, ties
 
 

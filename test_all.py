@@ -2619,7 +2619,8 @@ def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_wh
     """cell_choice: seed 0 at the chosen rate trains at 2x the steps while the doubled run gains 2
     points or 5% of its loss (a longer run recorded counts too), up to CAP_STEPS or 98%; where the
     budget grew 4x, the rates around it there; ATR climbs the same way to its own cap; climb() reads
-    the ladder's finding."""
+    the ladder's finding; where the doubled run never left the start, the rates around it there,
+    and one that beats the choice climbs on."""
     cfg = tiny(lr=1e-3, steps=100, seed=0, eval_size=10**6)
     done = {}
     def add(lr, steps, acc, loss=1.0, seed=0, task="ar"):
@@ -2659,6 +2660,16 @@ def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_wh
     memorised[400] = {**diag_record(train=(10.0, 1.0), loss=(6.0, 5.9, 6.0), acc=(0.1, 0.125)),
                       "config": memorised[400]["config"]}
     assert run_cli.climb(row(memorised, 400)) == "memorised at 400"
+    done.clear()                 # a doubled run that never left the start: the rates around it there
+    for lr, acc in [(3.3e-4, 0.1), (1e-3, 0.5), (3e-3, 0.2), (1e-3, 0.6)]:
+        add(lr, 100 if acc != 0.6 else 200, acc)
+    stuck = add(1e-3, 400, 0.0)
+    stuck["history"], stuck["final"]["train_loss"] = diag_record(train=(10.0, 9.5))["history"], 9.5
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 200), [(3.3e-4, 400, 0), (3e-3, 400, 0)])
+    add(3.3e-4, 400, 0.1), add(9e-3, 400, 0.1), add(3e-3, 400, 0.605)
+    assert run_cli.cell_choice(cfg, done) == ((1e-3, 200), [])      # no rate there beat the choice
+    add(3e-3, 400, 0.7)
+    assert run_cli.cell_choice(cfg, done) == ((3e-3, 400), [(3e-3, 800, 0)])   # one did: it climbs on
 
 
 LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "atr-mamba-conv",
