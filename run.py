@@ -1798,11 +1798,11 @@ def experiment_tables(records):
 
 def with_blocks(text, folder):
     """`text` (a README) with each block it holds rendered anew from `folder`'s records: `ar`'s
-    short table, every experiment's, the runs' cost, the circuits, Mamba's conv."""
+    short table, every experiment's, the runs' cost, `python run.py`'s, the circuits, Mamba's conv."""
     records = folder_records(folder, warn=False)
     blocks = {"ar": lambda: short_table(best_by_lr(records["ar"]), "ar"),
               "experiments": lambda: experiment_tables(records),
-              "runs": lambda: spent_line(records, folder),
+              "runs": lambda: spent_line(records, folder), "first": lambda: run_py_line(folder),
               "circuits": lambda: circuit_table(records), "conv": lambda: conv_table(records)}
     for name, block in blocks.items():
         first, last = BLOCK.format(name), f"<!-- /{name} -->"
