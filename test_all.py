@@ -3759,10 +3759,13 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     assert all(r["final"]["loss"] > 1.5 * math.log(8) for r in h3s)              # far above the plateau's
     phrases = [f"(at most {pct(max(accs(h3s)))}), its loss far above the copy plateau's"]
     mamba, h3 = atr["mamba"]["runs"], atr["h3"]["runs"]
-    held = [r for r in h3 if run_cli.verdict_of(r) == "held at the key"]
     assert verdicts(mamba) == {"held at the key": len(mamba)}
+    mid = lambda k: f"{statistics.median(head(h3, k)):.2f}"
     phrases += [f"in every seed (Attrib@Key {span(head(mamba, 'key'))})",
-                f"H3 in {len(held)}/{len(h3)} ({span(head(held, 'key'))})"]
+                f"H3, converged at {atr['h3']['budget']:,} steps, reads "
+                f"{run_cli.tally(verdicts(h3), len(h3))} (median Attrib@Key {mid('key')}, Attrib@Query "
+                f"{mid('query')})"]
+    assert run_cli.climb(atr["h3"]) == f"converged at {atr['h3']['budget']:,}"
     paper = run_cli.EXPERIMENTS["atr"].paper_numbers
     assert "K .55 V .03 Q .29" in paper["mamba"] and "K .44 V .02 Q .52: direct retrieval" in paper["h3"]
     attention, first = medium["attention"]["runs"], medium["attention"]["first"]
