@@ -3782,9 +3782,12 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
                 f"{verdicts(mam['runs'])['direct retrieval']}/3"]
     based, grid = atr["based"], at("atr", "based", 3e-3)
     mixed = [r for r in based["runs"] if run_cli.verdict_of(r) == "mixed"]
-    phrases.append(f"Based on ATR chose {rate(based['best_lr'])} and reads mixed in {len(mixed)}/3 (Attrib@Value "
-                   f"{', '.join(run_cli.fmt_num(v) for v in head(mixed, 'value'))}; at 3e-3 induction "
-                   f"{verdicts(grid)['induction']}/{len(grid)})")
+    short = [r for r in at("atr", "based", based["best_lr"]) if r["config"]["steps"] == grid[0]["config"]["steps"]]
+    phrases.append(f"Based on ATR chose {rate(based['best_lr'])} and, {run_cli.climb(based)} steps, reads "
+                   f"{run_cli.tally(verdicts(based['runs']), 3)} (mixed at Attrib@Value "
+                   f"{', '.join(run_cli.fmt_num(v) for v in head(mixed, 'value'))}; at "
+                   f"{grid[0]['config']['steps']:,} steps mixed in {verdicts(short)['mixed']}/{len(short)}; "
+                   f"at 3e-3 induction {verdicts(grid)['induction']}/{len(grid)})")
     conv, grid = rows("atr-mamba-conv")["mamba (d_conv 0)"], at("atr-mamba-conv", "mamba", 1e-2, d_conv=0)
     held = [r for r in conv["runs"] if run_cli.verdict_of(r) == "held at the key"]
     phrases.append(f"chose {rate(conv['best_lr'])} (at the grid's 1e-2 no signal {verdicts(grid)['no signal']}/5, "
