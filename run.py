@@ -130,7 +130,7 @@ CHOSEN = {
                   "mamba (3 layers, d 64)": (0.01, 32_000)},
     "atr": {"mamba (d 64)": 0.0033, "h3 (d 64)": (0.001, 15_000), "based (d 64)": (0.009, 36_000),
             "base_conv (d 64)": 0.009},
-    "atr-mamba-conv": {"mamba (d_conv 0, d 64)": (0.0011, 8_000),
+    "atr-mamba-conv": {"mamba (d_conv 0, d 64)": (0.0011, 16_000),
                        "mamba (default conv, d 64)": 0.0033},
     "ar": {"mamba (d 64)": (0.0033, 50_016), "gated_deltanet (d 64)": 0.00033,
            "hyena (d 64)": 0.001, "based (d 64)": 0.001,
