@@ -2661,8 +2661,9 @@ def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_wh
                       "config": memorised[400]["config"]}
     assert run_cli.climb(row(memorised, 400)) == "memorised at 400"
     done.clear()                 # a doubled run that never left the start: the rates around it there
-    for lr, acc in [(3.3e-4, 0.1), (1e-3, 0.5), (3e-3, 0.2), (1e-3, 0.6)]:
-        add(lr, 100 if acc != 0.6 else 200, acc)
+    for lr, acc in [(3.3e-4, 0.1), (1e-3, 0.5), (3e-3, 0.2)]:
+        add(lr, 100, acc)
+    add(1e-3, 200, 0.6)
     stuck = add(1e-3, 400, 0.0)
     stuck["history"], stuck["final"]["train_loss"] = diag_record(train=(10.0, 9.5))["history"], 9.5
     assert run_cli.cell_choice(cfg, done) == ((1e-3, 200), [(3.3e-4, 400, 0), (3e-3, 400, 0)])
