@@ -2598,8 +2598,8 @@ def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
 
 def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder():
     """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at the budget with the most
-    seeds (ties: the most steps), its runs there at seed 0's best rate; the other budget in the steps
-    column; a probe (ladder=False) keeps both rows."""
+    seeds (ties: the longer where seed 0 paid there, as the ladder climbs), its runs there at seed 0's
+    best rate; the other budget in the steps column; a probe (ladder=False) keeps both rows."""
     learning = {"history": [{"step": s, "acc": 0.1 * s / 8, "loss": 3.0, "train_loss": 6.0 - s / 2}
                             for s in range(9)]}
     short = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=0, steps=8), acc=0.8, **learning)
@@ -2613,6 +2613,13 @@ def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder
     row, = run_cli.best_by_lr([short, fake_record(tiny(eval_size=10**6, lr=1e-3, seed=1, steps=8)), runs[0]])
     assert row["budget"] == 8 and len(row["runs"]) == 2          # 2 seeds at 8 steps, 1 at 16
     assert len(run_cli.best_by_lr([short, *runs], ladder=False)) == 2
+    seed1 = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=1, steps=8))
+    for r in runs:                                 # 2 seeds at each budget: 16 lost accuracy, its loss fell 0%
+        r["final"]["loss"] = 3.0
+    assert run_cli.best_by_lr([short, seed1, *runs])[0]["budget"] == 8
+    for r in runs:                                 # its loss fell a third: 16 paid, as the ladder climbs
+        r["final"]["loss"] = 2.0
+    assert run_cli.best_by_lr([short, seed1, *runs])[0]["budget"] == 16
 
 
 def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
