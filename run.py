@@ -1783,14 +1783,12 @@ def run_py_line(folder):
         f"{c['load']})." if c else ".")
 
 
-def spent_line(records, folder):
-    """How many runs `records` ({experiment: runs}, folder's) hold, what they cost, and what
-    `python run.py` trains (run_py_line)."""
+def spent_line(records):
+    """How many runs `records` ({experiment: runs}) hold, and what they cost."""
     unique = by_run(r for rs in records.values() for r in rs).values()
     cost = lambda r: (r.get("wall_s") or 0) + ((r.get("mechanism_table") or {}).get("seconds") or 0)
     return (f"results/ holds {len(unique)} runs: {sum(map(cost, unique)) / 3600:.1f} CPU-hours of "
-            "training and patching (the records' wall times summed; every run on one thread). "
-            + run_py_line(folder))
+            "training and patching (the records' wall times summed; every run on one thread).")
 
 
 def experiment_tables(records):
@@ -1808,7 +1806,7 @@ def with_blocks(text, folder):
     records = folder_records(folder, warn=False)
     blocks = {"ar": lambda: short_table(best_by_lr(records["ar"]), "ar"),
               "experiments": lambda: experiment_tables(records),
-              "runs": lambda: spent_line(records, folder), "first": lambda: run_py_line(folder),
+              "runs": lambda: spent_line(records), "first": lambda: run_py_line(folder),
               "circuits": lambda: circuit_table(records), "conv": lambda: conv_table(records)}
     for name, block in blocks.items():
         first, last = BLOCK.format(name), f"<!-- /{name} -->"
