@@ -452,8 +452,8 @@ budget_of = lambda record: record.get("total_steps") or record["config"].get("st
 
 def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
-    steps with the most seeds (ties: the longer where its first seed paid, as the budget ladder
-    climbs: README, difference 18), there
+    steps with the most seeds (ties: the longer where its first seed paid at that rate, as the
+    budget ladder climbs: README, difference 18), there
     at the lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never
     wins; ties: the lr with the most seeds, then, as chosen_lr, the one nearest the ladder's middle,
     then the smaller):
@@ -470,9 +470,10 @@ def best_by_lr(records, ladder=True):
                    for s in sorted(set(map(budget_of, firsts)))}
         seeds_at = lambda s: len({r["config"]["seed"] for r in runs if budget_of(r) == s})
         tied = [s for s in budgets if seeds_at(s) == max(map(seeds_at, budgets))]
-        budget = tied[0]
-        for s in tied[1:]:                           # as the budget ladder climbs: while it paid
-            budget = s if paid(budgets[budget], budgets[s]) else budget
+        budget, at = tied[0], {(budget_of(r), r["config"]["lr"]): r for r in firsts}
+        for s in tied[1:]:                 # as the budget ladder climbs: while it paid at its rate
+            short = at.get((budget, budgets[s]["config"]["lr"]))
+            budget = s if short is None or paid(short, budgets[s]) else budget
         per_lr = {}
         for r in runs:
             if budget_of(r) == budget:
