@@ -113,9 +113,9 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
 CHOSEN = {
     "ar-widths": {"attention (d 16)": 0.0015, "attention (d 128)": 0.00017,
-                  "base_conv (d 16)": 0.001, "based (d 16)": (0.009, 16_000),
+                  "based (d 16)": (0.009, 16_000),
                   "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
-                  "h3 (d 16)": 0.00033, "h3 (d 32)": 0.00033, "hyena (d 64)": 0.001,
+                  "h3 (d 32)": (0.00033, 8000), "hyena (d 64)": 0.001,
                   "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.01, 50_016),
                   "mamba (d 64)": (0.0033, 50_016), "mamba (d 128)": 0.0033,
                   "deltanet (d 16)": 0.003},
