@@ -469,8 +469,8 @@ def best_by_lr(records, ladder=True):
         firsts = [r for r in runs if r["config"]["seed"] == seed]
         budgets = {s: max((r for r in firsts if budget_of(r) == s), key=run_score)
                    for s in sorted(set(map(budget_of, firsts)))}
-        seeds_at = lambda s: len({r["config"]["seed"] for r in runs if budget_of(r) == s})
-        tied = [s for s in budgets if seeds_at(s) == max(map(seeds_at, budgets))]
+        seeds_at = {s: len({r["config"]["seed"] for r in runs if budget_of(r) == s}) for s in budgets}
+        tied = [s for s, n in seeds_at.items() if n == max(seeds_at.values())]
         budget, at = tied[0], {(budget_of(r), r["config"]["lr"]): r for r in firsts}
         for s in tied[1:]:                 # as the budget ladder climbs: while it paid at its rate
             short = at.get((budget, budgets[s]["config"]["lr"]))

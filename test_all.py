@@ -3822,8 +3822,8 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     phrases.append(f"at {m['budget']:,}, the cap, {pct(m['budgets'][m['budget']]['final']['acc'])}; its 5 seeds "
                    f"there read {run_cli.tally(verdicts(m['runs']), 5)} (median Attrib@Key "
                    f"{statistics.median(head(m['runs'], 'key')):.2f}), where the paper reads direct retrieval")
-    m32 = at("ar", "mamba", 9.9e-3, num_keys=1024, steps=32_000)
-    phrases.append(f"(at 32,000 and 9.9e-3 direct retrieval {dr(m32)})")
+    fast32 = at("ar", "mamba", 9.9e-3, num_keys=1024, steps=32_000)      # every seed, not seed 0's m32
+    phrases.append(f"(at 32,000 and 9.9e-3 direct retrieval {dr(fast32)})")
     gated = sorted(ar["gated_deltanet"]["runs"], key=lambda r: (r["config"]["seed"] > 0, r["final"]["acc"]))
     phrases.append(f"Gated DeltaNet chose {rate(ar['gated_deltanet']['best_lr'])} on seed 0's {pct(accs(gated)[0])}, "
                    f"the others {100 * accs(gated)[1]:.1f}, {pct(accs(gated)[2])}")
