@@ -115,11 +115,11 @@ CHOSEN = {
     "ar-widths": {"attention (d 16)": 0.0015, "attention (d 128)": 0.00017,
                   "based (d 16)": (0.009, 16_000),
                   "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
-                  "h3 (d 32)": (0.00033, 8000), "hyena (d 64)": 0.001,
+                  "h3 (d 32)": (0.00033, 16_000), "hyena (d 16)": 0.001, "hyena (d 64)": 0.001,
                   "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.01, 50_016),
-                  "mamba (d 64)": (0.0033, 50_016), "mamba (d 128)": 0.0033,
-                  "deltanet (d 16)": 0.003},
-    "mamba-conv": {"mamba (d_conv 1, d 64)": 0.0011, "mamba (d_conv 2, d 64)": (0.0011, 16_000),
+                  "mamba (d 16)": (0.01, 16_000), "mamba (d 64)": (0.0033, 50_016), "mamba (d 128)": 0.0033,
+                  "deltanet (d 16)": 0.009, "deltanet (d 32)": 0.009},
+    "mamba-conv": {"mamba (d_conv 1, d 64)": (0.0011, 16_000), "mamba (d_conv 2, d 64)": (0.0011, 16_000),
                    "mamba (d_conv 3, d 64)": (0.01, 16_000),
                    "mamba (default conv, d 64)": (0.0033, 50_016)},
     "based-ablation": {"based (long convs only, d 64)": 0.001,
@@ -453,11 +453,11 @@ budget_of = lambda record: record.get("total_steps") or record["config"].get("st
 
 def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
-    steps with the most seeds (ties: the longer where its first seed paid at that rate, as the
-    budget ladder climbs: README, difference 18), there
-    at the lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never
-    wins; ties: the lr with the most seeds, then, as chosen_lr, the one nearest the ladder's middle,
-    then the smaller):
+    steps with the most seeds (ties: the longer where its first seed's best rate there paid over
+    the shorter budget, from a run within noise of the best there, as the budget ladder climbs:
+    README, difference 18), there at the lr whose first seed is the most accurate (as chosen_lr,
+    rate_scores; a failed run never wins; ties: the lr with the most seeds, then, as chosen_lr, the
+    one nearest the ladder's middle, then the smaller):
     arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr: the first
     seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
@@ -472,9 +472,9 @@ def best_by_lr(records, ladder=True):
         seeds_at = {s: len({r["config"]["seed"] for r in runs if budget_of(r) == s}) for s in budgets}
         tied = [s for s, n in seeds_at.items() if n == max(seeds_at.values())]
         budget, at = tied[0], {(budget_of(r), r["config"]["lr"]): r for r in firsts}
-        for s in tied[1:]:                 # as the budget ladder climbs: while it paid at its rate
+        for s in tied[1:]:    # as the budget ladder climbs: from a rate as good as any there, paid
             short = at.get((budget, budgets[s]["config"]["lr"]))
-            budget = s if short is None or paid(short, budgets[s]) else budget
+            budget = s if short and within_noise(short, budgets[budget]) and paid(short, budgets[s]) else budget
         per_lr = {}
         for r in runs:
             if budget_of(r) == budget:

@@ -2598,8 +2598,9 @@ def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
 
 def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder():
     """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at the budget with the most
-    seeds (ties: the longer where seed 0 paid there, as the ladder climbs), its runs there at seed 0's
-    best rate; the other budget in the steps column; a probe (ladder=False) keeps both rows."""
+    seeds (ties: the longer where seed 0 paid there from a rate as good as any at the shorter, as the
+    ladder climbs), its runs there at seed 0's best rate; the other budget in the steps column; a
+    probe (ladder=False) keeps both rows."""
     learning = {"history": [{"step": s, "acc": 0.1 * s / 8, "loss": 3.0, "train_loss": 6.0 - s / 2}
                             for s in range(9)]}
     short = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=0, steps=8), acc=0.8, **learning)
@@ -2621,6 +2622,11 @@ def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder
     for r in runs:                                 # its loss fell a third: 16 paid, as the ladder climbs
         r["final"]["loss"] = 2.0
     assert run_cli.best_by_lr(same_rate)[0]["budget"] == 16
+    poor = fake_record(tiny(eval_size=10**6, lr=3e-3, seed=0, steps=8), acc=0.1)   # 3e-3 lost at 8
+    poor["final"]["loss"] = 3.0
+    other_rate = [short, seed1, poor, runs[1], runs[2]]         # 16's best rate, 3e-3, paid over it
+    assert run_cli.best_by_lr(other_rate)[0]["budget"] == 8        # but the ladder left 3e-3 at 8
+    assert run_cli.best_by_lr(other_rate[:2] + other_rate[3:])[0]["budget"] == 8   # or never ran it
 
 
 def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
