@@ -3308,7 +3308,7 @@ def test_runs_that_differ_have_names_and_files_that_differ():
     assert len({c.name() for c in configs}) == len(configs)
     mamba = configs[0]                        # pos_emb None is mamba's False: the same run, the same name
     assert mamba.name() == replace(mamba, device="cuda").name() == replace(mamba, pos_emb=False).name()
-    assert re.fullmatch(r"ar_mamba_d64_L2_lr0.01_s0_[0-9a-f]{8}", mamba.name()), mamba.name()
+    assert re.fullmatch(rf"ar_mamba_d64_L2_lr{mamba.lr:g}_s0_[0-9a-f]{{8}}", mamba.name()), mamba.name()
 
 
 def test_the_readme_mixer_example_registers_trains_and_patches(monkeypatch):
