@@ -2626,7 +2626,7 @@ def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder
     poor["final"]["loss"] = 3.0
     other_rate = [short, seed1, poor, runs[1], runs[2]]         # 16's best rate, 3e-3, paid over it
     assert run_cli.best_by_lr(other_rate)[0]["budget"] == 8        # but the ladder left 3e-3 at 8
-    assert run_cli.best_by_lr(other_rate[:2] + other_rate[3:])[0]["budget"] == 8   # or never ran it
+    assert run_cli.best_by_lr([short, seed1, runs[1], runs[2]])[0]["budget"] == 8   # or never ran it
 
 
 def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
