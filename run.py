@@ -112,10 +112,10 @@ QUICK_LRS = {"attention": [5e-4], "base_conv": [3e-3], "based": [3e-3], "h3": [1
 # the grid's (every other cell trains at QUICK_LRS'). A test recomputes each from results/ and names
 # the entry to change when the records choose otherwise. (A cell's value may grow into a tuple.)
 CHOSEN = {
-    "ar-widths": {"attention (d 16)": 0.0015, "attention (d 128)": 0.00017,
+    "ar-widths": {"attention (d 16)": (0.0015, 50_016), "attention (d 128)": 0.00017,
                   "base_conv (d 16)": 0.009, "based (d 16)": (0.027, 32_000),
                   "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
-                  "h3 (d 32)": (0.00033, 16_000), "hyena (d 16)": 0.001, "hyena (d 64)": 0.001,
+                  "h3 (d 32)": (0.00099, 16_000), "hyena (d 16)": 0.001, "hyena (d 64)": 0.001,
                   "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.01, 50_016),
                   "mamba (d 16)": (0.01, 16_000), "mamba (d 64)": (0.0033, 50_016), "mamba (d 128)": 0.0033,
                   "deltanet (d 16)": 0.009, "deltanet (d 32)": 0.009},
@@ -129,7 +129,8 @@ CHOSEN = {
                   "mamba (2 layers, d 64)": (0.0033, 50_016),
                   "mamba (3 layers, d 64)": (0.01, 32_000)},
     "atr": {"mamba (d 64)": 0.0033, "h3 (d 64)": (0.001, 15_000), "based (d 64)": (0.009, 36_000),
-            "base_conv (d 64)": (0.009, 16_000), "hyena (d 64)": (0.003, 8000)},
+            "base_conv (d 64)": (0.009, 16_000), "hyena (d 64)": (0.003, 16_000),
+            "gated_deltanet (d 64)": (0.001, 8000)},
     "atr-medium": {"attention (d 64)": 0.00017},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": (0.0011, 16_000),
                        "mamba (default conv, d 64)": 0.0033},
