@@ -115,7 +115,7 @@ CHOSEN = {
     "ar-widths": {"attention (d 16)": (0.0015, 50_016), "attention (d 128)": 0.00017,
                   "base_conv (d 16)": 0.009, "based (d 16)": (0.027, 32_000),
                   "based (d 32)": 0.009, "based (d 64)": 0.001, "based (d 128)": 0.001,
-                  "h3 (d 32)": (0.00099, 16_000), "hyena (d 16)": 0.001, "hyena (d 64)": 0.001,
+                  "h3 (d 32)": (0.00099, 32_000), "hyena (d 16)": 0.001, "hyena (d 64)": 0.001,
                   "hyena (d 128)": (0.003, 24_000), "mamba (d 32)": (0.01, 50_016),
                   "mamba (d 16)": (0.01, 16_000), "mamba (d 64)": (0.0033, 50_016), "mamba (d 128)": 0.0033,
                   "deltanet (d 16)": 0.009, "deltanet (d 32)": 0.009},
@@ -128,15 +128,15 @@ CHOSEN = {
     "ar-layers": {"mamba (1 layer, d 64)": (0.0033, 32_000), "attention (1 layer, d 64)": 0.00017,
                   "mamba (2 layers, d 64)": (0.0033, 50_016),
                   "mamba (3 layers, d 64)": (0.01, 32_000)},
-    "atr": {"mamba (d 64)": 0.0033, "h3 (d 64)": (0.001, 15_000), "based (d 64)": (0.009, 36_000),
+    "atr": {"mamba (d 64)": (0.0033, 16_000), "h3 (d 64)": (0.001, 15_000), "based (d 64)": (0.009, 36_000),
             "base_conv (d 64)": (0.009, 16_000), "hyena (d 64)": (0.003, 16_000),
             "gated_deltanet (d 64)": (0.001, 8000)},
     "atr-medium": {"attention (d 64)": 0.00017},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": (0.0011, 16_000),
-                       "mamba (default conv, d 64)": 0.0033},
+                       "mamba (default conv, d 64)": (0.0033, 16_000)},
     "ar": {"mamba (d 64)": (0.0033, 50_016), "gated_deltanet (d 64)": 0.00033,
            "hyena (d 64)": 0.001, "based (d 64)": 0.001,
-           "mamba (256 keys, d 64)": (0.0033, 32_000), "hyena (256 keys, d 64)": (0.003, 24_000)},
+           "mamba (256 keys, d 64)": (0.0033, 32_000), "hyena (256 keys, d 64)": (0.003, 50_016)},
 }
 rung = lambda lr, k: float(f"{lr * 3.0 ** k:.2g}")
 CAP_STEPS = {"ar": 50_016, "atr": 100_032}   # the paper's budgets: the last rung of a budget ladder
@@ -455,8 +455,8 @@ budget_of = lambda record: record.get("total_steps") or record["config"].get("st
 def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
     steps with the most seeds (ties: the longer where its first seed's best rate there paid over
-    the shorter budget, from a run within noise of the best there, as the budget ladder climbs:
-    README, difference 18), there at the lr whose first seed is the most accurate (as chosen_lr,
+    a run at that rate at the shorter budget or one between, within noise of the best there, as
+    the budget ladder climbs: README, difference 18), there at the lr whose first seed is the most accurate (as chosen_lr,
     rate_scores; a failed run never wins; ties: the lr with the most seeds, then, as chosen_lr, the
     one nearest the ladder's middle, then the smaller):
     arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr: the first
@@ -474,8 +474,9 @@ def best_by_lr(records, ladder=True):
         tied = [s for s, n in seeds_at.items() if n == max(seeds_at.values())]
         budget, at = tied[0], {(budget_of(r), r["config"]["lr"]): r for r in firsts}
         for s in tied[1:]:    # as the budget ladder climbs: from a rate as good as any there, paid
-            short = at.get((budget, budgets[s]["config"]["lr"]))
-            budget = s if short and within_noise(short, budgets[budget]) and paid(short, budgets[s]) else budget
+            lr = budgets[s]["config"]["lr"]
+            shorts = [(b, at[(b, lr)]) for b in budgets if budget <= b < s and (b, lr) in at]
+            budget = s if any(within_noise(r, budgets[b]) and paid(r, budgets[s]) for b, r in shorts) else budget
         per_lr = {}
         for r in runs:
             if budget_of(r) == budget:

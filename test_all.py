@@ -2598,8 +2598,8 @@ def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
 
 def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder():
     """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at the budget with the most
-    seeds (ties: the longer where seed 0 paid there from a rate as good as any at the shorter, as the
-    ladder climbs), its runs there at seed 0's best rate; the other budget in the steps column; a
+    seeds (ties: the longer where seed 0 paid there from a rate as good as any at the shorter or one
+    between, as the ladder climbs), its runs there at seed 0's best rate; the other budget in the steps column; a
     probe (ladder=False) keeps both rows."""
     learning = {"history": [{"step": s, "acc": 0.1 * s / 8, "loss": 3.0, "train_loss": 6.0 - s / 2}
                             for s in range(9)]}
@@ -2627,6 +2627,9 @@ def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder
     other_rate = [short, seed1, poor, runs[1], runs[2]]         # 16's best rate, 3e-3, paid over it
     assert run_cli.best_by_lr(other_rate)[0]["budget"] == 8        # but the ladder left 3e-3 at 8
     assert run_cli.best_by_lr([short, seed1, runs[1], runs[2]])[0]["budget"] == 8   # or never ran it
+    between = fake_record(tiny(eval_size=10**6, lr=3e-3, seed=0, steps=12), acc=0.5)   # the best at 12
+    between["final"]["loss"] = 3.0
+    assert run_cli.best_by_lr([short, seed1, between, runs[1], runs[2]])[0]["budget"] == 16   # climbed from it
 
 
 def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
