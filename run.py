@@ -128,9 +128,9 @@ CHOSEN = {
     "ar-layers": {"mamba (1 layer, d 64)": (0.0033, 32_000), "attention (1 layer, d 64)": 0.00017,
                   "mamba (2 layers, d 64)": (0.0033, 50_016),
                   "mamba (3 layers, d 64)": (0.01, 32_000)},
-    "atr": {"mamba (d 64)": (0.0033, 16_000), "h3 (d 64)": (0.001, 15_000), "based (d 64)": (0.009, 36_000),
-            "base_conv (d 64)": (0.009, 16_000), "hyena (d 64)": (0.003, 16_000),
-            "gated_deltanet (d 64)": (0.001, 8000)},
+    "atr": {"mamba (d 64)": (0.0033, 16_000), "h3 (d 64)": (0.001, 15_000),
+            "based (d 64)": (0.009, 36_000), "base_conv (d 64)": (0.009, 16_000),
+            "hyena (d 64)": (0.003, 16_000), "gated_deltanet (d 64)": (0.001, 8000)},
     "atr-medium": {"attention (d 64)": 0.00017},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": (0.0011, 16_000),
                        "mamba (default conv, d 64)": (0.0033, 16_000)},
@@ -456,9 +456,9 @@ def best_by_lr(records, ladder=True):
     """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
     steps with the most seeds (ties: the longer where its first seed's best rate there paid over
     a run at that rate at the shorter budget or one between, within noise of the best there, as
-    the budget ladder climbs: README, difference 18), there at the lr whose first seed is the most accurate (as chosen_lr,
-    rate_scores; a failed run never wins; ties: the lr with the most seeds, then, as chosen_lr, the
-    one nearest the ladder's middle, then the smaller):
+    the budget ladder climbs: README, difference 18), there at the lr whose first seed is the most
+    accurate (as chosen_lr, rate_scores; a failed run never wins; ties: the lr with the most seeds,
+    then, as chosen_lr, the one nearest the ladder's middle, then the smaller):
     arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr: the first
     seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
@@ -475,8 +475,9 @@ def best_by_lr(records, ladder=True):
         budget, at = tied[0], {(budget_of(r), r["config"]["lr"]): r for r in firsts}
         for s in tied[1:]:    # as the budget ladder climbs: from a rate as good as any there, paid
             lr = budgets[s]["config"]["lr"]
-            shorts = [(b, at[(b, lr)]) for b in budgets if budget <= b < s and (b, lr) in at]
-            budget = s if any(within_noise(r, budgets[b]) and paid(r, budgets[s]) for b, r in shorts) else budget
+            if any(within_noise(at[b, lr], budgets[b]) and paid(at[b, lr], budgets[s])
+                   for b in budgets if budget <= b < s and (b, lr) in at):
+                budget = s
         per_lr = {}
         for r in runs:
             if budget_of(r) == budget:

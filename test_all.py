@@ -2599,8 +2599,8 @@ def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
 def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder():
     """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at the budget with the most
     seeds (ties: the longer where seed 0 paid there from a rate as good as any at the shorter or one
-    between, as the ladder climbs), its runs there at seed 0's best rate; the other budget in the steps column; a
-    probe (ladder=False) keeps both rows."""
+    between, as the ladder climbs), its runs there at seed 0's best rate; the other budget in the
+    steps column; a probe (ladder=False) keeps both rows."""
     learning = {"history": [{"step": s, "acc": 0.1 * s / 8, "loss": 3.0, "train_loss": 6.0 - s / 2}
                             for s in range(9)]}
     short = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=0, steps=8), acc=0.8, **learning)
@@ -2629,7 +2629,8 @@ def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder
     assert run_cli.best_by_lr([short, seed1, runs[1], runs[2]])[0]["budget"] == 8   # or never ran it
     between = fake_record(tiny(eval_size=10**6, lr=3e-3, seed=0, steps=12), acc=0.5)   # the best at 12
     between["final"]["loss"] = 3.0
-    assert run_cli.best_by_lr([short, seed1, between, runs[1], runs[2]])[0]["budget"] == 16   # climbed from it
+    climbed = [short, seed1, between, runs[1], runs[2]]         # 3e-3 paid at 16 over its run at 12
+    assert run_cli.best_by_lr(climbed)[0]["budget"] == 16
 
 
 def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
