@@ -452,32 +452,29 @@ def finish(record, model, out, patch, save):
 budget_of = lambda record: record.get("total_steps") or record["config"].get("steps") or 0   # its steps
 
 
-def best_by_lr(records, ladder=True):
-    """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its budget, the
-    steps with the most seeds (ties: the longer where its first seed's best rate there paid over
-    a run at that rate at the shorter budget or one between, within noise of the best there, as
-    the budget ladder climbs: README, difference 18), there at the lr whose first seed is the most
-    accurate (as chosen_lr, rate_scores; a failed run never wins; ties: the lr with the most seeds,
-    then, as chosen_lr, the one nearest the ladder's middle, then the smaller):
+def best_by_lr(records, ladder=True, choices=None):
+    """A row per cell (runs differing only in lr, seed and, with `ladder`, steps) at its chosen
+    (rate, budget) in `choices` ({cell_key with steps None: (lr, steps)}, ladder_choices) where
+    the records hold it; else at the steps with the most seeds (ties: the shorter), there at the
+    lr whose first seed is the most accurate (as chosen_lr, rate_scores; a failed run never wins;
+    ties: the lr with the most seeds, then, as chosen_lr, the one nearest the ladder's middle, then
+    the smaller):
     arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr: the first
     seed's record}), budgets ({steps: the first seed's best record})."""
     groups, configs = {}, [config_of(r) for r in records]
     for r in latest(records):
         groups.setdefault(cell_key({**r["config"], "steps": None} if ladder else r["config"]), []).append(r)
     rows = []
-    for runs in groups.values():
+    for key, runs in groups.items():
         seed = min(r["config"]["seed"] for r in runs)
         firsts = [r for r in runs if r["config"]["seed"] == seed]
         budgets = {s: max((r for r in firsts if budget_of(r) == s), key=run_score)
                    for s in sorted(set(map(budget_of, firsts)))}
         seeds_at = {s: len({r["config"]["seed"] for r in runs if budget_of(r) == s}) for s in budgets}
-        tied = [s for s, n in seeds_at.items() if n == max(seeds_at.values())]
-        budget, at = tied[0], {(budget_of(r), r["config"]["lr"]): r for r in firsts}
-        for s in tied[1:]:    # as the budget ladder climbs: from a rate as good as any there, paid
-            lr = budgets[s]["config"]["lr"]
-            if any(within_noise(at[b, lr], budgets[b]) and paid(at[b, lr], budgets[s])
-                   for b in budgets if budget <= b < s and (b, lr) in at):
-                budget = s
+        choice = (choices or {}).get(key)
+        if choice not in {(r["config"]["lr"], budget_of(r)) for r in runs}:     # not trained there
+            choice = None
+        budget = choice[1] if choice else min(s for s, n in seeds_at.items() if n == max(seeds_at.values()))
         per_lr = {}
         for r in runs:
             if budget_of(r) == budget:
@@ -487,8 +484,8 @@ def best_by_lr(records, ladder=True):
         scores = rate_scores(first, second)[0] if first else {}
         mid = statistics.mean(math.log(lr) for lr in per_lr)    # as chosen_lr: nearest the grid's
         near = lambda lr: -round(abs(math.log(lr) - mid) / math.log(3), 1)
-        best_lr = max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)),
-                                              len(per_lr[lr]), near(lr), -lr))
+        best_lr = choice[0] if choice else max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)),
+                                                                       len(per_lr[lr]), near(lr), -lr))
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
@@ -497,6 +494,18 @@ def best_by_lr(records, ladder=True):
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
 
+def ladder_choices(name, records):
+    """{cell_key with steps None: (rate, steps)}: what the ladders (cell_choice) chose from `records`
+    for each cell of experiment `name`'s quick grid (the grid's own where they chose nothing); {} for
+    a probe."""
+    done, choices = by_run(records), {}
+    for base in [] if EXPERIMENTS[name].probe else experiment_configs(name, seeds=[0], chosen_lrs=False):
+        choice = cell_choice(base, done)[0] or (base.lr, base.steps)
+        choices[cell_key({**asdict(base.resolved()), "steps": None})] = choice
+    return choices
+
+
+rows_of = lambda name, records: best_by_lr(records, not EXPERIMENTS[name].probe, ladder_choices(name, records))
 fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
 fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
 fmt_rung = lambda r: fmt_pct(r["final"].get("acc")) if r["status"] == "ok" else r["status"]   # seed 0 at a rate
@@ -1250,7 +1259,7 @@ FIGURES_HINT = "figures: pip install matplotlib to draw them (everything else wo
 def render(name, preset, records, folder=None):
     """(rows, markdown text) of an experiment's records: the table, the timeline, the provenance."""
     exp, records = EXPERIMENTS[name], latest(records)       # a run landed again (a circuit added): once
-    rows = best_by_lr(records, not exp.probe)
+    rows = rows_of(name, records)
     if not rows:
         raise ValueError(f"{name}: no run finished; nothing to report")
     made = {json.dumps(m, sort_keys=True): m for r in records if (m := r.get("provenance"))}
@@ -1799,7 +1808,7 @@ def spent_line(records):
 def experiment_tables(records):
     """Every experiment's short table under its name and claim, then the probes, linked."""
     parts = [f"### [{name}](./{name}.md): {exp.finding} ({exp.section})\n\n"
-             + short_table(best_by_lr(records[name]), name)
+             + short_table(rows_of(name, records[name]), name)
              for name, exp in EXPERIMENTS.items() if not exp.probe and records[name]]
     probes = [f"[{n}](./{n}.md) ({e.finding})" for n, e in EXPERIMENTS.items() if e.probe]
     return "\n\n".join(parts + [f"The probes that chose the quick grids: {'; '.join(probes)}."])
@@ -1809,7 +1818,7 @@ def with_blocks(text, folder):
     """`text` (a README) with each block it holds rendered anew from `folder`'s records: `ar`'s
     short table, every experiment's, the runs' cost, `python run.py`'s, the circuits, Mamba's conv."""
     records = folder_records(folder, warn=False)
-    blocks = {"ar": lambda: short_table(best_by_lr(records["ar"]), "ar"),
+    blocks = {"ar": lambda: short_table(rows_of("ar", records["ar"]), "ar"),
               "experiments": lambda: experiment_tables(records),
               "runs": lambda: spent_line(records), "first": lambda: run_py_line(folder),
               "circuits": lambda: circuit_table(records), "conv": lambda: conv_table(records)}
@@ -1828,7 +1837,7 @@ def circuit_table(records):
               "circuit (the median-accuracy seed's)": circuit_words(found[0], restored=False),
               "seeds sharing it / with a circuit": f"{found[1]}/{found[2]}",
               "restored": fmt_pct(found[0].get("restored"))}
-             for name, runs in records.items() for row in best_by_lr(runs)
+             for name, runs in records.items() for row in rows_of(name, runs)
              if (found := row_circuit(row))]
     return markdown(sorted(cells, key=lambda c: arch_rank(c["architecture"]))) if cells else \
         "No record here carries a circuit yet (a patched run made from this commit on does)."
@@ -1893,7 +1902,7 @@ def redraw_figures(folder):
         return
     found = {name: records for name, records in folder_records(folder).items() if records}
     for name, records in found.items():
-        draw_figures(best_by_lr(records, not EXPERIMENTS[name].probe), name, folder)
+        draw_figures(rows_of(name, records), name, folder)
     print(f"figures of {len(found)} experiment{'s' * (len(found) != 1)} written to {folder}/")
 
 

@@ -2596,11 +2596,10 @@ def test_a_cells_rate_is_seed_0s_best_over_the_rungs_one_step_past_a_best_end():
     assert rows[0]["best_lr"] == 3e-3                                   # the report decides as the ladder
 
 
-def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder():
-    """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at the budget with the most
-    seeds (ties: the longer where seed 0 paid there from a rate as good as any at the shorter or one
-    between, as the ladder climbs), its runs there at seed 0's best rate; the other budget in the
-    steps column; a probe (ladder=False) keeps both rows."""
+def test_a_cells_row_sits_at_its_ladders_choice_else_the_budget_with_the_most_seeds_and_shows_the_ladder():
+    """best_by_lr: a cell whose seed 0 trained 8 then 16 steps is one row at its ladder's choice where
+    given and trained; else at the budget with the most seeds (ties: the shorter), its runs there at
+    seed 0's best rate; the other budget in the steps column; a probe (ladder=False) keeps both rows."""
     learning = {"history": [{"step": s, "acc": 0.1 * s / 8, "loss": 3.0, "train_loss": 6.0 - s / 2}
                             for s in range(9)]}
     short = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=0, steps=8), acc=0.8, **learning)
@@ -2611,26 +2610,17 @@ def test_a_cells_row_sits_at_the_budget_with_the_most_seeds_and_shows_the_ladder
     assert row["best_lr"] == 3e-3 and [r["config"]["seed"] for r in row["runs"]] == [0, 1]
     assert list(row["budgets"]) == [8, 16] and row["budgets"][16] is runs[1] and "steps" not in row["label"]
     assert markdown_rows(run_cli.result_table([row]))[0]["steps"] == "8: 80.0%, still learning · **16**: 60.0%"
-    row, = run_cli.best_by_lr([short, fake_record(tiny(eval_size=10**6, lr=1e-3, seed=1, steps=8)), runs[0]])
+    seed1 = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=1, steps=8))
+    row, = run_cli.best_by_lr([short, seed1, runs[0]])
     assert row["budget"] == 8 and len(row["runs"]) == 2          # 2 seeds at 8 steps, 1 at 16
     assert len(run_cli.best_by_lr([short, *runs], ladder=False)) == 2
-    seed1 = fake_record(tiny(eval_size=10**6, lr=1e-3, seed=1, steps=8))
-    for r in runs:                                 # 2 seeds at each budget: 16 lost accuracy, its loss fell 0%
-        r["final"]["loss"] = 3.0
-    same_rate = [short, seed1, runs[0], runs[3]]                # 1e-3 at both budgets
-    assert run_cli.best_by_lr(same_rate)[0]["budget"] == 8
-    for r in runs:                                 # its loss fell a third: 16 paid, as the ladder climbs
-        r["final"]["loss"] = 2.0
-    assert run_cli.best_by_lr(same_rate)[0]["budget"] == 16
-    poor = fake_record(tiny(eval_size=10**6, lr=3e-3, seed=0, steps=8), acc=0.1)   # 3e-3 lost at 8
-    poor["final"]["loss"] = 3.0
-    other_rate = [short, seed1, poor, runs[1], runs[2]]         # 16's best rate, 3e-3, paid over it
-    assert run_cli.best_by_lr(other_rate)[0]["budget"] == 8        # but the ladder left 3e-3 at 8
-    assert run_cli.best_by_lr([short, seed1, runs[1], runs[2]])[0]["budget"] == 8   # or never ran it
-    between = fake_record(tiny(eval_size=10**6, lr=3e-3, seed=0, steps=12), acc=0.5)   # the best at 12
-    between["final"]["loss"] = 3.0
-    climbed = [short, seed1, between, runs[1], runs[2]]         # 3e-3 paid at 16 over its run at 12
-    assert run_cli.best_by_lr(climbed)[0]["budget"] == 16
+    assert run_cli.best_by_lr([short, seed1, runs[0], runs[3]])[0]["budget"] == 8   # 2 seeds each: the shorter
+    cell = run_cli.cell_key({**short["config"], "steps": None})
+    row, = run_cli.best_by_lr([short, seed1, *runs], choices={cell: (1e-3, 16)})      # the ladder's choice
+    assert (row["best_lr"], row["budget"], row["runs"]) == (1e-3, 16, [runs[0], runs[3]])
+    row, = run_cli.best_by_lr([short, seed1, runs[0]], choices={cell: (1e-3, 16)})    # 1 seed there, 2 at 8
+    assert (row["budget"], row["runs"]) == (16, [runs[0]])
+    assert run_cli.best_by_lr([short, seed1, runs[0]], choices={cell: (9e-3, 16)})[0]["budget"] == 8   # untrained
 
 
 def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
@@ -2697,24 +2687,22 @@ LR_CHOICE = ("ar-widths", "mamba-conv", "based-ablation", "ar-layers", "atr", "a
 
 def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose():
     """Every cell of the grids that choose: the catalogue's (rate, steps) is cell_choice of its seed-0
-    records in results/ (the grid's while undecided), and its table row, once the cell is decided and
-    its seeds have trained there, reports that rate's seeds at that budget."""
+    records in results/ (the grid's while undecided), and its table row reports that rate's seeds at
+    that budget (every seed trained there, the cell decided or not)."""
     cell = lambda c: run_cli.run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
     for name in LR_CHOICE:
         records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
         done = {run_cli.run_key(r["config"]): r for r in records}
-        rows = {cell(row["best"]["config"]): row for row in run_cli.best_by_lr(records)}
+        rows = {cell(row["best"]["config"]): row for row in run_cli.rows_of(name, records)}
         grid = run_cli.experiment_configs(name, seeds=[0], chosen_lrs=False)
         for base, cfg in zip(grid, run_cli.experiment_configs(name, seeds=[0])):
-            choice, untried = run_cli.cell_choice(base, done)
-            choice = choice or (base.lr, base.steps)
+            choice = run_cli.cell_choice(base, done)[0] or (base.lr, base.steps)
             assert (cfg.lr, cfg.steps) == choice, (name, base.name())
             row = rows.get(cell(asdict(cfg.resolved())))
             there = [r for r in records if cell(r["config"]) == cell(asdict(cfg.resolved()))
                      and (r["config"]["lr"], r["config"]["steps"]) == choice]
-            seeds = run_cli.EXPERIMENTS[name].quick["seeds"]
-            if not untried and len(there) >= len(seeds.get(base.arch, seeds["*"])):   # decided, seeds there
-                assert (row["best_lr"], row["budget"]) == choice, (name, base.name())
+            assert there and (row["best_lr"], row["budget"]) == choice, (name, base.name())
+            assert sorted(r["config"]["seed"] for r in row["runs"]) == sorted(r["config"]["seed"] for r in there)
 
 
 def choices_of(folder):
@@ -3685,7 +3673,7 @@ def test_a_rows_counts_of_diagnoses_verdicts_and_leanings_equal_its_records():
     own; the issue's cases."""
     folder, tally = os.path.join(HERE, "results"), lambda c, n, pre="": {f"{pre}{k} {v}/{n}" for k, v in c.items()}
     for name, experiment in run_cli.EXPERIMENTS.items():
-        rows = run_cli.best_by_lr(run_cli.read_results(os.path.join(folder, f"{name}.jsonl")), not experiment.probe)
+        rows = run_cli.rows_of(name, run_cli.read_results(os.path.join(folder, f"{name}.jsonl")))
         for row, cells in zip(rows, markdown_rows(open(os.path.join(folder, f"{name}.md")).read(), 1), strict=True):
             runs, n = row["runs"], len(row["runs"])
             diagnoses = collections.Counter(run_cli.diagnose(r) for r in runs)
@@ -3761,7 +3749,7 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     records (the reruns' own numbers are measurements, not records): edit one and this fails."""
     readme = " ".join(readmes().split())
     recs = lambda name: run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
-    rows = lambda name: {row["label"]: row for row in run_cli.best_by_lr(recs(name), not run_cli.EXPERIMENTS[name].probe)}
+    rows = lambda name: {row["label"]: row for row in run_cli.rows_of(name, recs(name))}
     at = lambda name, arch, lr, **cfg: [r for r in recs(name) if all(
         r["config"][k] == v for k, v in dict(arch=arch, lr=lr, **cfg).items())]
     head = lambda runs, k: [r["mechanism_table"]["headline"][k] for r in runs]
@@ -3797,7 +3785,7 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
                 f"{medium['attention']['budget']:,} steps)", f"{rate(medium['attention']['best_lr'])} by the "
                 f"mean of the two ({', '.join(map(pct, accs(attention)))}: {run_cli.tally(verdicts(attention), 2)})",
                 "at the grid's 5e-4 all 3 seeds are under the filter, their gaps within the noise floor"]
-    widths = {(row["arch"], row["d_model"]): row for row in run_cli.best_by_lr(recs("ar-widths"))}
+    widths = {(row["arch"], row["d_model"]): row for row in run_cli.rows_of("ar-widths", recs("ar-widths"))}
     assert {run_cli.diagnose(r) for r in at("ar-widths", "attention", 5e-4, d_model=128)} == {"memorised"}
     att, mam = widths["attention", 128], widths["mamba", 128]
     phrases += [f"chose {rate(att['best_lr'])}: induction {verdicts(att['runs'])['induction']}/3, "
@@ -4241,7 +4229,7 @@ def test_the_short_table_is_what_run_py_prints_and_the_readme_and_ar_md_open_wit
     no cell over 45 characters, the rate of every row stated."""
     folder = os.path.join(HERE, "results")
     records = run_cli.read_results(os.path.join(folder, "ar.jsonl"))
-    table = run_cli.short_table(run_cli.best_by_lr(run_cli.latest(records)), "ar")
+    table = run_cli.short_table(run_cli.rows_of("ar", run_cli.latest(records)), "ar")
     shutil.copy(os.path.join(folder, "ar.jsonl"), tmp_path)
     monkeypatch.setattr(run_cli, "draw_figures", lambda rows, name, out: {})     # the figures: elsewhere
     run_cli.report_grid("ar", "quick", [], str(tmp_path))
@@ -4251,7 +4239,7 @@ def test_the_short_table_is_what_run_py_prints_and_the_readme_and_ar_md_open_wit
     first = [line for line in open(os.path.join(folder, "ar.md")).read().split("\n\n") if line.startswith("|")][0]
     assert table in printed and block == table and first == table
     rows = markdown_rows(table)
-    assert list(rows[0])[-1] == "holds?" and len(rows) == len(run_cli.best_by_lr(run_cli.latest(records)))
+    assert list(rows[0])[-1] == "holds?" and len(rows) == len(run_cli.rows_of("ar", run_cli.latest(records)))
     assert max(len(cell) for row in rows for cell in [*row, *row.values()]) <= 45
     assert all(float(row["lr"]) > 0 for row in rows)
 
