@@ -460,7 +460,8 @@ def best_by_lr(records, ladder=True, choices=None):
     ties: the lr with the most seeds, then, as chosen_lr, the one nearest the ladder's middle, then
     the smaller):
     arch, d_model, best_lr, runs (best_lr's seeds), best (of them), label, first ({lr: the first
-    seed's record}), budgets ({steps: the first seed's best record})."""
+    seed's record}), budgets ({steps: the first seed's best record}), ladder ({steps: the first
+    seed's record at best_lr})."""
     groups, configs = {}, [config_of(r) for r in records]
     for r in latest(records):
         groups.setdefault(cell_key({**r["config"], "steps": None} if ladder else r["config"]), []).append(r)
@@ -490,6 +491,7 @@ def best_by_lr(records, ladder=True, choices=None):
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
                      "budget": budget, "budgets": budgets, "records": sum(map(len, per_lr.values())),
+                     "ladder": {budget_of(r): r for r in firsts if r["config"]["lr"] == best_lr},
                      "label": row_label(config_of(best), configs, ladder)})
     return sorted(rows, key=lambda r: (arch_rank(r["arch"]), r["arch"], r["d_model"]))
 
@@ -762,18 +764,19 @@ def cell_choice(cfg, done):
 
 
 def climb(row):
-    """What a cell's budget ladder found, from seed 0's best record at each budget it trained
-    (best_by_lr's row["budgets"]) and the row's budget N: "at 98% or more by N", "memorised at N",
-    "never left the start at N", "converged at N" (no longer run gained: paid), "not converged at
-    the cap", "not converged at N" (cut off while a doubling still paid), or None (one budget)."""
-    budgets, n = row.get("budgets") or {}, row.get("budget")
-    if len(budgets) < 2 or n not in budgets:
+    """What a cell's budget ladder found, from seed 0 at the row's rate at each budget it trained
+    there (best_by_lr's row["ladder"]; row["budgets"]: the budgets seed 0 trained at any rate) and
+    the row's budget N: "at 98% or more by N", "memorised at N", "never left the start at N",
+    "converged at N" (no longer run at that rate gained: paid), "not converged at the cap", "not
+    converged at N" (cut off while a doubling still paid, or none ran), or None (one budget)."""
+    ladder, n = row.get("ladder") or {}, row.get("budget")
+    if len(row.get("budgets") or ()) < 2 or n not in ladder:
         return None
-    if run_score(budgets[n]) >= (True, 0.98):
+    if run_score(ladder[n]) >= (True, 0.98):
         return f"at 98% or more by {n:,}"
-    if (found := diagnose(budgets[n])) in ("memorised", "never left the start"):   # no longer run mends it
+    if (found := diagnose(ladder[n])) in ("memorised", "never left the start"):   # no longer run mends it
         return f"{found} at {n:,}"
-    if any(s > n for s in budgets) and not any(paid(budgets[n], budgets[s]) for s in budgets if s > n):
+    if any(s > n for s in ladder) and not any(paid(ladder[n], ladder[s]) for s in ladder if s > n):
         return f"converged at {n:,}"
     return "not converged at the cap" if n >= CAP_STEPS[row["best"]["config"]["task"]] else \
         f"not converged at {n:,}"

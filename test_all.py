@@ -2659,11 +2659,13 @@ def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_wh
     assert run_cli.cell_choice(atr, {}) == (None, [(3.3e-4, 100, 0), (1e-3, 100, 0), (3e-3, 100, 0)])
     assert run_cli.CAP_STEPS == {"ar": 50_016, "atr": 100_032}
     budgets = lambda *accs: {s: add(1e-3, s, a, task="atr") for s, a in zip((100, 200, 400), accs)}
-    row = lambda b, at: {"budgets": b, "budget": at, "best": b[at]}
+    row = lambda b, at: {"budgets": b, "ladder": b, "budget": at, "best": b[at]}
     assert run_cli.climb(row(budgets(0.5, 0.6, 0.605), 200)) == "converged at 200"
     assert run_cli.climb(row(budgets(0.5, 0.6, 0.7), 400)) == "not converged at 400"
     assert run_cli.climb(row(budgets(0.5, 0.99, 0.99), 200)) == "at 98% or more by 200"
     assert run_cli.climb(row({100: add(1e-3, 100, 0.5)}, 100)) is None     # one budget: no ladder read
+    steady, other = budgets(0.5, 0.6, 0.605), add(3e-3, 400, 0.9, task="atr")   # another rate paid at 400
+    assert run_cli.climb({**row(steady, 200), "budgets": {**steady, 400: other}}) == "converged at 200"
     memorised = budgets(0.5, 0.6, 0.7)
     memorised[400] = {**diag_record(train=(10.0, 1.0), loss=(6.0, 5.9, 6.0), acc=(0.1, 0.125)),
                       "config": memorised[400]["config"]}
