@@ -485,8 +485,8 @@ def best_by_lr(records, ladder=True, choices=None):
         scores = rate_scores(first, second)[0] if first else {}
         mid = statistics.mean(math.log(lr) for lr in per_lr)    # as chosen_lr: nearest the grid's
         near = lambda lr: -round(abs(math.log(lr) - mid) / math.log(3), 1)
-        best_lr = choice[0] if choice else max(per_lr, key=lambda lr: (scores.get(lr, (False, False, -1.0)),
-                                                                       len(per_lr[lr]), near(lr), -lr))
+        rank = lambda lr: (scores.get(lr, (False, False, -1.0)), len(per_lr[lr]), near(lr), -lr)
+        best_lr = choice[0] if choice else max(per_lr, key=rank)
         best = max(per_lr[best_lr], key=lambda r: (run_score(r), -r["config"]["seed"]))
         rows.append({"arch": best["config"]["arch"], "d_model": best["config"]["d_model"],
                      "best_lr": best_lr, "runs": per_lr[best_lr], "best": best, "first": first,
@@ -507,7 +507,8 @@ def ladder_choices(name, records):
     return choices
 
 
-rows_of = lambda name, records: best_by_lr(records, not EXPERIMENTS[name].probe, ladder_choices(name, records))
+rows_of = lambda name, records: best_by_lr(records, not EXPERIMENTS[name].probe,   # the report's rows
+                                           ladder_choices(name, records))
 fmt_pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"
 fmt_num = lambda x: "-" if x is None else f"{x:.2f}"
 fmt_rung = lambda r: fmt_pct(r["final"].get("acc")) if r["status"] == "ok" else r["status"]   # seed 0 at a rate

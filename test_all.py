@@ -2614,13 +2614,14 @@ def test_a_cells_row_sits_at_its_ladders_choice_else_the_budget_with_the_most_se
     row, = run_cli.best_by_lr([short, seed1, runs[0]])
     assert row["budget"] == 8 and len(row["runs"]) == 2          # 2 seeds at 8 steps, 1 at 16
     assert len(run_cli.best_by_lr([short, *runs], ladder=False)) == 2
-    assert run_cli.best_by_lr([short, seed1, runs[0], runs[3]])[0]["budget"] == 8   # 2 seeds each: the shorter
+    assert run_cli.best_by_lr([short, seed1, runs[0], runs[3]])[0]["budget"] == 8     # 2 seeds each: the shorter
     cell = run_cli.cell_key({**short["config"], "steps": None})
     row, = run_cli.best_by_lr([short, seed1, *runs], choices={cell: (1e-3, 16)})      # the ladder's choice
     assert (row["best_lr"], row["budget"], row["runs"]) == (1e-3, 16, [runs[0], runs[3]])
     row, = run_cli.best_by_lr([short, seed1, runs[0]], choices={cell: (1e-3, 16)})    # 1 seed there, 2 at 8
     assert (row["budget"], row["runs"]) == (16, [runs[0]])
-    assert run_cli.best_by_lr([short, seed1, runs[0]], choices={cell: (9e-3, 16)})[0]["budget"] == 8   # untrained
+    untrained = {cell: (9e-3, 16)}                                # a choice the records do not hold
+    assert run_cli.best_by_lr([short, seed1, runs[0]], choices=untrained)[0]["budget"] == 8
 
 
 def test_a_cells_budget_doubles_while_it_pays_then_its_rate_ladder_runs_again_where_it_grew_4x():
@@ -2691,7 +2692,7 @@ def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose
     """Every cell of the grids that choose: the catalogue's (rate, steps) is cell_choice of its seed-0
     records in results/ (the grid's while undecided), and its table row reports that rate's seeds at
     that budget (every seed trained there, the cell decided or not)."""
-    cell = lambda c: run_cli.run_key({k: v for k, v in c.items() if k not in ("lr", "seed")})
+    cell = run_cli.cell_key
     for name in LR_CHOICE:
         records = run_cli.latest(run_cli.read_results(os.path.join(HERE, "results", f"{name}.jsonl")))
         done = {run_cli.run_key(r["config"]): r for r in records}
@@ -2704,7 +2705,8 @@ def test_the_catalogue_trains_each_cell_at_the_rate_its_committed_records_choose
             there = [r for r in records if cell(r["config"]) == cell(asdict(cfg.resolved()))
                      and (r["config"]["lr"], r["config"]["steps"]) == choice]
             assert there and (row["best_lr"], row["budget"]) == choice, (name, base.name())
-            assert sorted(r["config"]["seed"] for r in row["runs"]) == sorted(r["config"]["seed"] for r in there)
+            seeds = lambda runs: sorted(r["config"]["seed"] for r in runs)
+            assert seeds(row["runs"]) == seeds(there), (name, base.name())
 
 
 def choices_of(folder):
