@@ -131,7 +131,7 @@ CHOSEN = {
     "atr": {"mamba (d 64)": (0.0033, 16_000), "h3 (d 64)": (0.001, 15_000),
             "based (d 64)": (0.009, 36_000), "base_conv (d 64)": (0.009, 16_000),
             "hyena (d 64)": (0.003, 16_000), "gated_deltanet (d 64)": (0.001, 8000)},
-    "atr-medium": {"attention (d 64)": 0.00017, "mamba (d 64)": (0.01, 8000)},
+    "atr-medium": {"attention (d 64)": (0.00017, 100_032), "mamba (d 64)": (0.01, 16_000)},
     "atr-mamba-conv": {"mamba (d_conv 0, d 64)": (0.0011, 16_000),
                        "mamba (default conv, d 64)": (0.0033, 16_000)},
     "ar": {"mamba (d 64)": (0.0033, 50_016), "gated_deltanet (d 64)": 0.00033,
