@@ -3780,20 +3780,23 @@ def test_the_readmes_sentences_that_carry_numbers_say_what_the_records_hold():
     paper = run_cli.EXPERIMENTS["atr"].paper_numbers
     assert "K .55 V .03 Q .29" in paper["mamba"] and "K .44 V .02 Q .52: direct retrieval" in paper["h3"]
     med_att, med_mam = medium["attention"], medium["mamba"]
-    quick = [r for r in recs("atr-medium")
-             if r["config"]["arch"] == "attention" and r["config"]["steps"] == 30_000]    # the grid's steps
+    grid_steps = lambda arch: run_cli.experiment_configs("atr-medium", archs=[arch], seeds=[0],
+                                                         chosen_lrs=False)[0].steps     # its quick budget
+    steps = grid_steps("attention")
+    quick = [r for r in recs("atr-medium") if r["config"]["arch"] == "attention" and r["config"]["steps"] == steps]
     first = {r["config"]["lr"]: r for r in quick if r["config"]["seed"] == 0}
     tie = sorted((r for r in quick if r["config"]["lr"] == med_att["best_lr"]),
                  key=lambda r: r["config"]["seed"])
     top = max(first.values(), key=run_cli.run_score)
     assert all(run_cli.within_noise(r, top) for r in first.values()) and len(tie) == 2   # seeds 0, 1
-    grid = at("atr-medium", "attention", 5e-4, steps=30_000)
+    grid = at("atr-medium", "attention", 5e-4, steps=steps)
+    assert med_mam["budget"] == 4 * grid_steps("mamba")
     assert verdicts(grid) == {"no signal": 3} and {run_cli.lean(r) for r in grid} == {None}
     ahead = "beats" if statistics.median(accs(med_mam["runs"])) > statistics.median(accs(med_att["runs"])) \
         else "trails"
     phrases += [f"Mamba's median {ahead} attention's ({median(med_mam['runs'])} against {median(med_att['runs'])})",
                 f"Mamba {run_cli.climb(med_mam)} steps (4x its quick budget), {acc(med_mam)}",
-                f"on seed 0 ({pct_span(accs(first.values()))} at {len(first)} rates, 30,000 steps)",
+                f"on seed 0 ({pct_span(accs(first.values()))} at {len(first)} rates, {steps:,} steps)",
                 f"{rate(med_att['best_lr'])} by the mean of the two ({', '.join(map(pct, accs(tie)))}: "
                 f"{run_cli.tally(verdicts(tie), 2)})", "its budget ladder then climbed to the cap (seed 0: "
                 + ", ".join(f"{s:,} {run_cli.fmt_rung(r)}" for s, r in med_att["ladder"].items()) + "), "
